@@ -1,0 +1,225 @@
+"""Traced communication: every collective and point-to-point op mini3d issues goes through here.
+
+Each call records an `Event` (rank, axis, op, per-axis sequence number, shape, dtype, bytes, start and
+end time) in a bounded per-process ring buffer (`CommLog`), and adds to per-axis byte counters. The log
+feeds three things: the hang watchdog and `explain-hang` (which op, on which group, is pending), the
+measured communication volume per axis, and measured timelines.
+
+Two byte counts are kept per event:
+
+* `bytes`: the payload, i.e. the size of the (full) tensor the op is about;
+* `wire_bytes`: what one rank sends under the bandwidth-optimal ring algorithm, for a group of n:
+  all-reduce 2 (n-1)/n * bytes (a reduce-scatter then an all-gather), all-gather and reduce-scatter
+  (n-1)/n * bytes of the full tensor, broadcast bytes (pipelined), send = bytes, recv = 0.
+
+Ops on a one-member group return at once and record nothing: there is nothing to communicate.
+The wrappers are thin on purpose; the cost is one small object and two clock reads per op.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.10 renamed the *_into_tensor / *_tensor collectives; use whichever this torch has.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+           "avg": None}
+
+
+@dataclass(slots=True)
+class Event:
+    rank: int  # world rank that issued the op
+    axis: str  # tp, pp, dp, mp, embedding or world
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier
+    seq: int  # per (axis, op-kind) sequence number on this rank: equal across a group's members
+    group: tuple  # world ranks of the group
+    shape: tuple
+    dtype: str
+    bytes: int  # payload bytes (full tensor)
+    wire_bytes: int  # ring-algorithm bytes this rank sends
+    start: float  # time.perf_counter() at issue
+    end: float | None = None  # completion (None while pending)
+    peer: int | None = None  # p2p partner (world rank)
+    context: dict = field(default_factory=dict)  # e.g. {"step": 3, "action": "F1", "mb": 2}
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class CommLog:
+    """Per-process, bounded record of communication, with per-axis counters."""
+
+    def __init__(self, rank: int = 0, capacity: int = 4096):
+        self.rank = rank
+        self.events: collections.deque[Event] = collections.deque(maxlen=capacity)
+        self.bytes_by_axis: collections.Counter = collections.Counter()
+        self.wire_bytes_by_axis: collections.Counter = collections.Counter()
+        self.count_by_axis_op: collections.Counter = collections.Counter()
+        self._seq: collections.Counter = collections.Counter()
+        self.pending: dict[int, Event] = {}
+        self._ids = itertools.count()
+        self.context: dict = {}  # set by the trainer / pipeline runtime (step, action, micro-batch)
+        self.lock = threading.Lock()  # the watchdog thread reads `pending`
+        self.fault = None  # optional callable(event, tensor) -> tensor, for fault injection
+
+    def reset_counters(self):
+        self.bytes_by_axis.clear()
+        self.wire_bytes_by_axis.clear()
+        self.count_by_axis_op.clear()
+
+    def begin(self, axis, op: str, tensor: torch.Tensor, nbytes: int, wire: int,
+              peer: int | None = None, seq_key: str | None = None) -> tuple[int, Event]:
+        key = (axis.name, seq_key or op)
+        self._seq[key] += 1
+        ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
+                   str(tensor.dtype).replace("torch.", ""), nbytes, wire, time.perf_counter(),
+                   peer=peer, context=dict(self.context))
+        self.bytes_by_axis[axis.name] += nbytes
+        self.wire_bytes_by_axis[axis.name] += wire
+        self.count_by_axis_op[(axis.name, op)] += 1
+        eid = next(self._ids)
+        with self.lock:
+            self.pending[eid] = ev
+            self.events.append(ev)
+        return eid, ev
+
+    def end(self, eid: int, ev: Event):
+        ev.end = time.perf_counter()
+        with self.lock:
+            self.pending.pop(eid, None)
+
+    def count(self, axis: str, op: str) -> int:
+        return self.count_by_axis_op[(axis, op)]
+
+    def snapshot(self) -> list[dict]:
+        with self.lock:
+            return [e.as_dict() for e in self.events]
+
+
+class TracedWork:
+    """Wraps an async `Work`; `wait()` completes the event."""
+
+    def __init__(self, work, log: CommLog, eid: int, ev: Event, after=None):
+        self.work, self.log, self.eid, self.ev, self.after = work, log, eid, ev, after
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.after is not None:
+                self.after()
+            self.log.end(self.eid, self.ev)
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class _Done:
+    def wait(self):
+        pass
+
+    def is_completed(self):
+        return True
+
+
+DONE = _Done()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, after=None):
+    log = axis.log
+    eid, ev = log.begin(axis, op, tensor, nbytes, wire, peer, seq_key)
+    if log.fault is not None:
+        tensor = log.fault(ev, tensor)
+    work = fn(tensor)
+    if async_op:
+        return TracedWork(work, log, eid, ev, after)
+    if work is not None and hasattr(work, "wait"):  # dist.recv returns the sender's rank
+        work.wait()
+    if after is not None:
+        after()
+    log.end(eid, ev)
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, axis, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce over the axis' group. `op="avg"` divides the sum by the group size."""
+    n = axis.size
+    if n == 1:
+        return DONE if async_op else None
+    b = _nbytes(tensor)
+    after = (lambda: tensor.div_(n)) if op == "avg" else None
+    rop = _REDUCE["sum"] if op == "avg" else _REDUCE[op]
+    return _run(axis, "all_reduce", tensor, b, 2 * (n - 1) * b // n,
+                lambda t: dist.all_reduce(t, op=rop, group=axis.group, async_op=async_op),
+                async_op, after=after)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, axis, async_op: bool = False):
+    """Gather equal shards along dim 0: output = cat([input of each member, by axis index])."""
+    n = axis.size
+    if n == 1:
+        output.copy_(input)
+        return DONE if async_op else None
+    b = _nbytes(output)
+    return _run(axis, "all_gather", output, b, (n - 1) * b // n,
+                lambda t: _all_gather(t, input, group=axis.group, async_op=async_op),
+                async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis, op: str = "sum",
+                   async_op: bool = False):
+    """Sum `input` over the group and keep this member's dim-0 shard in `output`."""
+    n = axis.size
+    if n == 1:
+        output.copy_(input)
+        return DONE if async_op else None
+    b = _nbytes(input)
+    after = (lambda: output.div_(n)) if op == "avg" else None
+    return _run(axis, "reduce_scatter", input, b, (n - 1) * b // n,
+                lambda t: _reduce_scatter(output, t, op=_REDUCE["sum"], group=axis.group,
+                                                     async_op=async_op),
+                async_op, after=after)
+
+
+def broadcast(tensor: torch.Tensor, axis, src_index: int = 0, async_op: bool = False):
+    """Broadcast from the member at `src_index` along the axis."""
+    if axis.size == 1:
+        return DONE if async_op else None
+    b = _nbytes(tensor)
+    return _run(axis, "broadcast", tensor, b, b if axis.index == src_index else 0,
+                lambda t: dist.broadcast(t, axis.ranks[src_index], group=axis.group,
+                                         async_op=async_op), async_op)
+
+
+def send(tensor: torch.Tensor, axis, peer: int, async_op: bool = False):
+    """Point-to-point send to world rank `peer` (a member of the axis' group)."""
+    b = _nbytes(tensor)
+    fn = (lambda t: dist.isend(t, peer)) if async_op else (lambda t: dist.send(t, peer))
+    return _run(axis, "send", tensor, b, b, fn, async_op, peer=peer, seq_key=f"p2p->{peer}")
+
+
+def recv(tensor: torch.Tensor, axis, peer: int, async_op: bool = False):
+    """Point-to-point receive into `tensor` from world rank `peer`."""
+    b = _nbytes(tensor)
+    fn = (lambda t: dist.irecv(t, peer)) if async_op else (lambda t: dist.recv(t, peer))
+    return _run(axis, "recv", tensor, b, 0, fn, async_op, peer=peer, seq_key=f"p2p<-{peer}")
+
+
+def barrier(axis):
+    if axis.size == 1:
+        return
+    t = torch.zeros(1)
+    _run(axis, "barrier", t, 0, 0, lambda _: dist.barrier(group=axis.group), False)

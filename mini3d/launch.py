@@ -1,0 +1,201 @@
+"""Starting processes: backend and device are chosen here and nowhere else.
+
+`launch(fn, world_size, *args)` spawns `world_size` local processes (the `spawn` start method, so it
+works from a Jupyter kernel as long as `fn` lives in an importable module), initialises
+torch.distributed in each on a free loopback port, runs `fn(*args)`, and returns every rank's result
+in rank order. A worker that raises ends the whole job with a `WorkerError` carrying that rank's
+traceback; a job that runs past `timeout` is stopped with `LaunchTimeout`. In every case all children
+are terminated (then killed) before `launch` returns or raises, and each child also dies with its
+parent (PR_SET_PDEATHSIG) if the parent itself is killed.
+
+Under `torchrun`, `init_from_env()` initialises from the environment it sets instead.
+
+torch.multiprocessing.start_processes would spawn too, but it neither returns results nor applies a
+timeout nor stops a job whose other ranks hang after one crashed; this file adds exactly those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEVICE_ENV = "MINI3D_DEVICE"
+
+
+class LaunchError(RuntimeError):
+    """The job could not start as asked (e.g. --device cuda without enough GPUs)."""
+
+
+class WorkerError(RuntimeError):
+    """A rank raised or died; carries its rank and traceback."""
+
+    def __init__(self, rank: int, message: str, tb: str = ""):
+        self.rank, self.message, self.traceback = rank, message, tb
+        text = f"rank {rank} failed: {message}"
+        if tb:
+            text += f"\n--- traceback from rank {rank} ---\n{tb.rstrip()}"
+        super().__init__(text)
+
+
+class LaunchTimeout(TimeoutError):
+    """The job did not finish in time; `pending` lists the ranks that had not returned."""
+
+    def __init__(self, timeout: float, pending: list[int]):
+        self.pending = pending
+        super().__init__(f"job did not finish within {timeout:.0f} s; ranks still running: {pending} "
+                         f"(all processes were stopped)")
+
+
+def choose_device(device: str = "auto", local_world_size: int = 1,
+                  backend: str | None = None) -> tuple[str, str]:
+    """(backend, device type): NCCL + CUDA when there is one GPU per local rank, else gloo + CPU."""
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        device = "cuda" if n_gpu >= local_world_size else "cpu"
+    if device == "cuda" and n_gpu < local_world_size:
+        raise LaunchError(f"--device cuda needs {local_world_size} GPUs on this node, found {n_gpu} "
+                          f"(use --device cpu, or fewer local processes)")
+    if device not in ("cpu", "cuda"):
+        raise LaunchError(f"device={device!r} is unknown (choose auto, cpu or cuda)")
+    return backend or ("nccl" if device == "cuda" else "gloo"), device
+
+
+def current_device() -> torch.device:
+    """The device this process computes on, as set by `launch` or `init_from_env`."""
+    return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def _die_with_parent():
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans if the launcher is killed)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def _set_device(device_type: str, local_rank: int):
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        os.environ[DEVICE_ENV] = f"cuda:{local_rank}"
+    else:
+        os.environ[DEVICE_ENV] = "cpu"
+
+
+def init_from_env(device: str = "auto", backend: str | None = None, threads: int | None = None):
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...)."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend, device_type = choose_device(device, local_world, backend)
+    _set_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    if threads:
+        torch.set_num_threads(threads)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://")
+    return backend, device_type
+
+
+def _worker(rank, world_size, port, backend, device_type, threads, fn, args, q, env, timeout):
+    _die_with_parent()
+    os.environ.update(env or {})
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    try:
+        _set_device(device_type, rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=max(30.0, timeout)))
+        result = fn(*args)
+        q.put((rank, "ok", pickle.dumps(result), ""))
+    except BaseException as e:  # report everything, including SystemExit and KeyboardInterrupt
+        q.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        q.close()
+        q.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # do not wait in destroy_process_group for peers that may be stuck
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _stop(procs):
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None = None,
+           timeout: float = 600.0, threads: int = 1, env: dict | None = None) -> list:
+    """Run `fn(*args)` on `world_size` new local processes; return their results in rank order."""
+    backend, device_type = choose_device(device, world_size, backend)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, name=f"mini3d-rank{r}", daemon=True,
+                         args=(r, world_size, port, backend, device_type, threads, fn, args, q, env,
+                               timeout))
+             for r in range(world_size)]
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < world_size:
+            try:
+                rank, status, payload, tb = q.get(timeout=0.1)
+            except queue.Empty:
+                rank = None
+            if rank is not None:
+                if status != "ok":
+                    raise WorkerError(rank, payload, tb)
+                results[rank] = pickle.loads(payload)
+                continue
+            for r, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and r not in results:
+                    try:  # its own report may still be in flight
+                        rank, status, payload, tb = q.get(timeout=1.0)
+                        if status != "ok":
+                            raise WorkerError(rank, payload, tb)
+                        results[rank] = pickle.loads(payload)
+                        break
+                    except queue.Empty:
+                        raise WorkerError(r, f"process exited with code {p.exitcode} "
+                                             f"(killed or crashed without a Python exception)")
+            if time.monotonic() > deadline:
+                raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(results)))
+        for p in procs:
+            p.join(max(1.0, min(30.0, deadline - time.monotonic())))
+    finally:
+        _stop(procs)
+        q.close()
+    return [results[r] for r in range(world_size)]
