@@ -87,10 +87,11 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def model_from_preset(name: str, **overrides) -> ModelConfig:
-    if name not in PRESETS:
-        raise PlanError([f"model={name!r} is not a preset (choose from {', '.join(PRESETS)})"])
-    return dataclasses.replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+def model_from_preset(preset: str, **overrides) -> ModelConfig:
+    """A preset, with any ModelConfig fields overridden."""
+    if preset not in PRESETS:
+        raise PlanError([f"model={preset!r} is not a preset (choose from {', '.join(PRESETS)})"])
+    return dataclasses.replace(PRESETS[preset], **overrides) if overrides else PRESETS[preset]
 
 
 @dataclass(frozen=True)
