@@ -8,8 +8,8 @@ single-process model would create: every parallel layout starts bit-equal to the
 
 Choices, documented: the head is untied from the token embedding (so the first and last pipeline
 stages share no parameter and need no embedding all-reduce); dropout is absent (p=0), so parity tests
-need no RNG choreography. Attention uses `F.scaled_dot_product_attention(is_causal=True)`, which is
-also the "attention core" that selective recomputation recomputes.
+need no RNG choreography. The attention core (scores, softmax, weighted sum) is written out so that
+its (T, T) activation is stored as in the Megatron papers; it is what selective recomputation recomputes.
 """
 
 from __future__ import annotations
@@ -58,8 +58,17 @@ class Attention(nn.Module):
 
 
 def attention_core(q, k, v):
-    """softmax(q k^T / sqrt(d)) v with a causal mask: the part selective recompute recomputes."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """softmax(q k^T / sqrt(d)) v with a causal mask: the part selective recompute recomputes.
+
+    Written out (rather than `F.scaled_dot_product_attention`, whose fused kernels never store the
+    (T, T) attention matrix) so that the a*s^2 activation term of Korthikanti et al. is real and
+    measurable here, and selective recomputation has something to save. Shapes: q, k, v (B, nh, T, hd).
+    """
+    T = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    att = torch.softmax(att.masked_fill(causal, float("-inf")), dim=-1)
+    return att @ v  # (B, nh, T, hd)
 
 
 class MLP(nn.Module):
