@@ -78,10 +78,10 @@ def train_stage(topo, stage, dtype):
     return out
 
 
-def dp_parity(dp, stages, dtype="float32"):
-    """One launch: every ZeRO stage in `stages`, one after the other, on the same dp group."""
+def dp_parity(dp, runs):
+    """One launch: each (zero stage, dtype) in `runs`, one after the other, on the same dp group."""
     topo = build_topology(Grid(dp=dp), dist.get_rank())
-    res = {s: train_stage(topo, s, dtype) for s in stages}
+    res = {(s, d): train_stage(topo, s, d) for s, d in runs}
     if topo.dp.index != 0:  # only rank 0 ships the (identical) full tensors back
         for r in res.values():
             r.pop("params"), r.pop("grads")
