@@ -55,3 +55,22 @@ def test_ledger_of_plain_module_with_adamw_is_16_bytes_per_param():
     assert led["master_weights"] == 0  # the optimizer's params are the model's: counted once
     assert led["optimizer_states"] == 8 * psi
     assert led["optimizer_scalars"] == 4 * len(list(model.parameters()))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_pipeline_middle_stage_is_wrapped_like_any_module(stage):
+    """A stage that maps hidden states to hidden states: only its own parameters are handled."""
+    axis = Axis("dp", (0,), 0, None, CommLog(0))
+    ref = GPT(W.CFG, W.SEED, layers=[1], first=False, last=False)
+    net, opt = make_dp(GPT(W.CFG, W.SEED, layers=[1], first=False, last=False), axis,
+                       Plan(zero=stage, bucket_mb=W.BUCKET_MB), W.optimizer)
+    h = torch.randn(2, W.SEQ, W.CFG.d_model, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(2, W.SEQ, W.CFG.d_model, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(net(h), ref(h), rtol=0, atol=0)  # same weights, same ops
+    net(h).backward(dy)
+    ref(h).backward(dy)
+    net.finish_grad_sync()
+    grads = net.full_grads()
+    for n, p in ref.named_parameters():  # dp=1: the "average" is the gradient itself, bit-equal
+        torch.testing.assert_close(grads[n], p.grad, rtol=0, atol=0, msg=n)
