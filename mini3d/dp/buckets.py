@@ -1,0 +1,83 @@
+"""Flat buffers: a run of parameters laid end to end in one tensor, padded so it splits into shards.
+
+Every data-parallel mode in mini3d works on `FlatGroup`s. A group owns a list of parameters, their
+offsets in one flat buffer, and this rank's shard of that buffer:
+
+    buffer   [ p0 ........ | p1 .... | p2 ...... | pad ]   numel = sum of the params
+    shards   [ rank 0     ][ rank 1     ][ rank 2     ]    padded = ceil(numel / n) * n
+
+Padding (documented once, here): a group whose numel is not a multiple of the shard count n gets
+`padded - numel < n` zero elements at its end, so that every rank's shard has the same length
+`padded / n` (collectives want equal pieces). Padding elements have zero gradient and stay zero
+under AdamW (weight decay of 0 is 0, the update of a zero moment is 0), and they are counted by the
+memory ledger: a ZeRO model holds at most `n_groups * (n - 1)` padding elements per buffer.
+With n = 1 (plain data parallelism) there is no padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FlatGroup:
+    """Parameters sharing one flat buffer; `lo:hi` is this rank's shard of it."""
+
+    def __init__(self, index: int, params: list, n_shards: int, shard_index: int):
+        self.index = index
+        self.params = list(params)
+        self.offsets, off = [], 0
+        for p in self.params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.numel = off
+        self.padded = -(-off // n_shards) * n_shards
+        self.shard_numel = self.padded // n_shards
+        self.lo = shard_index * self.shard_numel
+        self.hi = self.lo + self.shard_numel
+        self.offset_of = {id(p): o for p, o in zip(self.params, self.offsets)}
+        self.ready = 0  # parameters whose gradient arrived in the current backward
+
+    def views(self, flat: torch.Tensor):
+        """(param, view of `flat` shaped like param) for each parameter."""
+        for p, off in zip(self.params, self.offsets):
+            yield p, flat[off:off + p.numel()].view(p.shape)
+
+    def view_of(self, flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        off = self.offset_of[id(p)]
+        return flat[off:off + p.numel()].view(p.shape)
+
+    def flatten(self, dtype, device) -> torch.Tensor:
+        """A new padded flat tensor holding the parameters' current values."""
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        for p, v in self.views(flat):
+            v.copy_(p.detach())
+        return flat
+
+    def adopt(self, flat: torch.Tensor):
+        """Make each parameter's data a view of `flat` (same storage: no copy, no extra bytes)."""
+        for p, v in self.views(flat):
+            p.data = v
+
+    def __repr__(self):
+        return (f"FlatGroup({self.index}, params={len(self.params)}, numel={self.numel}, "
+                f"padded={self.padded}, shard={self.lo}:{self.hi})")
+
+
+def split_into_buckets(params: list, bucket_bytes: int) -> list[list]:
+    """Consecutive runs of `params`, each closed once it reaches `bucket_bytes` (the last may be
+    smaller). A parameter is never split across buckets, so one big tensor makes one big bucket."""
+    buckets, cur, size = [], [], 0
+    for p in params:
+        cur.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def param_names(module) -> dict:
+    """{parameter: its name in `module`} (for gathering full-shape state back by name)."""
+    return {p: n for n, p in module.named_parameters()}

@@ -1,0 +1,234 @@
+"""Data parallelism with bucketed gradient synchronisation that overlaps backward (ZeRO stages 0-2).
+
+`DataParallel(module, dp_axis)` keeps whatever parameters `module` holds (a whole model, a pipeline
+stage or a tensor-parallel shard) in flat buckets, filled in *reverse* registration order: backward
+produces the last layers' gradients first, so the first bucket fills early. A
+`register_post_accumulate_grad_hook` on every parameter counts arrivals; as soon as a bucket is
+complete its collective is launched asynchronously on the dp axis while backward continues with the
+earlier layers. Buckets are launched strictly in order so every rank issues the same collectives in
+the same sequence. `finish_grad_sync()` waits for them all.
+
+What the collective is depends on `zero_stage`:
+
+* 0 (DDP): `all_reduce(avg)` of the bucket's gradient buffer. Each `p.grad` is a view into it, so the
+  averaged values are already in place when the op completes (no copy back).
+* 1 (optimizer states sharded): the full gradient buffer is kept (p.grad views, as above) but it is
+  `reduce_scatter(avg)`-ed: only this rank's shard `lo:hi` receives the averaged gradient, which is
+  all its optimizer shard needs. This is the ZeRO paper's P_os: reduce-scatter + all-gather of the
+  updated parameters = the same 2 Psi wire volume as one all-reduce.
+* 2 (gradients sharded too): the hook copies each fresh gradient into a transient bucket buffer and
+  drops `p.grad`; the bucket is reduce-scattered and *added* into a persistent shard of size padded/n,
+  and the full buffer is freed. Only the shard outlives backward.
+
+Averaging: the collective divides the sum by dp. With the caller scaling each micro-batch loss by
+1/micro_batches, the result equals the single-process gradient of the mean loss over the global batch.
+
+Gradient accumulation (`no_sync()`): inside it the hooks do nothing and autograd accumulates into
+`p.grad` as usual: for stages 0/1 straight into the bucket views (no extra memory); for stage 2 into
+ordinary full-size `p.grad` tensors (so during an accumulation window stage 2 holds full gradients,
+like DDP, and only drops to the shard at the synchronising micro-batch). Run every micro-batch but the
+last under `no_sync()`: one collective per bucket per step. Stage 2 also accepts a sync on every
+micro-batch (each result is added into the shard), at micro_batches times the communication; stage
+0 and 1 do not (call `finish_grad_sync` between two synchronised backward passes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from .buckets import FlatGroup, param_names, split_into_buckets
+
+
+class DataParallel(nn.Module):
+    """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis`."""
+
+    def __init__(self, module: nn.Module, dp_axis, bucket_mb: float = 1.0, zero_stage: int = 0,
+                 param_dtype: torch.dtype | None = None):
+        super().__init__()
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"DataParallel handles zero_stage 0, 1 or 2, got {zero_stage}")
+        self.module, self.axis, self.stage = module, dp_axis, zero_stage
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("module has no trainable parameters")
+        self.param_dtype = param_dtype or params[0].dtype
+        device = params[0].device
+        n, idx = (dp_axis.size, dp_axis.index) if zero_stage else (1, 0)
+        runs = split_into_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        self.buckets = [FlatGroup(i, r, n, idx) for i, r in enumerate(runs)]
+        self._bucket_of = {}
+        for b in self.buckets:
+            fp32 = b.flatten(torch.float32, device)  # exact initial values, for the master copy
+            b.master_init = None if self.param_dtype == torch.float32 else fp32[b.lo:b.hi].clone()
+            b.param_buf = fp32 if self.param_dtype == torch.float32 else fp32.to(self.param_dtype)
+            b.adopt(b.param_buf)
+            b.grad_buf, b.grad_shard, b.launched = None, None, False
+            if zero_stage < 2:
+                b.grad_buf = torch.zeros_like(b.param_buf)
+            else:
+                b.grad_shard = torch.zeros(b.shard_numel, dtype=self.param_dtype, device=device)
+            for p in b.params:
+                self._bucket_of[p] = b
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self._attach_grad_views()
+        self.require_sync = True
+        self._next = 0  # index of the next bucket to launch
+        self._works: list = []  # (work, finish callback) in launch order
+        self.last_hook_time = None  # perf_counter() of the latest gradient arrival (overlap checks)
+        self._dirty = False  # a gradient arrived since the last finish_grad_sync
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) for the backward passes inside."""
+        old, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = old
+
+    def _attach_grad_views(self):
+        if self.stage < 2:
+            for b in self.buckets:
+                for p, v in b.views(b.grad_buf):
+                    p.grad = v
+
+    # ---- the hook and the launches -------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor):
+        self.last_hook_time = time.perf_counter()
+        self._dirty = True
+        if not self.require_sync:
+            return
+        b = self._bucket_of[p]
+        if b.launched:
+            if self.stage < 2:
+                raise RuntimeError("a second synchronised backward before finish_grad_sync(): with "
+                                   f"zero_stage={self.stage}, wrap all but the last micro-batch in "
+                                   "no_sync()")
+            self.finish_grad_sync()
+        self._take_grad(b, p)
+        b.ready += 1
+        if b.ready == len(b.params):
+            self._launch_ready()
+
+    def _take_grad(self, b: FlatGroup, p: torch.Tensor):
+        """Make sure `p`'s gradient sits in the bucket buffer (stage 2: move it there)."""
+        if self.stage < 2:
+            view = b.view_of(b.grad_buf, p)
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # someone replaced it
+                view.copy_(p.grad)
+                p.grad = view
+            return
+        if b.grad_buf is None:
+            b.grad_buf = torch.zeros(b.padded, dtype=self.param_dtype, device=b.param_buf.device)
+        if p.grad is not None:
+            b.view_of(b.grad_buf, p).copy_(p.grad)
+            p.grad = None
+
+    def _launch_ready(self):
+        while self._next < len(self.buckets) and \
+                self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: FlatGroup):
+        b.launched = True
+        if self.stage == 0:
+            work = comm.all_reduce(b.grad_buf, self.axis, op="avg", async_op=True)
+            self._works.append((work, None))
+            return
+        out = torch.empty(b.shard_numel, dtype=b.grad_buf.dtype, device=b.grad_buf.device)
+        work = comm.reduce_scatter(out, b.grad_buf, self.axis, op="avg", async_op=True)
+
+        def finish(b=b, out=out):
+            if self.stage == 1:
+                b.grad_buf[b.lo:b.hi].copy_(out)
+            else:
+                b.grad_shard.add_(out)
+                b.grad_buf = None  # free the full-size transient buffer
+        self._works.append((work, finish))
+
+    def finish_grad_sync(self):
+        """Launch any bucket not launched yet (e.g. all backward ran under no_sync, or some
+        parameter got no gradient), wait for every collective, and reset for the next backward.
+        Idempotent: a second call without a backward in between does nothing."""
+        if not self._dirty:
+            return
+        for b in self.buckets[self._next:]:
+            if not b.launched:
+                for p in b.params:
+                    self._take_grad(b, p)
+                b.ready = len(b.params)
+        self._launch_ready()
+        for work, finish in self._works:
+            work.wait()
+            if finish is not None:
+                finish()
+        self._works, self._next = [], 0
+        for b in self.buckets:
+            b.ready, b.launched = 0, False
+        self._dirty = False
+
+    def zero_grad(self):
+        for b in self.buckets:
+            if b.grad_buf is not None and self.stage < 2:
+                b.grad_buf.zero_()
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+                b.grad_buf = None
+                for p in b.params:
+                    p.grad = None
+        self._attach_grad_views()
+
+    # ---- what the sharded optimizer and the ledger read ----------------------------------
+    def shard_groups(self) -> list:
+        """[(flat group, param shard view, callable giving the grad shard)] for the optimizer."""
+        out = []
+        for b in self.buckets:
+            if self.stage == 0:
+                out.append((b, b.param_buf, lambda b=b: b.grad_buf))
+            elif self.stage == 1:
+                out.append((b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_buf[b.lo:b.hi]))
+            else:
+                out.append((b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_shard))
+        return out
+
+    def after_step(self):
+        """Stages 1/2: every rank updated its shard; all-gather the buckets' parameters."""
+        if self.stage == 0:
+            return
+        works = [comm.all_gather(b.param_buf, b.param_buf[b.lo:b.hi].clone(), self.axis,
+                                 async_op=True) for b in self.buckets]
+        for w in works:
+            w.wait()
+
+    def state_tensors(self) -> dict:
+        """Persistent model-state tensors this wrapper holds, by ledger category."""
+        grads = [b.grad_buf for b in self.buckets if b.grad_buf is not None and self.stage < 2]
+        grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+        return {"parameters": [b.param_buf for b in self.buckets], "gradients": grads}
+
+    # ---- full-shape views, for tests and checkpoints (collective) ------------------------
+    def full_params(self) -> dict:
+        names = param_names(self.module)
+        return {names[p]: p.detach().clone() for b in self.buckets for p in b.params}
+
+    def full_grads(self) -> dict:
+        """{name: averaged gradient} (all-gathers the shards for stages 1/2)."""
+        names, out = param_names(self.module), {}
+        for b in self.buckets:
+            if self.stage == 0:
+                full = b.grad_buf.clone()
+            else:
+                shard = b.grad_buf[b.lo:b.hi] if self.stage == 1 else b.grad_shard
+                full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+                comm.all_gather(full, shard.clone(), self.axis)
+            out.update({names[p]: v.clone() for p, v in b.views(full)})
+        return out
