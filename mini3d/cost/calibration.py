@@ -149,6 +149,26 @@ def measure_allreduce(sizes=(2**10, 2**14, 2**18, 2**20, 2**22), repeats: int = 
             "latency_s": max(latency, 1e-6)}
 
 
+def measure_layer_overhead(peak_flops: float, half_width: float, repeats: int = 5) -> float:
+    """Seconds one small mini3d Block (h=64, 8 x 64 tokens) spends in forward + backward beyond its
+    FLOPs at the fitted matmul rate (one thread): the per-op and elementwise cost that dominates
+    tiny CPU runs. It is charged per layer and micro-batch whatever the size (a simplification)."""
+    from ..config import ModelConfig
+    from ..model import Block
+    from .model import Efficiency, flops_per_token
+
+    cfg = ModelConfig(1, 64, 4, 256, 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block, x = Block(cfg), torch.randn(8, 64, 64, requires_grad=True)  # a typical micro-batch
+        seconds = _best_time(lambda: block(x).sum().backward(), repeats)
+    finally:
+        torch.set_num_threads(threads)
+    rate = peak_flops * Efficiency(1.0, half_width).at(cfg.d_model)
+    return max(0.0, seconds - 3 * flops_per_token(cfg, 64)["layer"] * 8 * 64 / rate)
+
+
 def calibrate_machine(quick: bool = False) -> Hardware:
     """A Hardware description of this CPU machine for predicting mini3d's own gloo runs."""
     reps = 3 if quick else 7
@@ -160,4 +180,5 @@ def calibrate_machine(quick: bool = False) -> Hardware:
                     memory_bytes=float(ram), memory_bw=measure_memory_bw(repeats=reps),
                     nvlink_bw=ar["bandwidth"], internode_bw=ar["bandwidth"], gpus_per_node=cores,
                     latency_s=ar["latency_s"], eff_max=1.0, eff_half_width=mm["half_width"],
-                    shared_host=True)
+                    shared_host=True,
+                    layer_overhead_s=measure_layer_overhead(mm["peak_flops"], mm["half_width"], reps))

@@ -34,6 +34,7 @@ class Hardware:
     eff_max: float | None = None  # compute-efficiency override (None: calibrated A100 values)
     eff_half_width: float | None = None
     shared_host: bool = False  # all ranks share one host's cores (mini3d on a CPU)
+    layer_overhead_s: float = 0.0  # fixed cost per layer, micro-batch, forward+backward (kernel launches)
 
     def flops(self, dtype: str) -> float:
         if dtype == "float32" and self.peak_flops_fp32:

@@ -28,6 +28,8 @@ Step time, on the busiest pipeline rank:
   last micro-batch's backward (exposed: what does not fit, at least one bucket), the parameter
   all-gather after the optimizer step is exposed. ZeRO-3 gathers parameters twice per micro-batch,
   overlapped with all compute.
+* fixed overhead: `Hardware.layer_overhead_s` per layer and micro-batch (0 for the GPU presets;
+  measured by `mini3d calibrate` on a CPU, where tiny layers are dominated by per-op costs).
 * optimizer: Adam is memory-bound: 28 bytes read or written per local parameter at HBM speed.
 """
 
@@ -226,6 +228,8 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     slowdown = max(1.0, n / hw.gpus_per_node) if hw.shared_host else 1.0
     rate = hw.flops(plan.dtype) * eff.at(width) / slowdown
     c_fwd, c_bwd = fwd / rate, (2 * fwd + layers * extra * tokens_mb / t) / rate
+    overhead = layers * hw.layer_overhead_s * slowdown  # 1/3 forward, 2/3 backward
+    c_fwd, c_bwd = c_fwd + overhead / 3, c_bwd + 2 * overhead / 3
     bw = link_bandwidths(plan, hw)
     tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"])
     t_fwd, t_bwd = c_fwd + tp_fwd, c_bwd + tp_bwd
