@@ -1,0 +1,184 @@
+"""Calibration: the two published rows the efficiency constants are fitted on, and measuring this
+machine (matmul throughput, memory and gloo all-reduce bandwidth) into a Hardware description.
+
+The ONLY data the GPU constants see are two rows of Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", table of end-to-end iteration times), A100-80GB,
+Megatron-LM, s=2048, V=51200, sequence parallelism + selective recompute, no data parallelism:
+
+    22B : h=6144,  64 heads, 48 layers, tp8 pp1, 8 GPUs, global batch 4, micro-batch 4  -> 1.10 s
+    175B: h=12288, 96 heads, 96 layers, tp8 pp8 interleaved (3 chunks), 64 GPUs, global
+          batch 64, micro-batch 1                                                       -> 13.75 s
+
+Step time is linear in 1/efficiency for each row (T = C / eff + R, C the compute seconds at full
+peak including its bubble share, R everything else), so each row yields the efficiency it needs;
+the two efficiencies at the rows' matmul widths (768 and 1536) give `eff_max` and `half_width` of
+`Efficiency` in closed form. Both rows are then reproduced exactly (the test allows 5%).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ..config import PRESETS as MODELS
+from ..config import Plan
+from .hardware import PRESETS as GPUS
+from .hardware import Hardware
+from .model import Efficiency, estimate_cost
+
+
+def calibration_rows() -> list[dict]:
+    """The two published rows: model, plan, GPU count, hardware and the measured seconds."""
+    common = dict(seq_len=2048, dtype="bf16", sequence_parallel=True, recompute="selective")
+    return [
+        {"name": "22B", "model": MODELS["gpt-22b"], "n_gpus": 8, "hw": GPUS["A100-80GB"],
+         "plan": Plan(tp=8, pp=1, dp=1, global_batch=4, micro_batches=1, **common),
+         "measured_s": 1.10},
+        {"name": "175B", "model": MODELS["gpt-175b"], "n_gpus": 64, "hw": GPUS["A100-80GB"],
+         "plan": Plan(tp=8, pp=8, dp=1, schedule="interleaved", virtual_stages=3, global_batch=64,
+                      micro_batches=64, **common),
+         "measured_s": 13.75},
+    ]
+
+
+def fit_efficiency(rows: list[dict] | None = None) -> Efficiency:
+    """Solve eff_max and half_width so that the model reproduces both rows."""
+    rows = rows or calibration_rows()
+    points = []
+    for r in rows:
+        ideal = estimate_cost(r["model"], r["plan"], r["hw"], r["n_gpus"], eff=Efficiency(1.0, 0.0))
+        c = ideal.breakdown["compute"] / (1 - ideal.bubble_fraction)
+        rest = ideal.step_time_s - c
+        width = min(r["model"].d_model / r["plan"].tp, r["plan"].micro_batch_size * r["plan"].seq_len)
+        points.append((width, c / (r["measured_s"] - rest)))
+    (w1, e1), (w2, e2) = points
+    ratio = e2 / e1
+    half = w1 * w2 * (ratio - 1) / (w2 - ratio * w1)
+    return Efficiency(eff_max=e1 * (w1 + half) / w1, half_width=half)
+
+
+def reproduce_rows(eff: Efficiency | None = None) -> list[dict]:
+    """Predicted vs measured seconds for each row (with `eff`, default the stored constants)."""
+    out = []
+    for r in calibration_rows():
+        est = estimate_cost(r["model"], r["plan"], r["hw"], r["n_gpus"], eff=eff)
+        out.append({"name": r["name"], "predicted_s": est.step_time_s, "measured_s": r["measured_s"],
+                    "error": est.step_time_s / r["measured_s"] - 1, "mfu": est.mfu})
+    return out
+
+
+# ----------------------------------------------------------------------------- this machine
+
+def _fit_line(xs, ys):
+    """Least-squares y = a + b x."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_matmul(widths=(32, 64, 128, 256, 512), tokens: int = 512, repeats: int = 5) -> dict:
+    """float32 matmul FLOP/s on one thread (mini3d's CPU ranks run one thread each) at each width
+    w, for a (tokens, w) @ (w, 4w) product, and the fit rate(w) = peak * w / (w + half_width)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = {}
+        for w in widths:
+            a, b = torch.randn(tokens, w), torch.randn(w, 4 * w)
+            rates[w] = 2 * tokens * w * 4 * w / _best_time(lambda: a @ b, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    # 1/rate = 1/peak + (half_width/peak) * (1/w): a straight line in 1/w
+    inv_peak, slope = _fit_line([1 / w for w in widths], [1 / r for r in rates.values()])
+    peak = 1 / inv_peak if inv_peak > 0 else max(rates.values())
+    return {"rates": rates, "peak_flops": peak, "half_width": max(0.0, slope * peak)}
+
+
+def measure_memory_bw(n_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
+    src = torch.empty(n_bytes // 4)
+    dst = torch.empty_like(src)
+    return 2 * n_bytes / _best_time(lambda: dst.copy_(src), repeats)
+
+
+def allreduce_probe(sizes: list[int], repeats: int) -> list[tuple[int, float]]:
+    """Run on each of 2 launched ranks: best seconds of a traced all-reduce per payload size."""
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..grid import Grid, build_topology
+
+    topo = build_topology(Grid(1, 1, dist.get_world_size()), dist.get_rank())
+    out = []
+    for n in sizes:
+        x = torch.ones(max(1, n // 4))
+        comm.all_reduce(x, topo.dp)
+        best = float("inf")
+        for _ in range(repeats):
+            comm.barrier(topo.dp)
+            t0 = time.perf_counter()
+            comm.all_reduce(x, topo.dp)
+            best = min(best, time.perf_counter() - t0)
+        out.append((x.numel() * 4, best))
+    return out
+
+
+def measure_allreduce(sizes=(2**10, 2**14, 2**18, 2**20, 2**22), repeats: int = 5) -> dict:
+    """gloo all-reduce between 2 local processes: fit seconds = latency + wire_bytes / bandwidth,
+    wire bytes = 2(n-1)/n * payload = the payload for n = 2."""
+    from ..launch import launch
+
+    res = launch(allreduce_probe, 2, list(sizes), repeats, device="cpu", timeout=120)
+    worst = [max(a[1], b[1]) for a, b in zip(*res)]
+    latency, per_byte = _fit_line([s for s, _ in res[0]], worst)
+    bw = 1 / per_byte if per_byte > 0 else float(sizes[-1]) / worst[-1]
+    return {"times": list(zip([s for s, _ in res[0]], worst)), "bandwidth": bw,
+            "latency_s": max(latency, 1e-6)}
+
+
+def measure_layer_overhead(peak_flops: float, half_width: float, repeats: int = 5) -> float:
+    """Seconds one small mini3d Block (h=64, 8 x 64 tokens) spends in forward + backward beyond its
+    FLOPs at the fitted matmul rate (one thread): the per-op and elementwise cost that dominates
+    tiny CPU runs. It is charged per layer and micro-batch whatever the size (a simplification)."""
+    from ..config import ModelConfig
+    from ..model import Block
+    from .model import Efficiency, flops_per_token
+
+    cfg = ModelConfig(1, 64, 4, 256, 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        block, x = Block(cfg), torch.randn(8, 64, 64, requires_grad=True)  # a typical micro-batch
+        seconds = _best_time(lambda: block(x).sum().backward(), repeats)
+    finally:
+        torch.set_num_threads(threads)
+    rate = peak_flops * Efficiency(1.0, half_width).at(cfg.d_model)
+    return max(0.0, seconds - 3 * flops_per_token(cfg, 64)["layer"] * 8 * 64 / rate)
+
+
+def calibrate_machine(quick: bool = False) -> Hardware:
+    """A Hardware description of this CPU machine for predicting mini3d's own gloo runs."""
+    reps = 3 if quick else 7
+    mm = measure_matmul(repeats=reps)
+    ar = measure_allreduce(repeats=reps)
+    cores = os.cpu_count() or 1
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware(name=f"cpu-{os.uname().nodename}", peak_flops=mm["peak_flops"],
+                    memory_bytes=float(ram), memory_bw=measure_memory_bw(repeats=reps),
+                    nvlink_bw=ar["bandwidth"], internode_bw=ar["bandwidth"], gpus_per_node=cores,
+                    latency_s=ar["latency_s"], eff_max=1.0, eff_half_width=mm["half_width"],
+                    shared_host=True,
+                    layer_overhead_s=measure_layer_overhead(mm["peak_flops"], mm["half_width"], reps))

@@ -1,0 +1,92 @@
+"""Accelerator presets for the cost model, and hardware descriptions loaded from user JSON.
+
+Bandwidths are per GPU and per direction, in bytes/s, as a ring collective sees them ("bus
+bandwidth"): NVLink 3 gives an A100 600 GB/s both ways, so 300e9 here; a DGX A100 has one 200 Gb/s
+HDR InfiniBand port per GPU, 25e9 here; H100/H200 systems one 400 Gb/s NDR port per GPU, 50e9.
+FLOP/s are the dense (no sparsity) bf16 tensor-core peaks from the vendor data sheets.
+
+`eff_max` and `eff_half_width` optionally override the cost model's calibrated compute efficiency
+(`mini3d.cost.model.Efficiency`); `mini3d calibrate` writes them for a measured machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of accelerator and the links between them."""
+
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s per GPU (float32 runs use `peak_flops_fp32`)
+    memory_bytes: float  # HBM capacity per GPU
+    memory_bw: float  # HBM bytes/s per GPU
+    nvlink_bw: float  # intra-node bytes/s per GPU per direction
+    internode_bw: float  # inter-node bytes/s per GPU per direction
+    gpus_per_node: int = 8
+    latency_s: float = 10e-6  # fixed cost of one collective or p2p message
+    peak_flops_fp32: float | None = None  # None: same as peak_flops (a CPU); GPUs: TF32-free fp32
+    eff_max: float | None = None  # compute-efficiency override (None: calibrated A100 values)
+    eff_half_width: float | None = None
+    shared_host: bool = False  # all ranks share one host's cores (mini3d on a CPU)
+    layer_overhead_s: float = 0.0  # fixed cost per layer, micro-batch, forward+backward (kernel launches)
+
+    def flops(self, dtype: str) -> float:
+        if dtype == "float32" and self.peak_flops_fp32:
+            return self.peak_flops_fp32
+        return self.peak_flops
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, Hardware] = {
+    "A100-40GB": Hardware("A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, 8,
+                          peak_flops_fp32=19.5e12),
+    "A100-80GB": Hardware("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, 8,
+                          peak_flops_fp32=19.5e12),
+    "H100-80GB": Hardware("H100-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8,
+                          peak_flops_fp32=67e12),
+    "H200-141GB": Hardware("H200-141GB", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8,
+                           peak_flops_fp32=67e12),
+}
+
+
+def hardware_from_dict(d: dict) -> Hardware:
+    names = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"unknown hardware fields {unknown} (known: {sorted(names)})")
+    missing = [f.name for f in dataclasses.fields(Hardware)
+               if f.default is dataclasses.MISSING and f.name not in d]
+    if missing:
+        raise ValueError(f"hardware description lacks {missing}")
+    hw = Hardware(**d)
+    bad = [f"{k}={getattr(hw, k)}" for k in ("peak_flops", "memory_bytes", "memory_bw", "nvlink_bw",
+                                            "internode_bw", "gpus_per_node")
+           if not getattr(hw, k) > 0]
+    if bad:
+        raise ValueError(f"hardware values must be > 0: {', '.join(bad)}")
+    return hw
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A preset by name (A100-40GB, A100-80GB, H100-80GB, H200-141GB) or a JSON file path."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if name_or_path.endswith(".json"):
+        with open(name_or_path) as f:
+            return hardware_from_dict(json.load(f))
+    raise ValueError(f"gpu={name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                     f"nor a .json file")
+
+
+def save_hardware(hw: Hardware, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(hw.to_dict(), f, indent=2)
+        f.write("\n")

@@ -1,0 +1,266 @@
+"""Analytic step-time model of a GPT under a Plan on a cluster of identical accelerators.
+
+FLOPs (per token, forward; Megatron's convention, so MFU compares with published numbers):
+
+    layer  = 2 * (3h^2 + h^2 + 2hf)   qkv, attention projection, MLP fc and proj matmuls
+           + 4sh                      QK^T and attention-times-V over the full s x s square
+    head   = 2hV                      output projection (embedding lookups cost no FLOPs)
+
+LayerNorm, GELU, softmax and bias FLOPs are left out (well under 1% for these shapes). Model FLOPs
+are 3 * (L*layer + head) per token (backward = 2 x forward); hardware FLOPs add what recompute runs
+again: the whole layer forward under full recompute, the 4sh attention core under selective.
+
+Step time, on the busiest pipeline rank:
+
+* compute: FLOPs / (peak * efficiency), with the efficiency model `Efficiency`:
+  eff(w) = eff_max * w / (w + half_width), w = min(d_model / tp, tokens per micro-batch), the
+  narrowest matmul dimension a GPU sees. Small per-GPU matmuls run further from peak. The two
+  constants are the ONLY fitted numbers (see `calibration.py`: two rows of Korthikanti et al.).
+* tensor parallelism: per layer and micro-batch, two all-reduces forward and two backward (two
+  more with full recompute), or the equal-volume all-gather / reduce-scatter pairs under sequence
+  parallelism, each moving 2(t-1)/t * s*b*h*e bytes per rank at NVLink speed, or at the inter-node
+  speed when a tp group spans nodes. Not overlapped with compute (as in Megatron-LM 2022).
+* pipeline: (per micro-batch forward + backward) * m / (1 - bubble), the bubble fraction from the
+  schedule simulator (`bubble_fraction`); plus p2p messages of s*b*h*e (/ t under sequence
+  parallelism) twice per chunk and micro-batch on the critical path: 2 * (v*m + p - 1) messages.
+* data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter + parameter all-gather
+  (ZeRO-1/2) moving 2(d-1)/d * the stage's gradient bytes; the gradient part overlaps with the
+  last micro-batch's backward (exposed: what does not fit, at least one bucket), the parameter
+  all-gather after the optimizer step is exposed. ZeRO-3 gathers parameters twice per micro-batch,
+  overlapped with all compute.
+* fixed overhead: `Hardware.layer_overhead_s` per layer and micro-batch (0 for the GPU presets;
+  measured by `mini3d calibrate` on a CPU, where tiny layers are dominated by per-op costs).
+* optimizer: Adam is memory-bound: 28 bytes read or written per local parameter at HBM speed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig, Plan, PlanError
+from ..diagnose.estimator import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, padded_vocab,
+                                  stage_layers, stage_param_count)
+from .hardware import Hardware
+
+ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fraction of peak FLOP/s reached: eff_max * w / (w + half_width)."""
+
+    eff_max: float
+    half_width: float
+
+    def at(self, width: float) -> float:
+        return self.eff_max * width / (width + self.half_width)
+
+
+# Fitted by `mini3d.cost.calibration.fit_efficiency()` on the two Korthikanti et al. 2022 rows
+# (A100-80GB, Megatron-LM); tests check that refitting gives these values and both rows within 5%.
+CALIBRATED = Efficiency(eff_max=0.7665, half_width=425.3)
+
+
+def efficiency_for(hw: Hardware, override: Efficiency | None = None) -> Efficiency:
+    if override is not None:
+        return override
+    if hw.eff_max is not None:
+        return Efficiency(hw.eff_max, hw.eff_half_width or 0.0)
+    return CALIBRATED
+
+
+@dataclass
+class CostEstimate:
+    """What one training step of `plan` costs on `n_gpus` GPUs of `hardware`."""
+
+    model: ModelConfig
+    plan: Plan
+    hardware: str
+    n_gpus: int
+    step_time_s: float
+    tokens_per_s: float
+    model_flops: float  # per step, all GPUs
+    hardware_flops: float  # model FLOPs + recomputation
+    tflops_per_gpu: float  # model FLOP/s per GPU / 1e12
+    hardware_tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    bubble_fraction: float
+    comm_bytes: dict  # wire bytes one rank sends per step, per axis
+    breakdown: dict  # seconds: compute, tp_comm, bubble, pp_comm, dp_exposed (+ dp_total, ...)
+    memory: MemoryEstimate
+    capacity_bytes: float
+    fits: bool = field(init=False)
+
+    def __post_init__(self):
+        self.fits = self.memory.fits(self.capacity_bytes)
+
+    def as_dict(self) -> dict:
+        """The machine-readable estimate printed by `mini3d estimate --json`."""
+        mem = {k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations",
+                                                    "comm_buffers")}
+        mem.update(total=self.memory.total, stage=self.memory.stage)
+        return {"model": self.model.name, "plan": self.plan.to_dict(), "hardware": self.hardware,
+                "n_gpus": self.n_gpus, "memory_per_rank_bytes": mem,
+                "capacity_bytes": self.capacity_bytes, "fits": self.fits,
+                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "tflops_per_gpu": self.tflops_per_gpu,
+                "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
+                "hfu": self.hfu, "bubble_fraction": self.bubble_fraction,
+                "comm_bytes_per_rank": dict(self.comm_bytes), "breakdown_s": dict(self.breakdown)}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
+    """Forward FLOPs per token: one layer's matmuls + attention, its attention core, the head."""
+    h, f = cfg.d_model, cfg.d_ff
+    attn = 4 * seq_len * h
+    return {"layer": 2 * (4 * h * h + 2 * h * f) + attn, "attention": attn,
+            "head": 2 * h * cfg.vocab_size}
+
+
+def model_flops(cfg: ModelConfig, plan: Plan) -> float:
+    """Useful FLOPs of one step: 3 x forward, over every token of the global batch."""
+    f = flops_per_token(cfg, plan.seq_len)
+    return 3.0 * (cfg.n_layers * f["layer"] + f["head"]) * plan.global_batch * plan.seq_len
+
+
+def hardware_flops(cfg: ModelConfig, plan: Plan) -> float:
+    """Model FLOPs plus the forward work recomputation repeats."""
+    f = flops_per_token(cfg, plan.seq_len)
+    extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
+    return model_flops(cfg, plan) + cfg.n_layers * extra * plan.global_batch * plan.seq_len
+
+
+def closed_form_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a pipeline step: (p-1)/(m+p-1); interleaved (p-1)/(v*m+p-1)."""
+    chunks = v * m if kind == "interleaved" else m
+    return (p - 1) / (chunks + p - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def bubble_fraction(kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.0) -> float:
+    """Bubble fraction from the pipeline simulator (uniform stages, p2p costed separately);
+    the closed forms when `mini3d.pp` is not available."""
+    if p == 1:
+        return 0.0
+    try:
+        from mini3d.pp.schedules import make_schedule
+        from mini3d.pp.simulator import simulate
+    except ImportError:
+        return closed_form_bubble(kind, p, m, v)
+    return float(simulate(make_schedule(kind, p, m, v), 1.0, bwd_ratio, 0.0).bubble_fraction)
+
+
+def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
+    """Per-axis bandwidth: an axis whose groups span nodes runs at the inter-node speed.
+    Rank order is tp fastest, then dp, then pp (mini3d.grid), so a tp group stays in a node
+    while tp <= gpus_per_node, a dp group while tp*dp <= gpus_per_node, pp while the world does."""
+    g = hw.gpus_per_node
+    span = {"tp": plan.tp, "dp": plan.tp * plan.dp, "pp": plan.world_size}
+    crosses = {a: n > g or (g % n != 0 and n > 1) for a, n in span.items()}
+    return {a: (hw.internode_bw if crosses[a] else hw.nvlink_bw) for a in span}
+
+
+def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
+    """(stage, layers) of the pipeline rank with the most forward FLOPs per micro-batch."""
+    f = flops_per_token(cfg, plan.seq_len)
+    work = [(len(stage_layers(cfg, plan, r)) * f["layer"] + (f["head"] if r == plan.pp - 1 else 0),
+             r) for r in range(plan.pp)]
+    r = max(work)[1]
+    return r, len(stage_layers(cfg, plan, r))
+
+
+def _tp_time(cfg, plan, hw, layers, bw) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch."""
+    t = plan.tp
+    if t == 1:
+        return 0.0, 0.0, 0.0
+    act = plan.seq_len * plan.micro_batch_size * cfg.d_model * ELEMENT_BYTES[plan.dtype]
+    wire = 2 * (t - 1) / t * act
+    per_op = wire / bw + (2 if plan.sequence_parallel else 1) * hw.latency_s
+    fwd_ops, bwd_ops = 2 * layers, (4 if plan.recompute == "full" else 2) * layers
+    return fwd_ops * per_op, bwd_ops * per_op, (fwd_ops + bwd_ops) * wire
+
+
+def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
+    """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step."""
+    d = plan.dp
+    if d == 1:
+        return 0.0, 0.0, 0.0
+    e = ELEMENT_BYTES[plan.dtype]
+    grads = params = n_params * e
+    frac = (d - 1) / d
+    bucket = plan.bucket_mb * 2**20
+    n_buckets = max(1, math.ceil(grads / bucket))
+    if plan.zero == 0:
+        g_wire, p_wire = 2 * frac * grads, 0.0
+    elif plan.zero in (1, 2):
+        g_wire, p_wire = frac * grads, frac * params
+    else:
+        g_wire, p_wire = frac * grads, 2 * plan.micro_batches * frac * params
+    t_grad = g_wire / bw + n_buckets * hw.latency_s
+    t_last = min(t_grad, frac * min(bucket, grads) * (2 if plan.zero == 0 else 1) / bw + hw.latency_s)
+    exposed = max(t_last, t_grad - t_bwd)
+    t_param = p_wire / bw + (n_buckets * hw.latency_s if p_wire else 0.0)
+    if plan.zero == 3:
+        per_layer = t_param / max(1, 2 * plan.micro_batches * cfg.n_layers)
+        exposed += max(per_layer, t_param - t_compute)
+    else:
+        exposed += t_param
+    return t_grad + t_param, exposed, g_wire + p_wire
+
+
+def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
+                  eff: Efficiency | None = None) -> CostEstimate:
+    """Step time, throughput, utilisation, communication and memory of `plan` (validated first)."""
+    plan.validate(cfg, n_gpus)
+    n = plan.world_size
+    eff = efficiency_for(hw, eff)
+    e, t, m, v, p = ELEMENT_BYTES[plan.dtype], plan.tp, plan.micro_batches, plan.virtual_stages, plan.pp
+    stage, layers = _busiest_rank(cfg, plan)
+    f = flops_per_token(cfg, plan.seq_len)
+    tokens_mb = plan.micro_batch_size * plan.seq_len
+    fwd = (layers * f["layer"] + (f["head"] if stage == p - 1 else 0)) * tokens_mb / t
+    extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
+    width = min(cfg.d_model / t, tokens_mb)
+    slowdown = max(1.0, n / hw.gpus_per_node) if hw.shared_host else 1.0
+    rate = hw.flops(plan.dtype) * eff.at(width) / slowdown
+    c_fwd, c_bwd = fwd / rate, (2 * fwd + layers * extra * tokens_mb / t) / rate
+    overhead = layers * hw.layer_overhead_s * slowdown  # 1/3 forward, 2/3 backward
+    c_fwd, c_bwd = c_fwd + overhead / 3, c_bwd + 2 * overhead / 3
+    bw = link_bandwidths(plan, hw)
+    tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"])
+    t_fwd, t_bwd = c_fwd + tp_fwd, c_bwd + tp_bwd
+    bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
+    pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
+    msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
+    pp_s = 2 * (v * m + p - 1) * (msg / bw["pp"] + hw.latency_s) if p > 1 else 0.0
+    pp_wire = 2 * v * m * msg if p > 1 else 0.0
+    n_params = stage_param_count(cfg, plan, stage)
+    dp_total, dp_exposed, dp_wire = _dp_time(cfg, plan, hw, n_params, bw["dp"], t_bwd,
+                                             m * (t_fwd + t_bwd))
+    local = n_params / (plan.dp if plan.zero >= 1 else 1)
+    opt_s = ADAM_BYTES_PER_PARAM * local / hw.memory_bw * slowdown
+    step = pipeline + pp_s + dp_exposed + opt_s
+    mf, hf = model_flops(cfg, plan), hardware_flops(cfg, plan)
+    peak = hw.flops(plan.dtype)
+    breakdown = {"compute": m * (c_fwd + c_bwd), "tp_comm": m * (tp_fwd + tp_bwd),
+                 "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
+                 "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(width)}
+    return CostEstimate(cfg, plan, hw.name, n, step, plan.global_batch * plan.seq_len / step, mf, hf,
+                        mf / step / n / 1e12, hf / step / n / 1e12, mf / step / n / peak,
+                        hf / step / n / peak, bubble,
+                        {"tp": m * tp_wire, "pp": pp_wire, "dp": dp_wire}, breakdown,
+                        estimate_memory(cfg, plan), hw.memory_bytes)
+
+
+def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
+    """Seconds per optimizer step the model predicts (e.g. for a `mini3d calibrate` CPU JSON)."""
+    return estimate_cost(cfg, plan, hw).step_time_s
+
+
+__all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
+           "flops_per_token", "model_flops", "hardware_flops", "bubble_fraction",
+           "closed_form_bubble", "link_bandwidths", "PlanError", "padded_vocab"]

@@ -1,0 +1,192 @@
+"""Planner: search the valid layouts of a model on n GPUs, drop those that do not fit, rank the rest.
+
+The search walks tp (dividing n_heads and d_ff), pp (at most n_layers), dp = n / (tp * pp) (dividing
+the global batch), micro-batch size and count, schedule (1F1B; GPipe; interleaved with 2..8 virtual
+stages), ZeRO stage (0-2, and 3 without pipelining) and recompute (none, selective, full), with
+sequence parallelism whenever tp > 1 (it only saves memory in this model). Every layout passes
+`Plan.problems()` first. Survivors are ranked by predicted step time, then by memory.
+
+When nothing fits, the answer is not an exception: `PlanSearch.fits` is False, `smallest` is the
+layout with the least memory per rank and `explanation` says by how much it misses; with
+`suggest=True` the search is repeated on larger GPU counts (whole nodes) and the first count with
+fitting layouts is reported with its best ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig, Plan
+from ..diagnose.estimator import CATEGORIES, GB, STATE_BYTES, estimate_memory
+from .hardware import Hardware
+from .model import CostEstimate, estimate_cost
+
+TIME_TERMS = ("compute", "tp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def describe(plan: Plan) -> str:
+    """Short name of a layout, e.g. 'tp8 pp2 dp1 | 32 x mb1 | 1f1b | zero0 | recompute selective'."""
+    sched = plan.schedule + (f" v{plan.virtual_stages}" if plan.schedule == "interleaved" else "")
+    return (f"tp{plan.tp} pp{plan.pp} dp{plan.dp} | {plan.micro_batches} x mb{plan.micro_batch_size}"
+            f" | {sched} | zero{plan.zero} | recompute {plan.recompute}"
+            + (" | sp" if plan.sequence_parallel else ""))
+
+
+def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: int,
+                    dtype: str = "bf16", max_micro_batch: int = 16):
+    """Every valid Plan of the search space (see the module docstring)."""
+    for tp in _divisors(n_gpus):
+        if cfg.n_heads % tp or cfg.d_ff % tp:
+            continue
+        for pp in _divisors(n_gpus // tp):
+            dp = n_gpus // (tp * pp)
+            if pp > cfg.n_layers or global_batch % dp:
+                continue
+            for b in [b for b in _divisors(global_batch // dp) if b <= max_micro_batch]:
+                m = global_batch // (dp * b)
+                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
+                    ("interleaved", v) for v in range(2, 9) if cfg.n_layers % (pp * v) == 0]
+                zeros = (0,) if dp == 1 else ((0, 1, 2, 3) if pp == 1 else (0, 1, 2))
+                for sched, v in scheds:
+                    for zero in zeros:
+                        for rec in ("none", "selective", "full"):
+                            plan = Plan(tp=tp, pp=pp, dp=dp, zero=zero, schedule=sched,
+                                        micro_batches=m, virtual_stages=v, recompute=rec,
+                                        dtype=dtype, global_batch=global_batch, seq_len=seq_len,
+                                        sequence_parallel=tp > 1 and seq_len % tp == 0)
+                            if not plan.problems(cfg, n_gpus):
+                                yield plan
+
+
+@dataclass
+class PlanSearch:
+    """The answer of `search`: the best fitting layouts, or the closest miss."""
+
+    model: ModelConfig
+    hardware: Hardware
+    n_gpus: int
+    candidates: list[CostEstimate]  # fitting layouts, fastest first (top k)
+    n_considered: int
+    n_fit: int
+    smallest: CostEstimate | None  # least memory per rank among all layouts
+    explanation: str = ""
+    suggestion: "PlanSearch | None" = None  # the same search on more GPUs, when nothing fits
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.candidates)
+
+    def as_dict(self) -> dict:
+        return {"model": self.model.name, "hardware": self.hardware.name, "n_gpus": self.n_gpus,
+                "fits": self.fits, "n_considered": self.n_considered, "n_fit": self.n_fit,
+                "candidates": [dict(c.as_dict(), layout=describe(c.plan)) for c in self.candidates],
+                "smallest_memory": None if self.smallest is None else
+                dict(self.smallest.as_dict(), layout=describe(self.smallest.plan)),
+                "explanation": self.explanation, "notes": list(self.notes),
+                "suggested_gpus": self.suggestion.n_gpus if self.suggestion else None,
+                "suggestion": self.suggestion.as_dict() if self.suggestion else None}
+
+
+def why_not(est: CostEstimate) -> str:
+    """One paragraph, in numbers, on why a layout does not fit (or how much room it leaves)."""
+    mem, cap = est.memory, est.capacity_bytes
+    parts = sorted(((getattr(mem, k), k) for k in CATEGORIES), reverse=True)
+    items = ", ".join(f"{k} {v / GB:.1f} GB" for v, k in parts if v)
+    head = (f"{describe(est.plan)} needs {mem.total / GB:.1f} GB per rank (stage {mem.stage}: "
+            f"{items}) against {cap / GB:.1f} GB on a {est.hardware}")
+    if est.fits:
+        return head + f": fits with {(cap - mem.total) / GB:.1f} GB to spare."
+    p, g, o = STATE_BYTES[est.plan.dtype]
+    return (head + f": {(mem.total - cap) / GB:.1f} GB too much. This rank holds "
+            f"{mem.n_params / 1e9:.2f}e9 parameters at {p}+{g}+{o} = {p + g + o} bytes each before "
+            f"ZeRO sharding (dp={est.plan.dp}, zero={est.plan.zero}), i.e. "
+            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states.")
+
+
+def explain(best: CostEstimate, runner_up: CostEstimate | None) -> str:
+    """Why `best` beats `runner_up`, term by term, in seconds."""
+    text = (f"best: {describe(best.plan)}: {best.step_time_s:.3f} s/step, "
+            f"{best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%}, "
+            f"{best.memory.total / GB:.1f} GB per rank.")
+    if runner_up is None:
+        return text + " It is the only layout that fits."
+    slower = runner_up.step_time_s / best.step_time_s - 1
+    text += (f" runner-up: {describe(runner_up.plan)}: {runner_up.step_time_s:.3f} s/step "
+             f"({slower:+.1%}), {runner_up.memory.total / GB:.1f} GB per rank.")
+    deltas = sorted(((runner_up.breakdown[k] - best.breakdown[k], k) for k in TIME_TERMS),
+                    key=lambda d: -abs(d[0]))
+    words = [f"{k.replace('_', ' ')} {d:+.3f} s ({best.breakdown[k]:.3f} -> "
+             f"{runner_up.breakdown[k]:.3f})" for d, k in deltas[:3] if abs(d) > 1e-6]
+    if words:
+        text += " The runner-up differs in " + "; ".join(words) + "."
+    if abs(slower) < 1e-9:
+        text += (f" Equal time; the best is ranked first for needing "
+                 f"{(runner_up.memory.total - best.memory.total) / GB:.2f} GB less memory.")
+    return text
+
+
+def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
+           seq_len: int | None = None, dtype: str = "bf16", top_k: int = 5,
+           max_micro_batch: int = 16, suggest: bool = True) -> PlanSearch:
+    """Rank every valid layout of `cfg` on `n_gpus` GPUs of `hw` by step time; keep the top k."""
+    seq_len = seq_len or cfg.max_seq_len
+    fitting, smallest, smallest_mem, n = [], None, math.inf, 0
+    for plan in candidate_plans(cfg, n_gpus, global_batch, seq_len, dtype, max_micro_batch):
+        n += 1
+        mem = estimate_memory(cfg, plan)
+        if mem.total < smallest_mem:
+            smallest, smallest_mem = plan, mem.total
+        if mem.fits(hw.memory_bytes):
+            fitting.append(estimate_cost(cfg, plan, hw, n_gpus))
+    fitting.sort(key=lambda c: (c.step_time_s, c.memory.total))
+    small = estimate_cost(cfg, smallest, hw, n_gpus) if smallest is not None else None
+    result = PlanSearch(cfg, hw, n_gpus, fitting[:top_k], n, len(fitting), small)
+    pure = Plan(dp=n_gpus, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                micro_batches=max(1, global_batch // n_gpus))
+    if not pure.problems(cfg, n_gpus):
+        dp_only = estimate_cost(cfg, pure, hw, n_gpus)
+        if not dp_only.fits:
+            result.notes.append("pure data parallelism does not fit: " + why_not(dp_only))
+    if fitting:
+        result.explanation = explain(fitting[0], fitting[1] if len(fitting) > 1 else None)
+    elif small is None:
+        result.explanation = (f"no valid layout of {cfg.name} on {n_gpus} GPUs with global batch "
+                              f"{global_batch} and seq_len {seq_len} (check that dp can divide "
+                              f"the global batch and tp the heads)")
+    else:
+        result.explanation = (f"no layout of {cfg.name} fits {n_gpus} x {hw.name} "
+                              f"({hw.memory_bytes / GB:.1f} GB each) among {n} valid layouts. "
+                              f"Smallest memory found: " + why_not(small))
+        if suggest:
+            result.suggestion = _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k,
+                                         max_micro_batch)
+            if result.suggestion is not None:
+                s = result.suggestion
+                result.explanation += (f" With {s.n_gpus} GPUs {s.n_fit} layouts fit; the fastest "
+                                       f"is {describe(s.candidates[0].plan)} at "
+                                       f"{s.candidates[0].step_time_s:.2f} s/step.")
+    return result
+
+
+def _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k, max_micro_batch):
+    """The same search on the smallest larger GPU count (whole nodes) where something fits.
+    Model states alone need state_bytes * n_params / capacity GPUs: start there."""
+    per_param = sum(STATE_BYTES[dtype])
+    lower = max(n_gpus + 1, math.ceil(per_param * cfg.n_params() / hw.memory_bytes))
+    node = hw.gpus_per_node
+    first = -(-lower // node) * node
+    for count in sorted({first, first + node, 2 * first, 4 * first}):
+        found = search(cfg, count, hw, global_batch, seq_len, dtype, top_k, max_micro_batch,
+                       suggest=False)
+        if found.fits:
+            return found
+    return None
+
+
+__all__ = ["search", "PlanSearch", "candidate_plans", "describe", "explain", "why_not"]

@@ -1,0 +1,255 @@
+"""Memory estimator: bytes per rank, per pipeline stage, in the categories the live ledger uses.
+
+`estimate_memory(cfg, plan, stage=None)` returns a `MemoryEstimate` with `params`, `grads`,
+`optimizer`, `activations` and `comm_buffers` bytes for one rank of pipeline stage `stage`
+(default: the stage that needs the most memory), its `total` and `fits(capacity_bytes)`.
+
+Parameters are counted exactly from the layout of `mini3d.model.GPT`: the embedding (token table,
+vocabulary padded to a multiple of tp and split over tp; position table replicated) lives on the
+first stage, the head (final LayerNorm and an untied, bias-free output matrix, vocabulary-parallel)
+on the last. Column-parallel layers (qkv, MLP fc) split weight and bias over tp; row-parallel ones
+(attention proj, MLP proj) split the weight and replicate the bias; LayerNorms are replicated.
+Layers are split over the pp * virtual_stages model chunks as evenly as possible, the first chunks
+taking one extra layer when the split is uneven; chunk c lives on pipeline rank c % pp.
+
+Model states (bytes per parameter, ZeRO paper accounting): float32 keeps params 4, grads 4 and
+Adam moments 8; bf16 keeps bf16 params 2, bf16 grads 2, and 12 in `optimizer` (fp32 master copy 4
++ Adam moments 8). ZeRO-1 divides `optimizer` by dp, ZeRO-2 also `grads`, ZeRO-3 also `params`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig, Plan
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
+GB = 1e9
+STATE_BYTES = {"float32": (4, 4, 8), "bf16": (2, 2, 12)}  # (params, grads, optimizer) per param
+ELEMENT_BYTES = {"float32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank of pipeline stage `stage` holds at its peak, by category."""
+
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    n_params: int  # parameters this rank owns before ZeRO sharding (tp-local, this stage)
+    inflight: float  # micro-batches whose activations the stage holds at its peak (layer-weighted)
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.comm_buffers
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def fits(self, capacity_bytes: float) -> bool:
+        return self.total <= capacity_bytes
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("stage",) + CATEGORIES}
+        d.update(total=self.total, n_params=self.n_params, inflight=self.inflight, detail=self.detail)
+        return d
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {getattr(self, k) / GB:.2f}" for k in CATEGORIES)
+        return f"stage {self.stage}: {self.total / GB:.2f} GB per rank ({parts} GB)"
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp, so every tp rank holds an equal slice."""
+    return -(-vocab_size // tp) * tp
+
+
+def chunk_layers(n_layers: int, n_chunks: int) -> list[list[int]]:
+    """Global layer ids of each model chunk: balanced, the first chunks one longer if uneven."""
+    base, extra = divmod(n_layers, n_chunks)
+    out, start = [], 0
+    for c in range(n_chunks):
+        n = base + (1 if c < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
+    """Every layer pipeline rank `stage` holds (all of its virtual chunks)."""
+    chunks = chunk_layers(cfg.n_layers, plan.pp * plan.virtual_stages)
+    return [i for c, ids in enumerate(chunks) if c % plan.pp == stage for i in ids]
+
+
+def layer_params(cfg: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer block on one tp rank."""
+    h, f = cfg.d_model, cfg.d_ff
+    column = (3 * h * h + 3 * h + h * f + f) // tp  # qkv and MLP fc: weight and bias split
+    row = (h * h + f * h) // tp + 2 * h  # attention and MLP proj: weight split, bias replicated
+    return column + row + 4 * h  # + two replicated LayerNorms
+
+
+def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
+    """Exact parameters on one tp rank of pipeline stage `stage` (before ZeRO sharding)."""
+    h, t = cfg.d_model, plan.tp
+    n = len(stage_layers(cfg, plan, stage)) * layer_params(cfg, t)
+    if stage == 0:
+        n += padded_vocab(cfg.vocab_size, t) * h // t + cfg.max_seq_len * h
+    if stage == plan.pp - 1:
+        n += 2 * h + padded_vocab(cfg.vocab_size, t) * h // t
+    return n
+
+
+def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per rank for `n_params` parameters under ZeRO-`zero`."""
+    p, g, o = STATE_BYTES[dtype]
+    shard = lambda per, stage_from: n_params * per / (dp if zero >= stage_from else 1)  # noqa: E731
+    return (math.ceil(shard(p, 3)), math.ceil(shard(g, 2)), math.ceil(shard(o, 1)))
+
+
+# ----------------------------------------------------------------------------- activations
+
+def paper_layer_activation_bytes(s, b, h, a, tp=1, sp=False, recompute="none") -> float:
+    """Korthikanti et al. 2022, eqs. 1-6: one layer, one micro-batch, 16-bit, with dropout."""
+    if recompute == "full":
+        return 2 * s * b * h / (tp if sp else 1)
+    quad = 0 if recompute == "selective" else 5 * a * s / h
+    if sp or tp == 1:
+        return s * b * h * (34 + quad) / tp
+    return s * b * h * (10 + 24 / tp + quad / tp)
+
+
+def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool = True,
+                           recompute: str | None = None) -> dict:
+    """Bytes one transformer block keeps for backward, one micro-batch, on one tp rank.
+
+    Adapted from Korthikanti et al. 2022 (s*b*h*(34 + 5*a*s/h) at 16 bits), term by term, with
+    e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
+
+    * LayerNorm inputs 4sbh -> 2 * sbh*e (ln1, ln2); replicated over tp unless sequence parallel.
+    * qkv input 2sbh and MLP fc input 2sbh -> 2 * sbh*e (the LayerNorm outputs); same tp rule.
+    * Q, K (4sbh) and V (2sbh) -> 3 * sbh*e / t (the qkv output, saved by the attention core).
+    * softmax 2as^2b + its dropout mask as^2b + dropout output 2as^2b: mini3d has no dropout and
+      calls `scaled_dot_product_attention`, whose fused kernels keep the output (sbh*e / t) and
+      the fp32 log-sum-exp (4*a*s*b / t) instead of any s^2 tensor. With `fused_attention=False`
+      (the math kernel) it keeps the softmax probabilities: a*s^2*b*e / t.
+    * attention projection input 2sbh -> sbh*e / t (a contiguous copy of the core's output).
+    * attention and MLP dropout masks (sbh each): absent (no dropout).
+    * GELU input 8sbh and MLP projection input 8sbh -> 2 * sbf*e / t (Korthikanti has f = 4h).
+
+    Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
+    keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
+    With e = 2, f = 4h, a math kernel and dropout masks added back, the sum is the paper's
+    formula (tested). Returns {"stored": bytes kept per layer per micro-batch, "full": bytes
+    the block keeps without recompute (the transient peak while one block is recomputed)}.
+    """
+    s, b, h, a, f = plan.seq_len, plan.micro_batch_size, cfg.d_model, cfg.n_heads, cfg.d_ff
+    t, e = plan.tp, ELEMENT_BYTES[plan.dtype]
+    sbh = s * b * h * e
+    rep = 4 * sbh / (t if plan.sequence_parallel else 1)
+    core = (sbh + 4 * a * s * b) / t if fused_attention else a * s * s * b * e / t
+    split = (3 * sbh + sbh + 2 * s * b * f * e) / t
+    full = rep + split + core
+    recompute = plan.recompute if recompute is None else recompute
+    if recompute == "full":
+        stored = sbh / (t if plan.sequence_parallel else 1)
+    elif recompute == "selective":
+        stored = rep + split
+    else:
+        stored = full
+    return {"stored": stored, "full": full}
+
+
+def inflight_microbatches(plan: Plan, stage: int) -> float:
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole-stage units.
+
+    GPipe runs every forward first: m. 1F1B: min(m, pp - stage). Interleaved 1F1B (Megatron's
+    order): rank r runs 2*(pp-r-1) + (v-1)*pp warm-up chunk forwards, plus the one in flight, each
+    chunk being 1/v of the stage, capped at m*v chunks. Rank 0 holds (1 + (pp-1)/(pp*v)) * pp
+    micro-batches' worth of its layers (Korthikanti et al. 2022, sec. 4.2.3)."""
+    m, p, v = plan.micro_batches, plan.pp, plan.virtual_stages
+    if plan.schedule == "gpipe":
+        return float(m)
+    if plan.schedule == "interleaved":
+        return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1) / v
+    return float(min(m, p - stage))
+
+
+def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
+    """Last stage, one micro-batch: ln_f input, output-projection input and the fp32 log-softmax
+    over the tp-local vocabulary slice that cross-entropy keeps for backward."""
+    s, b, h, t = plan.seq_len, plan.micro_batch_size, cfg.d_model, plan.tp
+    e = ELEMENT_BYTES[plan.dtype]
+    ln = s * b * h * e / (t if plan.sequence_parallel else 1)
+    return ln + s * b * h * e + s * b * padded_vocab(cfg.vocab_size, t) // t * 4
+
+
+def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
+    """Buffers communication needs besides the tensors above (stated choices, not measurements):
+    dp: two gradient buckets (one filling, one in flight); ZeRO-3: one block's gathered
+    parameters plus the prefetched next; pp: a send and a receive activation buffer;
+    sequence parallel: one all-gathered (s, b, h) input."""
+    e = ELEMENT_BYTES[plan.dtype]
+    sbh = plan.seq_len * plan.micro_batch_size * cfg.d_model * e
+    out = {"dp": 0.0, "zero3": 0.0, "pp": 0.0, "tp": 0.0}
+    if plan.dp > 1:
+        out["dp"] = 2 * plan.bucket_mb * 2**20
+    if plan.dp > 1 and plan.zero == 3:
+        out["zero3"] = 2 * layer_params(cfg, plan.tp) * e
+    if plan.pp > 1:
+        out["pp"] = 2 * sbh / (plan.tp if plan.sequence_parallel else 1)
+    if plan.tp > 1 and plan.sequence_parallel:
+        out["tp"] = sbh
+    return out
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
+                   fused_attention: bool = True) -> MemoryEstimate:
+    """Memory of one rank of pipeline stage `stage`."""
+    if not 0 <= stage < plan.pp:
+        raise ValueError(f"stage={stage} is outside pp={plan.pp} stages (choose 0..{plan.pp - 1})")
+    n = stage_param_count(cfg, plan, stage)
+    params, grads, optimizer = model_state_bytes(n, plan.dtype, plan.dp, plan.zero)
+    layers = len(stage_layers(cfg, plan, stage))
+    per_layer = layer_activation_bytes(cfg, plan, fused_attention)
+    inflight = inflight_microbatches(plan, stage)
+    act = inflight * layers * per_layer["stored"]
+    if plan.recompute == "full" and layers:
+        act += per_layer["full"]  # the block being recomputed during backward
+    head = 0.0
+    if stage == plan.pp - 1:
+        head = (plan.micro_batches if plan.schedule == "gpipe" else 1) * head_activation_bytes(cfg, plan)
+    buffers = comm_buffer_bytes(cfg, plan)
+    detail = {"layers": layers, "layer_stored_bytes": per_layer["stored"],
+              "layer_full_bytes": per_layer["full"], "head_bytes": head,
+              "comm_buffers": buffers}
+    return MemoryEstimate(stage, params, grads, optimizer, math.ceil(act + head),
+                          math.ceil(sum(buffers.values())), n, inflight, detail)
+
+
+def estimate_all_stages(cfg: ModelConfig, plan: Plan, fused_attention: bool = True):
+    return [estimate_stage(cfg, plan, s, fused_attention) for s in range(plan.pp)]
+
+
+def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
+                    fused_attention: bool = True) -> MemoryEstimate:
+    """Memory per rank of stage `stage`, or of the stage that needs the most when `stage` is None."""
+    if stage is not None:
+        return estimate_stage(cfg, plan, stage, fused_attention)
+    return max(estimate_all_stages(cfg, plan, fused_attention), key=lambda e: e.total)
+
+
+__all__ = ["MemoryEstimate", "CATEGORIES", "estimate_memory", "estimate_stage", "estimate_all_stages",
+           "model_state_bytes", "stage_param_count", "stage_layers", "chunk_layers", "layer_params",
+           "padded_vocab", "layer_activation_bytes", "paper_layer_activation_bytes",
+           "inflight_microbatches"]
