@@ -127,7 +127,7 @@ def paper_layer_activation_bytes(s, b, h, a, tp=1, sp=False, recompute="none") -
     return s * b * h * (10 + 24 / tp + quad / tp)
 
 
-def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool = True,
+def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool = False,
                            recompute: str | None = None) -> dict:
     """Bytes one transformer block keeps for backward, one micro-batch, on one tp rank.
 
@@ -138,9 +138,10 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool =
     * qkv input 2sbh and MLP fc input 2sbh -> 2 * sbh*e (the LayerNorm outputs); same tp rule.
     * Q, K (4sbh) and V (2sbh) -> 3 * sbh*e / t (the qkv output, saved by the attention core).
     * softmax 2as^2b + its dropout mask as^2b + dropout output 2as^2b: mini3d has no dropout and
-      calls `scaled_dot_product_attention`, whose fused kernels keep the output (sbh*e / t) and
-      the fp32 log-sum-exp (4*a*s*b / t) instead of any s^2 tensor. With `fused_attention=False`
-      (the math kernel) it keeps the softmax probabilities: a*s^2*b*e / t.
+      writes the attention core out (mini3d.model.attention_core), so it keeps the softmax
+      probabilities: a*s^2*b*e / t (the default, `fused_attention=False`). A fused kernel
+      (`fused_attention=True`, e.g. scaled_dot_product_attention's flash path) would keep only the
+      output (sbh*e / t) and the fp32 log-sum-exp (4*a*s*b / t).
     * attention projection input 2sbh -> sbh*e / t (a contiguous copy of the core's output).
     * attention and MLP dropout masks (sbh each): absent (no dropout).
     * GELU input 8sbh and MLP projection input 8sbh -> 2 * sbf*e / t (Korthikanti has f = 4h).
@@ -214,7 +215,7 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
 # ----------------------------------------------------------------------------- the estimate
 
 def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
-                   fused_attention: bool = True) -> MemoryEstimate:
+                   fused_attention: bool = False) -> MemoryEstimate:
     """Memory of one rank of pipeline stage `stage`."""
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage} is outside pp={plan.pp} stages (choose 0..{plan.pp - 1})")
@@ -237,12 +238,12 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
                           math.ceil(sum(buffers.values())), n, inflight, detail)
 
 
-def estimate_all_stages(cfg: ModelConfig, plan: Plan, fused_attention: bool = True):
+def estimate_all_stages(cfg: ModelConfig, plan: Plan, fused_attention: bool = False):
     return [estimate_stage(cfg, plan, s, fused_attention) for s in range(plan.pp)]
 
 
 def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
-                    fused_attention: bool = True) -> MemoryEstimate:
+                    fused_attention: bool = False) -> MemoryEstimate:
     """Memory per rank of stage `stage`, or of the stage that needs the most when `stage` is None."""
     if stage is not None:
         return estimate_stage(cfg, plan, stage, fused_attention)
