@@ -14,7 +14,8 @@ The activation ledger uses `torch.autograd.graph.saved_tensors_hooks` to see eve
 saves, attributes it to the module running at that moment (tracked with forward pre-hooks), and counts
 each storage once (q, k and v are views of one qkv output; parameters are not activations).
 
-Per-layer bytes for this model in float32 with no dropout (s tokens, b sequences, h hidden, a heads,
+Per-layer bytes for this model in float32 with no dropout (computed by
+`mini3d.diagnose.estimator.layer_activation_bytes`, which the tests compare with this ledger) (s tokens, b sequences, h hidden, a heads,
 t tensor-parallel ranks), adapting Korthikanti's 16-bit count s*b*h*(34 + 5*a*s/h):
 
     none:      s*b*h*(16 + 48/t) + 4*a*s^2*b/t     (t=1: 64*s*b*h + 4*a*s^2*b)
@@ -64,19 +65,6 @@ def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
             if not getattr(block.forward, "recomputed", False):
                 block.forward = _checkpointed(block.forward)
     return model
-
-
-def per_layer_activation_bytes(s: int, b: int, h: int, a: int, policy: str, t: int = 1,
-                               sequence_parallel: bool = False, bytes_per_value: int = 4) -> float:
-    """Bytes one transformer layer keeps for backward, per micro-batch (see the module docstring)."""
-    k = bytes_per_value / 4  # the formulas above are for 4-byte values
-    replicated = 16 / t if sequence_parallel else 16
-    if policy == "full":
-        return k * 4 * s * b * h / (t if sequence_parallel else 1)
-    out = s * b * h * (replicated + 48 / t)
-    if policy == "none":
-        out += 4 * a * s * s * b / t
-    return k * out
 
 
 class ActivationLedger:

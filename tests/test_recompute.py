@@ -5,7 +5,9 @@ import torch
 
 from mini3d.config import ModelConfig
 from mini3d.model import GPT
-from mini3d.recompute import apply_recompute, measure_activations, per_layer_activation_bytes
+from mini3d.config import Plan
+from mini3d.diagnose.estimator import layer_activation_bytes
+from mini3d.recompute import apply_recompute, measure_activations
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64)
 
@@ -41,7 +43,7 @@ def test_policies_equal_none_and_ledger_orders_and_matches_formula(b, s):
         measured[policy] = ledger.layer_bytes(0)
     assert measured["full"] < measured["selective"] < measured["none"]
     for policy, got in measured.items():
-        want = per_layer_activation_bytes(s, b, CFG.d_model, CFG.n_heads, policy)
+        want = layer_activation_bytes(CFG, Plan(seq_len=s, global_batch=b), recompute=policy)["stored"]
         # The formula leaves out LayerNorm mean/rstd (2 x 2*b*s*4 bytes) and the (s, s) causal mask:
         # both are below 2% of a layer at these sizes.
         assert abs(got - want) / want < 0.02, (policy, got, want)
