@@ -110,12 +110,6 @@ def not_implemented(plan: Plan, args) -> list[str]:
         out.append(f"tp={plan.tp} (tensor parallelism) is not implemented yet")
     if plan.pp > 1:
         out.append(f"pp={plan.pp} (pipeline parallelism) is not implemented yet")
-    if plan.dp > 1 or plan.zero:
-        out.append(f"dp={plan.dp} / zero={plan.zero} (data parallelism) is not implemented yet")
-    if plan.recompute != "none":
-        out.append(f"recompute={plan.recompute!r} is not implemented yet")
-    if plan.dtype != "float32":
-        out.append(f"dtype={plan.dtype!r} is not implemented yet")
     if args.save or args.resume:
         out.append("--save / --resume (checkpoints) are not implemented yet")
     return out

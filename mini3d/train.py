@@ -10,6 +10,7 @@ progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and retu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import time
@@ -22,7 +23,9 @@ from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
 from .data import Batches, load_tokens
 from .grid import Grid, build_topology
 from .launch import current_device
+from .dp import make_dp
 from .model import GPT
+from .recompute import apply_recompute
 
 
 def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
@@ -44,15 +47,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Trainer:
-    """One rank's share of the model and optimizer, and one optimizer step over a global batch."""
+    """One rank's share of the model and optimizer, and one optimizer step over a global batch.
+
+    Parallelising is an ordered series of transforms (see `parallelize`): build this rank's
+    pipeline stage from the reference model, split it for tensor parallelism, apply the recompute
+    policy, then wrap it for data parallelism / ZeRO with the optimizer."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, topo, seed: int, lr: float,
                  weight_decay: float = 0.0):
         self.cfg, self.plan, self.topo = cfg, plan, topo
-        self.model = GPT(cfg, seed).to(topo.device)
-        self.params = list(self.model.parameters())
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(0.9, 0.95),
-                                           weight_decay=weight_decay)
+        self.net, self.optimizer = parallelize(cfg, plan, topo, seed, lambda params: torch.optim.AdamW(
+            params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay))
 
     @property
     def holds_loss(self) -> bool:
@@ -62,13 +67,16 @@ class Trainer:
         """Forward + backward over every micro-batch, then one optimizer step; returns the mean loss."""
         m = len(micro_batches)
         total = 0.0
+        dev = self.topo.device
         for i, (x, y) in enumerate(micro_batches):
             self.topo.log.context = {"mb": i}
-            loss = self.model(x.to(self.topo.device), y.to(self.topo.device))
-            (loss / m).backward()  # mean over micro-batches = mean over the replica's batch
+            sync = contextlib.nullcontext() if i == m - 1 else self.net.no_sync()
+            with sync:
+                loss = self.net(x.to(dev), y.to(dev))
+                (loss / m).backward()  # mean over micro-batches = mean over the replica's batch
             total += loss.item() / m
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()  # finishes the gradient sync first
+        self.optimizer.zero_grad()
         return total
 
     def mean_loss_over_dp(self, loss: float) -> float:
@@ -77,6 +85,15 @@ class Trainer:
         t = torch.tensor([loss], dtype=torch.float64)
         comm.all_reduce(t, self.topo.dp, op="avg")
         return float(t.item())
+
+
+def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory):
+    """The ordered transforms that turn the reference model into this rank's share of it:
+    1. this pipeline stage's layers (pp), 2. tensor-parallel shards (tp), 3. recomputation,
+    4. data parallelism / ZeRO with the optimizer over the dp axis. Returns (module, optimizer)."""
+    model = GPT(cfg, seed).to(topo.device)
+    apply_recompute(model, plan.recompute)
+    return make_dp(model, topo.dp, plan, optimizer_factory)
 
 
 def train_worker(spec: dict) -> dict:
