@@ -49,9 +49,11 @@ def _check_parity(o, label):
     for step, diffs in enumerate(o["param"]):
         for name, (d, _) in diffs.items():
             assert d <= PARAM_ATOL, f"{label} after step {step}: param {name} off by {d}"
+    assert o["reload_exact"], f"{label}: load_full_state_dict / full_state_dict round trip"
     p = o["pipeline"]
     assert p["shape_ok"], f"{label}: stage boundary {p['shape']}"
     assert abs(p["loss"][0] - p["loss"][1]) <= LOSS_ATOL, label
+    assert p["logits_diff"] <= 1e-5, f"{label}: gathered logits off by {p['logits_diff']}"  # ~1e-7
     for name, (d, scale) in p["grad"].items():
         assert d <= GRAD_ATOL + GRAD_RTOL * scale, f"{label} pipeline stages: grad {name} off by {d}"
 
@@ -68,6 +70,16 @@ def tp_runs():
 def test_parity_multi_rank(tp_runs, tp, sp):
     for o in tp_runs:
         _check_parity(o["results"][(tp, sp)], f"rank {o['rank']} tp={tp} sp={sp}")
+
+
+@pytest.mark.timeout(300)
+def test_mappings_forward_and_backward(tp_runs):
+    for o in tp_runs:
+        for tp, checks in o["mappings"].items():
+            assert len(checks) == 7
+            for name, (fwd, bwd) in checks.items():
+                # sums of at most 4 float32 numbers of size ~3: exact to ~1e-6
+                assert fwd <= 1e-5 and bwd <= 1e-5, f"rank {o['rank']} tp={tp} {name}: {fwd}, {bwd}"
 
 
 @pytest.mark.timeout(120)

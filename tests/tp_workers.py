@@ -13,7 +13,9 @@ import torch.distributed as dist
 from mini3d.config import ModelConfig, Plan
 from mini3d.grid import Grid, build_topology
 from mini3d.model import GPT
-from mini3d.tp import apply_tp, boundary_shape, full_grads, full_state_dict, sync_tp_grads
+from mini3d.tp import mappings as M
+from mini3d.tp import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
+                       load_full_state_dict, sync_tp_grads)
 
 BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
 
@@ -69,6 +71,11 @@ def run_parity(topo, cfg: ModelConfig, sp: bool, seed: int = 0) -> dict:
         opt.zero_grad(), opt_ref.zero_grad()
         out["param"].append(_max_diff(full_state_dict(model, topo), ref, grads=False))
     out["events"] = _tp_events(log, run, 0)
+    # checkpoint round trip: a differently seeded sharded model loads the trained full weights
+    other = apply_tp(GPT(cfg, seed + 1), topo, plan)
+    load_full_state_dict(other, topo, {n: p.detach() for n, p in ref.named_parameters()})
+    back = full_state_dict(other, topo)
+    out["reload_exact"] = all(torch.equal(back[n], p) for n, p in ref.named_parameters())
     out["pipeline"] = _pipeline_check(topo, cfg, plan, seed)
     return out
 
@@ -91,8 +98,43 @@ def _pipeline_check(topo, cfg, plan, seed):
     ref_loss = ref(x, y)
     ref_loss.backward()
     grads = {**full_grads(s0, topo), **full_grads(s1, topo)}
+    with torch.no_grad():  # logits without targets: this rank's vocab shard, gathered on request
+        logits = gather_logits(s1(s0(x)), topo, cfg.vocab_size)
+        logits_diff = float((logits - ref(x)).abs().max())
     return {"shape_ok": shape_ok, "shape": tuple(h.shape), "loss": (loss.item(), ref_loss.item()),
-            "grad": _max_diff(grads, ref, grads=True)}
+            "grad": _max_diff(grads, ref, grads=True), "logits_diff": logits_diff}
+
+
+def mapping_checks(axis) -> dict[str, tuple[float, float]]:
+    """Every public mapping against its definition: (forward error, backward error) per op.
+    Inputs and upstream gradients are scaled by (tp_rank + 1) so sums and placements are visible."""
+    g = torch.Generator().manual_seed(7)
+    X, G = torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g)
+    t, i = axis.size, axis.index
+    k = float(i + 1)
+    s = float(sum(range(1, t + 1)))  # sum over ranks of (rank + 1)
+    last = lambda T: T.chunk(t, -1)  # noqa: E731
+    seq = lambda T: T.chunk(t, 1)  # noqa: E731
+    scaled = lambda parts: [p * (r + 1) for r, p in enumerate(parts)]  # noqa: E731
+    cases = {  # op: (input, expected output, upstream grad, expected input grad)
+        "copy_to_tp": (M.copy_to_tp, X * k, X * k, G * k, G * s),
+        "reduce_from_tp": (M.reduce_from_tp, X * k, X * s, G * k, G * k),
+        "scatter_to_tp": (M.scatter_to_tp, X, last(X)[i], last(G)[i] * k,
+                          torch.cat(scaled(last(G)), -1)),
+        "gather_from_tp": (M.gather_from_tp, last(X)[i], X, G * k, last(G)[i] * k),
+        "gather_from_sequence": (M.gather_from_sequence, seq(X)[i], X, G * k, seq(G)[i] * s),
+        "reduce_scatter_to_sequence": (M.reduce_scatter_to_sequence, X * k, seq(X)[i] * s,
+                                       seq(G)[i] * k, torch.cat(scaled(seq(G)), 1)),
+        "scatter_to_sequence": (M.scatter_to_sequence, X, seq(X)[i], seq(G)[i] * k,
+                                torch.cat(scaled(seq(G)), 1)),
+    }
+    out = {}
+    for name, (fn, x, y_exp, up, gx_exp) in cases.items():
+        x = x.clone().requires_grad_()
+        y = fn(x, axis)
+        y.backward(up)
+        out[name] = (float((y - y_exp).abs().max()), float((x.grad - gx_exp).abs().max()))
+    return out
 
 
 def tp_job(cfg_dict: dict) -> dict:
@@ -105,7 +147,8 @@ def tp_job(cfg_dict: dict) -> dict:
     for tp, topo in topos.items():
         for sp in (False, True):
             results[(tp, sp)] = run_parity(topo, cfg, sp)
-    return {"rank": rank, "results": results}
+    return {"rank": rank, "results": results, "mappings": {tp: mapping_checks(topo.tp)
+                                                            for tp, topo in topos.items()}}
 
 
 def tp1_run(cfg_dict: dict) -> dict:

@@ -141,6 +141,32 @@ def full_grads(model, topo) -> dict[str, torch.Tensor]:
     return _full(model, topo, "grad")
 
 
+@torch.no_grad()
+def load_full_state_dict(model, topo, state: dict[str, torch.Tensor]) -> None:
+    """Inverse of `full_state_dict`: copy this tp_rank's slice of each full tensor into the sharded
+    model (vocab padding rows become zeros). No communication; names as in the reference."""
+    for name, p in model.named_parameters():
+        full = state[name].to(p.device, p.dtype)
+        if not is_tp_sharded(p):
+            p.copy_(full)
+            continue
+        dim, idx = p.tp_dim, p.tp_index.chunk(topo.tp.size)[topo.tp.index].to(p.device)
+        pad = len(p.tp_index) - full.shape[dim]
+        if pad:
+            shape = list(full.shape)
+            shape[dim] = pad
+            full = torch.cat([full, full.new_zeros(shape)], dim)
+        p.copy_(full.index_select(dim, idx))
+
+
+def gather_logits(logits: torch.Tensor, topo, vocab_size: int) -> torch.Tensor:
+    """Full (B, T, V) logits from the vocab-sharded ones `head(x)` returns without targets
+    (all-gather over tp along the last dim, padding dropped). For evaluation and sampling."""
+    from .mappings import gather_from_tp
+
+    return gather_from_tp(logits, topo.tp)[..., :vocab_size]
+
+
 def boundary_shape(plan, micro_batch_size: int, cfg) -> tuple[int, int, int]:
     """Per-rank activation shape sent between pipeline stages: (b, s, h), or (b, s/tp, h) under
     sequence parallelism (each tp rank sends only its sequence shard)."""
@@ -149,4 +175,5 @@ def boundary_shape(plan, micro_batch_size: int, cfg) -> tuple[int, int, int]:
 
 
 __all__ = ["apply_tp", "sync_tp_grads", "full_state_dict", "full_grads", "boundary_shape",
+           "load_full_state_dict", "gather_logits",
            "ParallelEmbedding", "is_tp_sharded"]
