@@ -49,8 +49,9 @@ class Attention(nn.Module):
         self.core = attention_core
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(self.n_local_heads * self.head_dim, dim=-1)
+        qkv = self.qkv(x)  # (B, T, 3C); T is the whole sequence even when x is a sequence shard
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(self.n_local_heads * self.head_dim, dim=-1)
         q, k, v = (t.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = self.core(q, k, v)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_local_heads * self.head_dim)

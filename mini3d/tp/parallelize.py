@@ -1,0 +1,198 @@
+"""`apply_tp`: turn a reference `mini3d.model.GPT` (or one pipeline stage of it) into its tp_rank's
+shard, in place, plus the helpers a trainer and the parity tests need around it.
+
+What each module becomes (Megatron-LM's layout; `f`/`g` are in mappings.py):
+
+    embed.wte      VocabParallelEmbedding      rows of the padded vocabulary; g after the lookup
+    attn.qkv       ColumnParallelLinear        split BY HEADS: each rank's q, k and v head rows
+    attn.proj      RowParallelLinear           columns of those heads; g after it
+    mlp.fc         ColumnParallelLinear        contiguous chunk of d_ff
+    mlp.proj       RowParallelLinear           the matching columns; g after it
+    head.out       ColumnParallelLinear        rows of the padded vocabulary (no gather)
+    head.loss_fn   VocabParallelLoss           cross-entropy without full logits
+
+LayerNorms, position embeddings and row-parallel biases stay replicated.
+
+With `plan.sequence_parallel` the activations between the parallel regions are (B, T/tp, C) shards:
+the embedding reduce-scatters along the sequence instead of all-reducing, each column-parallel
+input all-gathers the sequence (instead of `f`), each row-parallel output reduce-scatters it
+(instead of `g`), and the head gathers the sequence before its vocab-parallel matmul. The
+replicated parameters then see only T/tp positions on each rank, so their gradients are partial
+sums: call `sync_tp_grads(model, topo)` after backward (it is a no-op without sequence
+parallelism). Parameter names are unchanged, so `full_state_dict` keys match the reference's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import comm
+from .cross_entropy import VocabParallelLoss
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_index
+
+
+class ParallelEmbedding(nn.Module):
+    """Token (vocab-parallel) + position embeddings; under sequence parallelism it returns this
+    rank's (B, T/tp, C) shard: the token part is reduce-scattered along the sequence and only this
+    rank's positions are added."""
+
+    def __init__(self, ref, axis, sequence_parallel: bool):
+        super().__init__()
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.wte = VocabParallelEmbedding(ref.wte, axis, sequence_parallel)
+        self.wpe = ref.wpe  # replicated
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        pos = torch.arange(T, device=idx.device)
+        if self.sequence_parallel and self.axis.size > 1:
+            pos = pos.chunk(self.axis.size)[self.axis.index]
+        return self.wte(idx) + self.wpe(pos)  # (B, T, C) or (B, T/tp, C)
+
+
+def _parallelize_block(block, axis, cfg, sp: bool):
+    tp = axis.size
+    attn, mlp = block.attn, block.mlp
+    heads = [head_index(cfg.d_model, tp, r) for r in range(tp)]
+    attn.qkv = ColumnParallelLinear(attn.qkv, axis, index=heads, sequence_parallel=sp)
+    attn.proj = RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
+    attn.n_local_heads = cfg.n_heads // tp
+    mlp.fc = ColumnParallelLinear(mlp.fc, axis, sequence_parallel=sp)
+    mlp.proj = RowParallelLinear(mlp.proj, axis, sequence_parallel=sp)
+
+
+def apply_tp(model, topo, plan):
+    """Shard `model` (a reference GPT or pipeline stage) over `topo.tp` in place and return it.
+
+    Build the optimizer AFTER this call (the sharded parameters are new tensors). tp=1 runs the
+    very same code (every collective on a one-member axis is the identity)."""
+    axis, cfg = topo.tp, model.cfg
+    problems = [p for p in plan.problems(cfg) if p.startswith(("tp=", "sequence"))]
+    if plan.tp != axis.size:
+        problems.append(f"plan.tp={plan.tp} != size of the tp axis {axis.size}")
+    if problems:
+        raise ValueError("cannot apply tensor parallelism: " + "; ".join(problems))
+    sp = bool(plan.sequence_parallel)
+    if model.embed is not None:
+        model.embed = ParallelEmbedding(model.embed, axis, sp)
+    for block in model.blocks.values():
+        _parallelize_block(block, axis, cfg, sp)
+    if model.head is not None:
+        out = ColumnParallelLinear(model.head.out, axis, sequence_parallel=sp)
+        model.head.out = out
+        start = axis.index * (out.padded_out // axis.size)
+        model.head.loss_fn = VocabParallelLoss(axis, start, cfg.vocab_size)
+    model.tp_axis, model.sequence_parallel = axis, sp
+    return model
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    return hasattr(p, "tp_dim")
+
+
+def sync_tp_grads(model, topo) -> None:
+    """Under sequence parallelism, sum over tp the gradients of the replicated parameters
+    (LayerNorms, position embedding, row-parallel biases): each rank saw only its T/tp positions.
+    One flattened all-reduce. A no-op without sequence parallelism or with tp=1."""
+    if not getattr(model, "sequence_parallel", False) or topo.tp.size == 1:
+        return
+    grads = [p.grad for p in model.parameters() if not is_tp_sharded(p) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, topo.tp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def grad_norm_sq(model, topo) -> torch.Tensor:
+    """Squared L2 norm of the full model's gradient (for clipping): sharded gradients are summed
+    over tp (one all-reduce of a scalar), replicated ones counted once. Call after `sync_tp_grads`;
+    pipeline stages / dp replicas are the caller's to combine."""
+    sharded = replicated = None
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().float().pow(2).sum()
+        if is_tp_sharded(p):
+            sharded = sq if sharded is None else sharded + sq
+        else:
+            replicated = sq if replicated is None else replicated + sq
+    zero = torch.zeros((), device=next(model.parameters()).device)
+    sharded = zero.clone() if sharded is None else sharded
+    comm.all_reduce(sharded, topo.tp)
+    return sharded + (zero if replicated is None else replicated)
+
+
+def _unshard(t: torch.Tensor, p, axis) -> torch.Tensor:
+    """The full tensor of sharded parameter `p` from this rank's shard `t` (its value or grad)."""
+    dim = p.tp_dim
+    front = t.detach().movedim(dim, 0).contiguous()
+    gathered = front.new_empty((axis.size * front.shape[0],) + tuple(front.shape[1:]))
+    comm.all_gather(gathered, front, axis)
+    full = torch.empty_like(gathered)
+    full.index_copy_(0, p.tp_index.to(full.device), gathered)
+    return full[:p.tp_full_size].movedim(0, dim).contiguous()
+
+
+def _full(model, topo, which: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach() if which == "data" else p.grad
+        if t is None:
+            t = torch.zeros_like(p)
+        out[name] = _unshard(t, p, topo.tp) if is_tp_sharded(p) else t.detach().clone()
+    return out
+
+
+def full_state_dict(model, topo) -> dict[str, torch.Tensor]:
+    """name -> full parameter tensor (shards gathered over tp, vocab padding dropped), keyed like
+    the reference model. Collective: every tp rank must call it."""
+    return _full(model, topo, "data")
+
+
+def full_grads(model, topo) -> dict[str, torch.Tensor]:
+    """name -> full gradient (zeros where .grad is None). Call after `sync_tp_grads`.
+    Collective: every tp rank must call it."""
+    return _full(model, topo, "grad")
+
+
+@torch.no_grad()
+def load_full_state_dict(model, topo, state: dict[str, torch.Tensor]) -> None:
+    """Inverse of `full_state_dict`: copy this tp_rank's slice of each full tensor into the sharded
+    model (vocab padding rows become zeros). No communication; names as in the reference."""
+    for name, p in model.named_parameters():
+        full = state[name].to(p.device, p.dtype)
+        if not is_tp_sharded(p):
+            p.copy_(full)
+            continue
+        dim, idx = p.tp_dim, p.tp_index.chunk(topo.tp.size)[topo.tp.index].to(p.device)
+        pad = len(p.tp_index) - full.shape[dim]
+        if pad:
+            shape = list(full.shape)
+            shape[dim] = pad
+            full = torch.cat([full, full.new_zeros(shape)], dim)
+        p.copy_(full.index_select(dim, idx))
+
+
+def gather_logits(logits: torch.Tensor, topo, vocab_size: int) -> torch.Tensor:
+    """Full (B, T, V) logits from the vocab-sharded ones `head(x)` returns without targets
+    (all-gather over tp along the last dim, padding dropped). For evaluation and sampling."""
+    from .mappings import gather_from_tp
+
+    return gather_from_tp(logits, topo.tp)[..., :vocab_size]
+
+
+def boundary_shape(plan, micro_batch_size: int, cfg) -> tuple[int, int, int]:
+    """Per-rank activation shape sent between pipeline stages: (b, s, h), or (b, s/tp, h) under
+    sequence parallelism (each tp rank sends only its sequence shard)."""
+    s = plan.seq_len // plan.tp if plan.sequence_parallel else plan.seq_len
+    return (micro_batch_size, s, cfg.d_model)
+
+
+__all__ = ["apply_tp", "sync_tp_grads", "full_state_dict", "full_grads", "boundary_shape",
+           "load_full_state_dict", "gather_logits", "grad_norm_sq",
+           "ParallelEmbedding", "is_tp_sharded"]
