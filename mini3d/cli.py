@@ -106,8 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
 # Features whose flags are accepted but whose implementation has not landed yet.
 def not_implemented(plan: Plan, args) -> list[str]:
     out = []
-    if plan.tp > 1 or plan.sequence_parallel:
-        out.append(f"tp={plan.tp} (tensor parallelism) is not implemented yet")
     if plan.pp > 1:
         out.append(f"pp={plan.pp} (pipeline parallelism) is not implemented yet")
     if args.save or args.resume:

@@ -26,6 +26,7 @@ from .launch import current_device
 from .dp import make_dp
 from .model import GPT
 from .recompute import apply_recompute
+from .tp import apply_tp, sync_tp_grads
 
 
 def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
@@ -56,8 +57,9 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, plan: Plan, topo, seed: int, lr: float,
                  weight_decay: float = 0.0):
         self.cfg, self.plan, self.topo = cfg, plan, topo
-        self.net, self.optimizer = parallelize(cfg, plan, topo, seed, lambda params: torch.optim.AdamW(
-            params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay))
+        self.model, self.net, self.optimizer = parallelize(
+            cfg, plan, topo, seed,
+            lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay))
 
     @property
     def holds_loss(self) -> bool:
@@ -68,14 +70,18 @@ class Trainer:
         m = len(micro_batches)
         total = 0.0
         dev = self.topo.device
+        # Sequence parallelism leaves partial LayerNorm gradients on each tp rank: they are summed
+        # over tp before the dp sync, so then every backward runs under no_sync.
+        overlap_last = not (self.plan.sequence_parallel and self.topo.tp.size > 1)
         for i, (x, y) in enumerate(micro_batches):
             self.topo.log.context = {"mb": i}
-            sync = contextlib.nullcontext() if i == m - 1 else self.net.no_sync()
-            with sync:
+            last = i == m - 1 and overlap_last
+            with contextlib.nullcontext() if last else self.net.no_sync():
                 loss = self.net(x.to(dev), y.to(dev))
                 (loss / m).backward()  # mean over micro-batches = mean over the replica's batch
             total += loss.item() / m
-        self.optimizer.step()  # finishes the gradient sync first
+        sync_tp_grads(self.model, self.topo)
+        self.optimizer.step()  # finishes (or, after no_sync, launches) the gradient sync first
         self.optimizer.zero_grad()
         return total
 
@@ -90,10 +96,13 @@ class Trainer:
 def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory):
     """The ordered transforms that turn the reference model into this rank's share of it:
     1. this pipeline stage's layers (pp), 2. tensor-parallel shards (tp), 3. recomputation,
-    4. data parallelism / ZeRO with the optimizer over the dp axis. Returns (module, optimizer)."""
+    4. data parallelism / ZeRO with the optimizer over the dp axis.
+    Returns (this rank's model, its dp wrapper, the optimizer)."""
     model = GPT(cfg, seed).to(topo.device)
+    apply_tp(model, topo, plan)
     apply_recompute(model, plan.recompute)
-    return make_dp(model, topo.dp, plan, optimizer_factory)
+    net, optimizer = make_dp(model, topo.dp, plan, optimizer_factory)
+    return model, net, optimizer
 
 
 def train_worker(spec: dict) -> dict:
