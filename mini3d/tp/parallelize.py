@@ -160,22 +160,31 @@ def full_grads(model, topo) -> dict[str, torch.Tensor]:
     return _full(model, topo, "grad")
 
 
+def shard_like(p, full: torch.Tensor, topo) -> torch.Tensor:
+    """This tp_rank's slice of `full`, a tensor shaped like the full version of parameter `p`
+    (its value, or an optimizer moment of it); vocab padding rows become zeros. No communication."""
+    if not is_tp_sharded(p):
+        return full
+    dim, idx = p.tp_dim, p.tp_index.chunk(topo.tp.size)[topo.tp.index].to(full.device)
+    pad = len(p.tp_index) - full.shape[dim]
+    if pad:
+        shape = list(full.shape)
+        shape[dim] = pad
+        full = torch.cat([full, full.new_zeros(shape)], dim)
+    return full.index_select(dim, idx)
+
+
+def unshard_like(p, t: torch.Tensor, topo) -> torch.Tensor:
+    """Inverse of `shard_like`: the full tensor from this rank's slice `t` (collective over tp)."""
+    return _unshard(t, p, topo.tp) if is_tp_sharded(p) else t.detach().clone()
+
+
 @torch.no_grad()
 def load_full_state_dict(model, topo, state: dict[str, torch.Tensor]) -> None:
     """Inverse of `full_state_dict`: copy this tp_rank's slice of each full tensor into the sharded
     model (vocab padding rows become zeros). No communication; names as in the reference."""
     for name, p in model.named_parameters():
-        full = state[name].to(p.device, p.dtype)
-        if not is_tp_sharded(p):
-            p.copy_(full)
-            continue
-        dim, idx = p.tp_dim, p.tp_index.chunk(topo.tp.size)[topo.tp.index].to(p.device)
-        pad = len(p.tp_index) - full.shape[dim]
-        if pad:
-            shape = list(full.shape)
-            shape[dim] = pad
-            full = torch.cat([full, full.new_zeros(shape)], dim)
-        p.copy_(full.index_select(dim, idx))
+        p.copy_(shard_like(p, state[name].to(p.device, p.dtype), topo))
 
 
 def gather_logits(logits: torch.Tensor, topo, vocab_size: int) -> torch.Tensor:
