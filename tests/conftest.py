@@ -10,3 +10,35 @@ def tiny():
     from mini3d.config import PRESETS
 
     return PRESETS["tiny"]
+
+
+# ---- graded exercises (tests/test_exercises.py): which implementation, and a reproducible seed
+def pytest_addoption(parser):
+    parser.addoption("--impl", default="solutions", choices=("exercises", "solutions"),
+                     help="grade exercises/ (your answers) or solutions/ (the references; CI)")
+    parser.addoption("--grade-seed", type=int, default=None,
+                     help="seed of the randomised exercise checks (default: MINI3D_GRADE_SEED or random)")
+
+
+def _grade_seed(config):
+    if not hasattr(config, "_mini3d_grade_seed"):
+        seed = config.getoption("--grade-seed")
+        if seed is None:
+            seed = int(os.environ.get("MINI3D_GRADE_SEED", "0")) or int.from_bytes(os.urandom(3), "big")
+        config._mini3d_grade_seed = seed
+    return config._mini3d_grade_seed
+
+
+def pytest_report_header(config):
+    return (f"mini3d exercises: --impl {config.getoption('--impl')}, grading seed "
+            f"{_grade_seed(config)} (reproduce with --grade-seed {_grade_seed(config)})")
+
+
+@pytest.fixture(scope="session")
+def grade_seed(request):
+    return _grade_seed(request.config)
+
+
+@pytest.fixture(scope="session")
+def impl(request):
+    return request.config.getoption("--impl")

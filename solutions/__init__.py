@@ -1,0 +1,1 @@
+"""Reference answers to the exercises in `exercises/` (same module and function names)."""

@@ -1,0 +1,28 @@
+"""Exercise recompute: full and selective activation recomputation with torch.utils.checkpoint.
+
+Chapter: 07 recomputation (course/07_recomputation.ipynb)
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch.utils.checkpoint import checkpoint
+
+
+def apply_recompute(model, policy: str):
+    """Make `model` (a mini3d.model.GPT) recompute activations in backward instead of storing them.
+
+    "none": leave it. "full": each block's forward runs under checkpoint (only its input is kept).
+    "selective": only each block's attention core `block.attn.core` (the softmax(QK^T)V part, whose
+    activations grow with T^2) runs under checkpoint; wrap whatever function is installed there.
+    Use `use_reentrant=False`. Returns the model."""
+    if policy not in ("none", "full", "selective"):
+        raise ValueError(f"policy={policy!r} is unknown (choose none, full or selective)")
+    for block in model.blocks.values():
+        if policy == "selective":
+            block.attn.core = functools.partial(checkpoint, block.attn.core, use_reentrant=False)
+        elif policy == "full":
+            inner = block.forward
+            block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
+    return model
