@@ -22,11 +22,17 @@ from . import comm
 from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
 from .data import Batches, load_tokens
 from .grid import Grid, build_topology
-from .launch import current_device
+import torch.nn as nn
+
+from .checkpoint import (CheckpointWriter, gather_full_state, read_meta, read_states,
+                         restore_full_state)
 from .dp import make_dp
-from .model import GPT
+from .launch import current_device
+from .pp.partition import build_stages
+from .pp.runtime import PipelineRuntime
+from .pp.schedules import make_schedule
 from .recompute import apply_recompute
-from .tp import apply_tp, sync_tp_grads
+from .tp import apply_tp, boundary_shape, sync_tp_grads
 
 
 def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
@@ -50,39 +56,58 @@ def peak_memory_bytes(device: torch.device) -> int:
 class Trainer:
     """One rank's share of the model and optimizer, and one optimizer step over a global batch.
 
-    Parallelising is an ordered series of transforms (see `parallelize`): build this rank's
-    pipeline stage from the reference model, split it for tensor parallelism, apply the recompute
-    policy, then wrap it for data parallelism / ZeRO with the optimizer."""
+    Parallelising is an ordered series of transforms (see `parallelize`)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, topo, seed: int, lr: float,
                  weight_decay: float = 0.0):
         self.cfg, self.plan, self.topo = cfg, plan, topo
-        self.model, self.net, self.optimizer = parallelize(
+        self.stages, self.net, self.optimizer = parallelize(
             cfg, plan, topo, seed,
             lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay))
+        self.chunks = [self.stages[s] for s in sorted(self.stages)]
+        self.runtime = None
+        self.last_result = None  # the pipeline runtime's StepResult of the latest step (pp > 1)
+        if plan.pp > 1:
+            schedule = make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+            act_dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
+            self.runtime = PipelineRuntime(self.stages, schedule, topo,
+                                           boundary_shape(plan, plan.micro_batch_size, cfg),
+                                           dtype=act_dtype, device=topo.device)
 
     @property
     def holds_loss(self) -> bool:
         return self.topo.pp.index == self.topo.pp.size - 1
 
-    def step(self, micro_batches) -> float:
-        """Forward + backward over every micro-batch, then one optimizer step; returns the mean loss."""
-        m = len(micro_batches)
-        total = 0.0
+    def step(self, micro_batches, step: int = 0) -> float:
+        """Forward + backward over every micro-batch, then one optimizer step; returns the mean loss
+        (on every rank: the pipeline broadcasts it from the last stage)."""
         dev = self.topo.device
+        micro_batches = [(x.to(dev), y.to(dev)) for x, y in micro_batches]
         # Sequence parallelism leaves partial LayerNorm gradients on each tp rank: they are summed
-        # over tp before the dp sync, so then every backward runs under no_sync.
-        overlap_last = not (self.plan.sequence_parallel and self.topo.tp.size > 1)
-        for i, (x, y) in enumerate(micro_batches):
-            self.topo.log.context = {"mb": i}
-            last = i == m - 1 and overlap_last
-            with contextlib.nullcontext() if last else self.net.no_sync():
-                loss = self.net(x.to(dev), y.to(dev))
-                (loss / m).backward()  # mean over micro-batches = mean over the replica's batch
-            total += loss.item() / m
-        sync_tp_grads(self.model, self.topo)
+        # over tp before the dp sync, so then every backward runs under no_sync. So do interleaved
+        # pipelines (several chunks per rank, each finishing its backward at another time).
+        overlap = not (self.plan.sequence_parallel and self.topo.tp.size > 1) and len(self.chunks) == 1
+        if self.runtime is None:
+            loss = self._step_no_pipeline(micro_batches, overlap)
+        else:
+            with contextlib.nullcontext() if overlap else self.net.no_sync():
+                self.last_result = self.runtime.step(micro_batches, step, dp=self.net if overlap else None)
+            loss = self.last_result.loss
+        for chunk in self.chunks:
+            sync_tp_grads(chunk, self.topo)
         self.optimizer.step()  # finishes (or, after no_sync, launches) the gradient sync first
         self.optimizer.zero_grad()
+        return loss
+
+    def _step_no_pipeline(self, micro_batches, overlap: bool) -> float:
+        m, total = len(micro_batches), 0.0
+        for i, (x, y) in enumerate(micro_batches):
+            self.topo.log.context = {**self.topo.log.context, "mb": i}
+            sync = i == m - 1 and overlap  # the last backward all-reduces buckets as they fill
+            with contextlib.nullcontext() if sync else self.net.no_sync():
+                loss = self.net(x, y)
+                (loss / m).backward()  # mean over micro-batches = mean over the replica's batch
+            total += loss.item() / m
         return total
 
     def mean_loss_over_dp(self, loss: float) -> float:
@@ -92,21 +117,64 @@ class Trainer:
         comm.all_reduce(t, self.topo.dp, op="avg")
         return float(t.item())
 
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save(self, root: str, step: int, meta: dict):
+        """Collective: gather the full named state per pipeline stage and write it atomically."""
+        weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo)
+        world = self.topo.axes["world"]
+        writer = CheckpointWriter(root, step)
+        if self.topo.rank == 0:
+            writer.begin()
+        comm.barrier(world)
+        if self.topo.tp.index == 0 and self.topo.dp.index == 0:
+            part = {"model": weights, "optim": moments, "optim_step": opt_step}
+            if self.topo.pp.index == 0:
+                part["rng"] = torch.get_rng_state()
+            writer.write(f"stage{self.topo.pp.index}.pt", part)
+        comm.barrier(world)
+        if self.topo.rank == 0:
+            writer.commit(meta)
+        comm.barrier(world)
+
+    def load(self, ckpt: str) -> int:
+        """Restore from a checkpoint written by any layout; returns the step to continue from."""
+        meta = read_meta(ckpt)
+        states = read_states(ckpt)
+        opt_step = max((int(torch.load(f"{ckpt}/{n}", weights_only=True).get("optim_step", 0))
+                        for n in _stage_files(ckpt)), default=0)
+        restore_full_state(self.chunks, self.optimizer, self.topo, states["model"], states["optim"],
+                           opt_step)
+        return int(meta["step"])
+
+
+def _stage_files(ckpt: str) -> list[str]:
+    import os
+
+    return sorted(n for n in os.listdir(ckpt) if n.startswith("stage") and n.endswith(".pt"))
+
 
 def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory):
     """The ordered transforms that turn the reference model into this rank's share of it:
-    1. this pipeline stage's layers (pp), 2. tensor-parallel shards (tp), 3. recomputation,
-    4. data parallelism / ZeRO with the optimizer over the dp axis.
-    Returns (this rank's model, its dp wrapper, the optimizer)."""
-    model = GPT(cfg, seed).to(topo.device)
-    apply_tp(model, topo, plan)
-    apply_recompute(model, plan.recompute)
-    net, optimizer = make_dp(model, topo.dp, plan, optimizer_factory)
-    return model, net, optimizer
+
+    1. pipeline: build only this pp rank's stages (v chunks for interleaved), each initialised
+       exactly as the same layers of the full reference model;
+    2. tensor parallelism: slice each stage's matrices for this tp rank;
+    3. activation recomputation policy;
+    4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
+
+    Returns ({stage id: module}, the dp wrapper, the optimizer)."""
+    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device=topo.device)
+    for module in stages.values():
+        apply_tp(module, topo, plan)
+        apply_recompute(module, plan.recompute)
+    chunks = [stages[s] for s in sorted(stages)]
+    root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
+    net, optimizer = make_dp(root, topo.dp, plan, optimizer_factory)
+    return stages, net, optimizer
 
 
 def train_worker(spec: dict) -> dict:
-    """Run `spec["steps"]` optimizer steps on this rank; return what this rank saw."""
+    """Run optimizer steps until step `spec["steps"]` on this rank; return what this rank saw."""
     cfg, plan = model_from_dict(spec["model"]), plan_from_dict(spec["plan"])
     rank = dist.get_rank()
     topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
@@ -114,22 +182,23 @@ def train_worker(spec: dict) -> dict:
     tokens = load_tokens(spec.get("data"))
     batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
     trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0))
+    start = trainer.load(spec["resume"]) if spec.get("resume") else 0
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
-    log_file = open(spec["log_jsonl"], "w") if (reporter and spec.get("log_jsonl")) else None
+    log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
     bar = None
     if reporter and spec.get("progress"):
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=spec["steps"], desc=f"train {describe_plan(plan)}", unit="step",
-                   disable=None)  # None: only on a terminal
+        bar = tqdm(total=spec["steps"], initial=start, desc=f"train {describe_plan(plan)}",
+                   unit="step", disable=None)  # None: only on a terminal
     records = []
     tokens_per_step = plan.global_batch * plan.seq_len
-    for step in range(spec["steps"]):
+    save_every = spec.get("save_every") or 0
+    for step in range(start, spec["steps"]):
         topo.log.context = {"step": step}
         t0 = time.perf_counter()
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
-        loss = trainer.step(mbs)
-        loss = trainer.mean_loss_over_dp(loss) if trainer.holds_loss else float("nan")
+        loss = trainer.mean_loss_over_dp(trainer.step(mbs, step))
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                "peak_mem_bytes": peak_memory_bytes(topo.device)}
@@ -140,12 +209,18 @@ def train_worker(spec: dict) -> dict:
         if bar:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
+        done = step + 1
+        if spec.get("save") and (done == spec["steps"] or (save_every and done % save_every == 0)):
+            trainer.save(spec["save"], done, {"step": done, "model": spec["model"], "plan": spec["plan"],
+                                              "seed": spec["seed"], "data_position": done})
     if bar:
         bar.close()
     if log_file:
         log_file.close()
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
-            "comm_bytes": dict(topo.log.bytes_by_axis), "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis)}
+            "comm_bytes": dict(topo.log.bytes_by_axis),
+            "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
+            "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {}}
 
 
 def describe_plan(plan: Plan) -> str:
