@@ -38,10 +38,12 @@ class PipeP2P:
                              f"but this pipeline was built for {self.shape} {self.dtype} (pass "
                              f"the per-rank boundary shape to the runtime)")
 
-    def send(self, tensor: torch.Tensor, peer_index: int):
-        """Send `tensor` (detached, contiguous) to pipeline rank `peer_index`."""
+    def send(self, tensor: torch.Tensor, peer_index: int, async_op: bool = False):
+        """Send `tensor` (detached, contiguous) to pipeline rank `peer_index`. With `async_op` it
+        returns a work handle; the caller keeps `tensor` alive until `wait()` (see `SendQueue`)."""
         self._check(tensor)
-        comm.send(tensor.detach().contiguous(), self.axis, self.axis.ranks[peer_index])
+        return comm.send(tensor.detach().contiguous(), self.axis, self.axis.ranks[peer_index],
+                         async_op=async_op)
 
     def recv(self, peer_index: int) -> torch.Tensor:
         """Receive one boundary tensor from pipeline rank `peer_index` into a new buffer."""
@@ -60,4 +62,34 @@ class PipeP2P:
         return got
 
 
-__all__ = ["PipeP2P"]
+class SendQueue:
+    """Sends in flight. A non-blocking send lets the sender go on computing while the receiver is
+    still busy (on gloo a blocking send of a large tensor waits for the matching receive, which
+    would serialise the pipeline). Order is kept: sends to one peer complete in issue order. A
+    schedule that `check()` proves safe with blocking sends stays safe with non-blocking ones,
+    since a rank can only block on fewer operations."""
+
+    def __init__(self):
+        self.pending = []  # (work, tensor kept alive until the send completes)
+
+    def add(self, work, tensor):
+        self.pending.append((work, tensor))
+        self.reap()
+
+    def reap(self):
+        """Retire finished sends (records their end in the log); keep the rest."""
+        keep = []
+        for work, tensor in self.pending:
+            if work.is_completed():
+                work.wait()
+            else:
+                keep.append((work, tensor))
+        self.pending = keep
+
+    def wait_all(self):
+        for work, _ in self.pending:
+            work.wait()
+        self.pending = []
+
+
+__all__ = ["PipeP2P", "SendQueue"]

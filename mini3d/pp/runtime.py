@@ -32,7 +32,7 @@ import torch
 
 from mini3d import comm
 
-from .p2p import PipeP2P
+from .p2p import PipeP2P, SendQueue
 
 
 @dataclass
@@ -56,8 +56,10 @@ class PipelineRuntime:
     `act_shape`: the per-rank shape of the activation at a stage boundary, e.g. (b, T, d_model),
     or (b, T / tp, d_model) under sequence parallelism; its gradient has the same shape."""
 
-    def __init__(self, stages: dict, schedule, topo, act_shape, dtype=torch.float32, device=None):
+    def __init__(self, stages: dict, schedule, topo, act_shape, dtype=torch.float32, device=None,
+                 async_send: bool = True):
         self.schedule, self.topo = schedule, topo
+        self.async_send = async_send  # non-blocking sends (see p2p.SendQueue); False: blocking
         self.pp_rank = topo.pp.index
         want = schedule.stages_of(self.pp_rank)
         if sorted(stages) != want:
@@ -86,6 +88,7 @@ class PipelineRuntime:
             t0 = time.perf_counter()
             st.run(a)
             st.timeline.append((t0, time.perf_counter(), str(a)))
+        st.sends.wait_all()
         if log is not None:
             log.context = {"step": step}
         loss = None
@@ -111,6 +114,7 @@ class _StepState:
         self.grad_out, self.grad_in = {}, {}  # received output grads / input grads to send
         self.live, self.peak = Counter(), Counter()
         self.losses, self.timeline = [], []
+        self.sends = SendQueue()
         last_b = {}
         for i, a in enumerate(rt.schedule.actions[rt.pp_rank]):
             if a.op == "B":
@@ -124,15 +128,22 @@ class _StepState:
         elif a.op == "B":
             self.backward(a.stage, a.mb)
         elif a.op == "SEND_F":
-            self.rt.p2p.send(self.outputs[key], a.peer)
+            self.send(self.outputs[key], a.peer)
         elif a.op == "RECV_F":
             self.inputs[key] = self.rt.p2p.recv(a.peer).requires_grad_()
         elif a.op == "SEND_B":
-            self.rt.p2p.send(self.grad_in.pop(key), a.peer)
+            self.send(self.grad_in.pop(key), a.peer)
         elif a.op == "RECV_B":
             self.grad_out[key] = self.rt.p2p.recv(a.peer)
         else:
             raise ValueError(f"unknown action {a}")
+
+    def send(self, tensor, peer: int):
+        if self.rt.async_send:
+            t = tensor.detach().contiguous()
+            self.sends.add(self.rt.p2p.send(t, peer, async_op=True), t)
+        else:
+            self.rt.p2p.send(tensor, peer)
 
     def forward(self, s: int, mb: int):
         module = self.rt.stages[s]
