@@ -63,3 +63,22 @@ def exchange_both_ways(n):
     except ValueError as e:
         shape_error = str(e)
     return {"ok": ok_values, "order": order, "shape_error": shape_error}
+
+
+def blocking_sends_and_exchange(n, cfg, m, b, T):
+    """`exchange` both ways at once, then the runtime with blocking and non-blocking sends."""
+    out = exchange_both_ways(n)
+    rank = dist.get_rank()
+    topo = build_topology(Grid(pp=2), rank)  # fresh groups: new_group is collective, both call it
+    g = torch.Generator().manual_seed(5)
+    mbs = [(torch.randint(0, cfg.vocab_size, (b, T), generator=g),
+            torch.randint(0, cfg.vocab_size, (b, T), generator=g)) for _ in range(m)]
+    for kind in ("gpipe", "1f1b"):
+        for async_send in (False, True):
+            stages = build_stages(cfg, 0, topo.pp.index, 2)
+            rt = PipelineRuntime(stages, make_schedule(kind, 2, m), topo, (b, T, cfg.d_model),
+                                 async_send=async_send)
+            res = rt.step(mbs)
+            grads = [q.grad.clone() for s in stages.values() for q in s.parameters()]
+            out[(kind, async_send)] = (res.loss, grads)
+    return out

@@ -8,8 +8,9 @@ no shape handshake: a receive allocates its buffer and posts one recv.
 All traffic goes through `mini3d.comm.send/recv` on the pp Axis, so each transfer is logged with
 the runtime's context (step, action, micro-batch). Calls are blocking. Deadlock freedom comes from
 the order of the calls, not from batching: the Schedule lists sends and receives in an order that
-`check()` proves safe under blocking rendezvous semantics (the strictest reading, which holds for
-gloo, which has no reliable batch_isend_irecv, and for NCCL alike). For the one pattern where two
+`check()` proves safe under blocking rendezvous semantics. That is exactly gloo's behaviour (its
+blocking send waits for the matching receive even for a few KiB; gloo also has no reliable
+batch_isend_irecv) and the strictest reading of NCCL's. For the one pattern where two
 neighbours must each send to the other at the same step, `exchange` fixes the order: the lower pp
 index sends first and then receives, the higher one receives first and then sends.
 """
@@ -64,8 +65,8 @@ class PipeP2P:
 
 class SendQueue:
     """Sends in flight. A non-blocking send lets the sender go on computing while the receiver is
-    still busy (on gloo a blocking send of a large tensor waits for the matching receive, which
-    would serialise the pipeline). Order is kept: sends to one peer complete in issue order. A
+    still busy (on gloo a blocking send waits for the matching receive, at any size, which
+    would make a rank idle while its neighbour computes). Order is kept: sends to one peer complete in issue order. A
     schedule that `check()` proves safe with blocking sends stays safe with non-blocking ones,
     since a rank can only block on fewer operations."""
 
