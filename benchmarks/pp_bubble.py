@@ -4,10 +4,12 @@ For each schedule and m in {2, 4, 8}: run the real pipeline runtime on two CPU p
 measured timeline of every step, and compute
 
     measured bubble  = 1 - (forward + backward time summed over ranks) / (p * step makespan)
-    predicted bubble = simulate(schedule, t_fwd, t_bwd, t_p2p).bubble_fraction
+    predicted bubble = 1 - (forward + backward time summed over ranks) / (p * simulated makespan)
 
 where the simulator is calibrated, step by step, with that step's own mean per-stage forward /
-backward times and its median send time as t_p2p (both bubbles are medians over the steps). Goal: within 10 percentage points. The closed form
+backward times, each including the send that follows it (on a loaded CPU the send call itself
+takes milliseconds), and the predicted bubble counts only forward/backward time as work, like the
+measured one (both are medians over the steps). Goal: within 10 percentage points. The closed form
 (p-1)/(m+p-1) is printed too; it assumes equal stages, which the head + loss makes false.
 
     python -m benchmarks.pp_bubble          # full
@@ -56,23 +58,29 @@ def _worker(kind, m, steps):
 
 
 def _costs(rows, p):
-    """Mean per-stage forward / backward time and median send time of one step's timelines."""
-    fwd, bwd, sends = [[] for _ in range(p)], [[] for _ in range(p)], []
+    """Per-stage (pp = p, v = 1) mean forward and backward cost of one step, each including the
+    mean time of the send that follows it (a send occupies its rank: the call itself takes time)."""
+    sums = {}  # ((rank, "F" or "B"), "compute" or "send") -> durations
     for r, row in enumerate(rows):
         for s, e, a in row:
-            if a[0] == "F":
-                fwd[r].append(e - s)
-            elif a[0] == "B":
-                bwd[r].append(e - s)
-            elif a.startswith("s"):
-                sends.append(e - s)
-    tf = [statistics.fmean(x) for x in fwd]
-    tb = [statistics.fmean(x) for x in bwd]
-    return tf, tb, (statistics.median(sends) if sends else 0.0)
+            op = "F" if a.startswith(("F", "sF")) else "B" if a.startswith(("B", "sB")) else None
+            if op is not None:
+                kind = "send" if a.startswith("s") else "compute"
+                sums.setdefault(((r, op), kind), []).append(e - s)
+    tf, tb = [], []
+    for r in range(p):
+        for op, out in (("F", tf), ("B", tb)):
+            compute = statistics.fmean(sums[((r, op), "compute")])
+            sends = sums.get(((r, op), "send"), [])
+            out.append(compute + (sum(sends) / len(sums[((r, op), "compute")])))
+    return tf, tb
 
 
 def _analyse(kind, m, per_rank):
-    """Per step: measured bubble, and the simulator calibrated with that step's own costs."""
+    """Per step: measured bubble, and the simulator's, calibrated with that step's own costs.
+
+    Both bubbles count only forward/backward time as useful work: predicted bubble =
+    1 - (measured F + B time over ranks) / (p * simulated makespan)."""
     p = len(per_rank)
     sched = make_schedule(kind, p, m)
     measured, predicted, spans, sim_spans = [], [], [], []
@@ -84,7 +92,7 @@ def _analyse(kind, m, per_rank):
         measured.append(1 - busy / (p * (t1 - t0)))
         spans.append(t1 - t0)
         sim = simulate(sched, *_costs(rows, p))
-        predicted.append(sim.bubble_fraction)
+        predicted.append(1 - busy / (p * sim.makespan))
         sim_spans.append(sim.makespan)
     med, pred = statistics.median(measured), statistics.median(predicted)
     span, sim_span = statistics.median(spans), statistics.median(sim_spans)
