@@ -15,6 +15,10 @@
   (`StepResult.timeline`), and `topo.log.context` is set to {step, action, stage, mb} before each
   action so every logged transfer says which action issued it.
 
+Transfers: receives block; sends are non-blocking by default (`async_send=True`, see
+`p2p.SendQueue`) and all complete before `step` returns. The schedule's order is proven safe even
+with blocking sends (`check()`), which `async_send=False` uses.
+
 Data-parallel hook (minimal on purpose): `step(..., dp=obj)` where `obj` has a `no_sync()` context
 manager (like DistributedDataParallel), or a dict {stage: obj} with one per stage. Every backward of
 a stage runs inside `no_sync()` except the stage's *last* backward of the step, so a wrapper that
