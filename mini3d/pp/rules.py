@@ -1,0 +1,198 @@
+"""`check(schedule)`: the rules every pipeline schedule must obey, and a proof it cannot deadlock.
+
+Rules, per rank r (an action is "earlier" when it comes before in r's list):
+
+1. placement: every action's stage lives on r (stage % p == r), every transfer names the right peer;
+2. completeness: each F(s, mb) and B(s, mb) appears exactly once;
+3. inputs: F(s, mb) needs RECV_F(s, mb) earlier (or F(s-1, mb) earlier when s-1 is also on r);
+   B(s, mb) needs F(s, mb) earlier and RECV_B(s, mb) earlier (or B(s+1, mb) when s+1 is on r);
+   SEND_F(s, mb) needs F(s, mb) earlier; SEND_B(s, mb) needs B(s, mb) earlier;
+4. matching: every send has exactly one receive at the peer, and vice versa;
+5. memory: the peak of (forwards - backwards) on r stays within the schedule's promised bound.
+
+Deadlock freedom is then shown by executing the lists with *blocking rendezvous* semantics, the
+strictest reading of send/recv (a send returns only once the peer's matching receive runs, as for
+large messages on gloo and NCCL): compute actions always proceed; a send on r to q and a receive
+on q from r proceed together when both are at the head of their lists. If every list runs to the
+end, no interleaving of the real run can hang (matching is in order per pair, so the run is
+deterministic). If none can move, the report names each blocked rank, its step (index into its
+action list) and what it waits for. Like torch and NCCL, send/recv match by order, not content, so
+a head-to-head pair whose contents disagree (e.g. sF0.1 meeting rF1.0) is reported as a mismatch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .schedules import Action, Schedule
+
+
+@dataclass
+class CheckResult:
+    """Outcome of `check`: `ok`, the broken rules, the deadlock (or None) and measured peaks."""
+
+    ok: bool
+    problems: list = field(default_factory=list)
+    deadlock: str | None = None
+    peak_in_flight: list = field(default_factory=list)  # per rank: max (forwards - backwards)
+    rounds: int = 0  # rendezvous rounds the blocking simulation needed
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (f"OK: rules hold, no deadlock under blocking send/recv ({self.rounds} rounds); "
+                    f"peak in-flight micro-batches per rank {self.peak_in_flight}")
+        return "FAILED:\n  " + "\n  ".join(self.problems)
+
+
+def _rule_problems(s: Schedule) -> tuple[list[str], list[int]]:
+    out, peaks = [], []
+    S, want = s.n_stages, Counter()
+    for st in range(S):
+        for mb in range(s.m):
+            want[("F", st, mb)] += 1
+            want[("B", st, mb)] += 1
+    got = Counter()
+    for r, acts in enumerate(s.actions):
+        seen, live, peak = set(), 0, 0
+        for i, a in enumerate(acts):
+            where = f"rank {r} step {i} ({a})"
+            if not (0 <= a.stage < S and 0 <= a.mb < s.m) or a.stage % s.p != r:
+                out.append(f"{where}: stage {a.stage} / micro-batch {a.mb} is not held by rank {r}")
+                continue
+            for need in _needs(s, r, a):
+                if need not in seen:
+                    out.append(f"{where}: needs {need} earlier on rank {r}")
+            if not a.is_compute and a.peer != _peer(s, a):
+                out.append(f"{where}: peer should be rank {_peer(s, a)}")
+            key = (a.op, a.stage, a.mb)
+            if key in seen:
+                out.append(f"{where}: duplicate")
+            seen.add(key)
+            if a.is_compute:
+                got[key] += 1
+                live += 1 if a.op == "F" else -1
+                peak = max(peak, live)
+        peaks.append(peak)
+        if s.in_flight_bound and peak > s.in_flight_bound[r]:
+            out.append(f"rank {r}: {peak} micro-batches in flight exceeds the bound "
+                       f"{s.in_flight_bound[r]}")
+    for key in sorted(set(want) | set(got)):
+        if got[key] != want[key]:
+            out.append(f"{key[0]}{key[1]}.{key[2]} runs {got[key]} times (expected {want[key]})")
+    out += _unmatched(s)
+    return out, peaks
+
+
+def _peer(s: Schedule, a: Action) -> int | None:
+    nxt = {"SEND_F": 1, "RECV_B": 1, "RECV_F": -1, "SEND_B": -1}.get(a.op)
+    if nxt is None or not 0 <= a.stage + nxt < s.n_stages:
+        return None
+    return s.rank_of(a.stage + nxt)
+
+
+def _needs(s: Schedule, r: int, a: Action) -> list[tuple]:
+    """What must come earlier on rank r before `a` (as (op, stage, mb) keys)."""
+    st, mb = a.stage, a.mb
+    if a.op == "F":
+        if st == 0:
+            return []
+        return [("F", st - 1, mb)] if s.rank_of(st - 1) == r else [("RECV_F", st, mb)]
+    if a.op == "B":
+        if st == s.n_stages - 1:
+            return [("F", st, mb)]
+        nxt = ("B", st + 1, mb) if s.rank_of(st + 1) == r else ("RECV_B", st, mb)
+        return [("F", st, mb), nxt]
+    if a.op == "SEND_F":
+        return [("F", st, mb)]
+    if a.op == "SEND_B":
+        return [("B", st, mb)]
+    return []
+
+
+def _pair_key(r: int, a: Action) -> tuple:
+    """Key under which a send and its receive coincide: (src, dst, direction, sender stage, mb)."""
+    if a.op == "SEND_F":
+        return (r, a.peer, "F", a.stage, a.mb)
+    if a.op == "RECV_F":
+        return (a.peer, r, "F", a.stage - 1, a.mb)
+    if a.op == "SEND_B":
+        return (r, a.peer, "B", a.stage, a.mb)
+    return (a.peer, r, "B", a.stage + 1, a.mb)
+
+
+def _unmatched(s: Schedule) -> list[str]:
+    sends, recvs = Counter(), Counter()
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            if a.op.startswith("SEND"):
+                sends[_pair_key(r, a)] += 1
+            elif a.op.startswith("RECV"):
+                recvs[_pair_key(r, a)] += 1
+    out = []
+    for k in sorted(set(sends) | set(recvs), key=str):
+        if sends[k] != recvs[k]:
+            out.append(f"transfer {k[2]} of stage {k[3]} micro-batch {k[4]} from rank {k[0]} to "
+                       f"rank {k[1]}: {sends[k]} send(s) but {recvs[k]} receive(s)")
+    return out
+
+
+def _rendezvous(s: Schedule) -> tuple[str | None, int]:
+    """Run the lists with blocking send/recv; (None, rounds) or (description of the hang, rounds)."""
+    acts, pos, rounds = s.actions, [0] * s.p, 0
+    total = sum(len(a) for a in acts)
+    done = 0
+    while done < total:
+        rounds += 1
+        progress = False
+        for r in range(s.p):
+            while pos[r] < len(acts[r]) and acts[r][pos[r]].is_compute:
+                pos[r] += 1
+                done += 1
+                progress = True
+        for r in range(s.p):
+            if pos[r] >= len(acts[r]) or not acts[r][pos[r]].op.startswith("SEND"):
+                continue
+            a = acts[r][pos[r]]
+            q = a.peer
+            b = acts[q][pos[q]] if q is not None and pos[q] < len(acts[q]) else None
+            if b is None or not b.op.startswith("RECV") or b.peer != r:
+                continue
+            if _pair_key(r, a) != _pair_key(q, b):
+                return (f"mismatch: rank {r} step {pos[r]} ({a}) meets rank {q} step {pos[q]} "
+                        f"({b}); send/recv match by order, so {b} would get the wrong tensor"), rounds
+            pos[r] += 1
+            pos[q] += 1
+            done += 2
+            progress = True
+        if not progress:
+            return _describe_hang(s, pos), rounds
+    return None, rounds
+
+
+def _describe_hang(s: Schedule, pos: list[int]) -> str:
+    parts = []
+    for r in range(s.p):
+        if pos[r] >= len(s.actions[r]):
+            parts.append(f"rank {r} has finished")
+            continue
+        a = s.actions[r][pos[r]]
+        q = a.peer
+        there = (f"step {pos[q]} ({s.actions[q][pos[q]]})" if q is not None and
+                 pos[q] < len(s.actions[q]) else "its end")
+        verb = "sending to" if a.op.startswith("SEND") else "receiving from"
+        parts.append(f"rank {r} step {pos[r]} ({a}) blocks {verb} rank {q}, which is at {there}")
+    first = min(r for r in range(s.p) if pos[r] < len(s.actions[r]))
+    return f"deadlock at rank {first} step {pos[first]}: " + "; ".join(parts)
+
+
+def check(schedule: Schedule) -> CheckResult:
+    """Verify the rules and simulate blocking point-to-point matching (see the module docstring)."""
+    problems, peaks = _rule_problems(schedule)
+    deadlock, rounds = _rendezvous(schedule)
+    if deadlock:
+        problems.append(deadlock)
+    return CheckResult(not problems, problems, deadlock, peaks, rounds)
+
+
+__all__ = ["check", "CheckResult"]

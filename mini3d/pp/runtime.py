@@ -1,0 +1,189 @@
+"""The pipeline runtime: executes any `Schedule` on this rank's stage modules.
+
+`PipelineRuntime(stages, schedule, topo, act_shape)` holds this pipeline rank's stage modules
+({global stage id: module}, see `partition.build_stages`) and runs `step(micro_batches)`:
+
+* every rank is given all m micro-batches [(x, y), ...] of token ids; stage 0 reads x, the last
+  stage reads y and computes the loss;
+* the loss of the step is the mean over micro-batch losses, as in the single-process reference, so
+  each micro-batch's loss is scaled by 1/m before its backward; parameter gradients accumulate over
+  the micro-batches in `.grad` (the caller zeroes them between steps, like any optimizer loop);
+* a stage's saved input, output and received gradient are dropped as soon as its backward is done,
+  so the activations alive on a stage are exactly its in-flight micro-batches; the runtime tracks
+  their peak per stage (`StepResult.peak_in_flight`);
+* each action's start and end (time.perf_counter, one clock for all local processes) is recorded
+  (`StepResult.timeline`), and `topo.log.context` is set to {step, action, stage, mb} before each
+  action so every logged transfer says which action issued it.
+
+Transfers: receives block; sends are non-blocking by default (`async_send=True`, see
+`p2p.SendQueue`) and all complete before `step` returns. The schedule's order is proven safe even
+with blocking sends (`check()`), which `async_send=False` uses.
+
+Data-parallel hook (minimal on purpose): `step(..., dp=obj)` where `obj` has a `no_sync()` context
+manager (like DistributedDataParallel), or a dict {stage: obj} with one per stage. Every backward of
+a stage runs inside `no_sync()` except the stage's *last* backward of the step, so a wrapper that
+all-reduces gradients as they are produced does so once, during that last backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from mini3d import comm
+
+from .p2p import PipeP2P, SendQueue
+
+
+@dataclass
+class StepResult:
+    """What one pipeline step measured on this rank."""
+
+    loss: float | None  # mean micro-batch loss (every pp rank if broadcast_loss, else last only)
+    timeline: list = field(default_factory=list)  # [(start, end, action string)], perf_counter s
+    peak_in_flight: dict = field(default_factory=dict)  # {stage: max micro-batches alive}
+    pp_rank: int = 0
+
+    def busy_s(self, compute_only: bool = True) -> float:
+        """Seconds spent in actions (forward/backward only, by default)."""
+        return sum(e - s for s, e, a in self.timeline
+                   if not compute_only or a[0] in "FB")
+
+
+class PipelineRuntime:
+    """Runs a Schedule on this pipeline rank (see the module docstring).
+
+    `act_shape`: the per-rank shape of the activation at a stage boundary, e.g. (b, T, d_model),
+    or (b, T / tp, d_model) under sequence parallelism; its gradient has the same shape."""
+
+    def __init__(self, stages: dict, schedule, topo, act_shape, dtype=torch.float32, device=None,
+                 async_send: bool = True):
+        self.schedule, self.topo = schedule, topo
+        self.async_send = async_send  # non-blocking sends (see p2p.SendQueue); False: blocking
+        self.pp_rank = topo.pp.index
+        want = schedule.stages_of(self.pp_rank)
+        if sorted(stages) != want:
+            raise ValueError(f"pp rank {self.pp_rank} holds stages {sorted(stages)} but the "
+                             f"{schedule.kind} schedule with p={schedule.p} v={schedule.v} "
+                             f"expects {want}")
+        if schedule.p != topo.pp.size:
+            raise ValueError(f"schedule p={schedule.p} but the pp axis has {topo.pp.size} ranks")
+        self.stages = stages
+        if device is None:
+            param = next(iter(stages[want[0]].parameters()), None)
+            device = param.device if param is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.p2p = PipeP2P(topo.pp, act_shape, dtype, self.device)
+
+    def step(self, micro_batches, step: int = 0, dp=None, broadcast_loss: bool = True) -> StepResult:
+        """Run one optimizer step's forwards and backwards; gradients accumulate in `.grad`."""
+        sched = self.schedule
+        if len(micro_batches) != sched.m:
+            raise ValueError(f"got {len(micro_batches)} micro-batches, the schedule has m={sched.m}")
+        st = _StepState(self, micro_batches, dp)
+        log = self.topo.log
+        for a in sched.actions[self.pp_rank]:
+            if log is not None:
+                log.context = {"step": step, "action": str(a), "stage": a.stage, "mb": a.mb}
+            t0 = time.perf_counter()
+            st.run(a)
+            st.timeline.append((t0, time.perf_counter(), str(a)))
+        st.sends.wait_all()
+        if log is not None:
+            log.context = {"step": step}
+        loss = None
+        if st.losses:
+            loss = torch.stack(st.losses).mean()
+        if broadcast_loss and sched.p > 1:
+            buf = loss.reshape(1).clone() if loss is not None else torch.zeros(1, device=self.device)
+            last_rank = sched.rank_of(sched.n_stages - 1)
+            comm.broadcast(buf, self.topo.pp, src_index=last_rank)
+            loss = buf[0]
+        return StepResult(None if loss is None else float(loss), st.timeline,
+                          dict(st.peak), self.pp_rank)
+
+
+class _StepState:
+    """The tensors alive during one step on one rank, and how each action changes them."""
+
+    def __init__(self, rt: PipelineRuntime, micro_batches, dp):
+        self.rt, self.mbs, self.dp = rt, micro_batches, dp
+        self.m = rt.schedule.m
+        self.last_stage = rt.schedule.n_stages - 1
+        self.inputs, self.outputs = {}, {}  # (stage, mb) -> tensor saved for the backward
+        self.grad_out, self.grad_in = {}, {}  # received output grads / input grads to send
+        self.live, self.peak = Counter(), Counter()
+        self.losses, self.timeline = [], []
+        self.sends = SendQueue()
+        last_b = {}
+        for i, a in enumerate(rt.schedule.actions[rt.pp_rank]):
+            if a.op == "B":
+                last_b[a.stage] = i
+        self.last_backward = {(s, rt.schedule.actions[rt.pp_rank][i].mb) for s, i in last_b.items()}
+
+    def run(self, a):
+        key = (a.stage, a.mb)
+        if a.op == "F":
+            self.forward(a.stage, a.mb)
+        elif a.op == "B":
+            self.backward(a.stage, a.mb)
+        elif a.op == "SEND_F":
+            self.send(self.outputs[key], a.peer)
+        elif a.op == "RECV_F":
+            self.inputs[key] = self.rt.p2p.recv(a.peer).requires_grad_()
+        elif a.op == "SEND_B":
+            self.send(self.grad_in.pop(key), a.peer)
+        elif a.op == "RECV_B":
+            self.grad_out[key] = self.rt.p2p.recv(a.peer)
+        else:
+            raise ValueError(f"unknown action {a}")
+
+    def send(self, tensor, peer: int):
+        if self.rt.async_send:
+            t = tensor.detach().contiguous()
+            self.sends.add(self.rt.p2p.send(t, peer, async_op=True), t)
+        else:
+            self.rt.p2p.send(tensor, peer)
+
+    def forward(self, s: int, mb: int):
+        module = self.rt.stages[s]
+        x, y = self.mbs[mb]
+        h = x.to(self.rt.device) if s == 0 else self.inputs[(s, mb)]
+        if s == self.last_stage:
+            out = module(h, y.to(self.rt.device))  # the micro-batch's mean token loss
+            self.losses.append(out.detach())
+        else:
+            out = module(h)  # (b, T, C)
+        self.outputs[(s, mb)] = out
+        if s < self.last_stage and self.rt.schedule.rank_of(s + 1) == self.rt.pp_rank:
+            self.inputs[(s + 1, mb)] = out.detach().requires_grad_()  # local hand-over (p == 1)
+        self.live[s] += 1
+        self.peak[s] = max(self.peak[s], self.live[s])
+
+    def _sync_context(self, s: int, mb: int):
+        dp = self.dp.get(s) if isinstance(self.dp, dict) else self.dp
+        if dp is None or (s, mb) in self.last_backward:
+            return contextlib.nullcontext()
+        return dp.no_sync()
+
+    def backward(self, s: int, mb: int):
+        out = self.outputs.pop((s, mb))
+        with self._sync_context(s, mb):
+            if s == self.last_stage:
+                (out / self.m).backward()  # global loss = mean of the m micro-batch losses
+            else:
+                torch.autograd.backward(out, self.grad_out.pop((s, mb)))
+        inp = self.inputs.pop((s, mb), None)
+        if s > 0:
+            if self.rt.schedule.rank_of(s - 1) == self.rt.pp_rank:
+                self.grad_out[(s - 1, mb)] = inp.grad  # local hand-over (p == 1)
+            else:
+                self.grad_in[(s, mb)] = inp.grad
+        self.live[s] -= 1
+
+
+__all__ = ["PipelineRuntime", "StepResult"]

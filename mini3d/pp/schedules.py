@@ -1,0 +1,241 @@
+"""Pipeline schedules as data: pure functions returning per-pipeline-rank ordered action lists.
+
+A `Schedule` holds, for each pipeline rank, the exact order in which that rank runs forwards (F),
+backwards (B) and the point-to-point transfers they imply. The runtime executes it, the simulator
+times it, the figures draw it, the exercises grade it, and `check()` (rules.py) verifies it.
+
+Stages are global model chunks 0 .. p*v-1; stage s lives on pipeline rank s % p (for v > 1 this is
+Megatron's round-robin assignment: rank r holds stages r, r+p, r+2p, ...). Actions:
+
+    F(s, mb)            forward of stage s on micro-batch mb            printed  F1.0
+    B(s, mb)            backward of stage s on micro-batch mb           printed  B1.0
+    SEND_F(s, mb, q)    send stage s's output to rank q (holds s+1)     printed  sF1.0>2
+    RECV_F(s, mb, q)    receive stage s's input from rank q (holds s-1) printed  rF1.0<0
+    SEND_B(s, mb, q)    send the gradient of stage s's input to q       printed  sB1.0>0
+    RECV_B(s, mb, q)    receive the gradient of stage s's output from q printed  rB1.0<2
+
+So SEND_F(s) pairs with RECV_F(s+1) and SEND_B(s) with RECV_B(s-1). A transfer between two stages on
+the same rank (only when p == 1) needs no action: the runtime hands the tensor over locally.
+
+The compute order comes from the published schedules (GPipe; 1F1B of PipeDream-Flush / Megatron;
+Megatron's interleaved 1F1B). The transfers are then placed by `add_transfers`: it times the
+compute order with unit costs, lists every compute and transfer in one global time order, and gives
+each rank the projection of that list. Any execution of such projections with blocking send/recv is
+deadlock-free, because the global list itself is one valid execution in which every transfer finds
+both ends waiting for it (and blocking point-to-point matching is deterministic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+KINDS = ("gpipe", "1f1b", "interleaved")
+COMPUTE = ("F", "B")
+TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_SHORT = {"SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
+
+
+class Action(NamedTuple):
+    """One step of one pipeline rank; `peer` is the other pipeline rank of a transfer."""
+
+    op: str  # F, B, SEND_F, RECV_F, SEND_B or RECV_B
+    stage: int  # global stage (model chunk) id
+    mb: int  # micro-batch index
+    peer: int | None = None  # pipeline rank at the other end (transfers only)
+
+    @property
+    def is_compute(self) -> bool:
+        return self.op in COMPUTE
+
+    def __str__(self) -> str:
+        if self.is_compute:
+            return f"{self.op}{self.stage}.{self.mb}"
+        arrow = ">" if self.op.startswith("SEND") else "<"
+        return f"{_SHORT[self.op]}{self.stage}.{self.mb}{arrow}{self.peer}"
+
+
+def F(stage: int, mb: int) -> Action:
+    return Action("F", stage, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    return Action("B", stage, mb)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-pipeline-rank ordered action lists for p ranks, m micro-batches, v chunks per rank."""
+
+    kind: str
+    p: int  # pipeline ranks
+    m: int  # micro-batches per step
+    v: int  # model chunks (virtual stages) per rank
+    actions: tuple  # actions[r] is rank r's tuple of Actions, in execution order
+    in_flight_bound: tuple = ()  # promised peak of (forwards - backwards) per rank
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.p
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [rank + c * self.p for c in range(self.v)]
+
+    def compute(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.is_compute]
+
+    def format_grid(self, transfers: bool = False) -> str:
+        return format_grid(self, transfers)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "p": self.p, "m": self.m, "v": self.v,
+                "actions": [[str(a) for a in acts] for acts in self.actions],
+                "in_flight_bound": list(self.in_flight_bound)}
+
+
+def schedule_problems(kind: str, p: int, m: int, v: int = 1) -> list[str]:
+    """Why (kind, p, m, v) has no schedule; mirrors the pipeline rules of `Plan.problems`."""
+    out = [f"{n}={x} must be a positive integer" for n, x in (("pp", p), ("micro_batches", m),
+           ("virtual_stages", v)) if not isinstance(x, int) or x < 1]
+    if kind not in KINDS:
+        out.append(f"schedule={kind!r} is unknown (choose {', '.join(KINDS)})")
+    if out:
+        return out
+    if kind == "1f1b" and p > 1 and m < p:
+        out.append(f"1f1b needs micro_batches >= pp, got micro_batches={m} < pp={p}")
+    if kind == "interleaved":
+        if v < 2:
+            out.append(f"interleaved needs virtual_stages >= 2, got {v}")
+        if m % p:
+            out.append(f"interleaved needs micro_batches={m} to be a multiple of pp={p}")
+    elif v != 1:
+        out.append(f"virtual_stages={v} needs schedule interleaved (got schedule={kind!r})")
+    return out
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    """All forwards, then all backwards (Huang et al. 2019): every rank holds m activations."""
+    orders = [[F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(p)]
+    return add_transfers("gpipe", p, m, 1, orders, tuple(m for _ in range(p)))
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    """1F1B (PipeDream-Flush): rank r runs p-r-1 warm-up forwards, then alternates one forward and
+    one backward, then drains the remaining backwards; at most p-r micro-batches are in flight."""
+    orders = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        order = [F(r, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [F(r, warm + i), B(r, i)]
+        order += [B(r, i) for i in range(m - warm, m)]
+        orders.append(order)
+    return add_transfers("1f1b", p, m, 1, orders, tuple(min(p - r, m) for r in range(p)))
+
+
+def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): rank r holds stages r, r+p, ...; the
+    k-th forward on a rank runs chunk (k // p) % v on micro-batch (k // (p v)) p + k % p, so groups
+    of p micro-batches go through one chunk before the next; backwards walk the chunks in reverse.
+    Warm-up is 2 (p - r - 1) + (v - 1) p forwards. Needs m to be a multiple of p."""
+    total = m * v
+
+    def mb_of(k):
+        return (k // (p * v)) * p + k % p
+
+    orders, bounds = [], []
+    for r in range(p):
+        def fwd(k):
+            return F(((k // p) % v) * p + r, mb_of(k))
+
+        def bwd(k):
+            return B((v - 1 - (k // p) % v) * p + r, mb_of(k))
+
+        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        order = [fwd(k) for k in range(warm)]
+        for i in range(total - warm):
+            order += [fwd(warm + i), bwd(i)]
+        order += [bwd(k) for k in range(total - warm, total)]
+        orders.append(order)
+        bounds.append(min(warm + 1, total))
+    return add_transfers("interleaved", p, m, v, orders, tuple(bounds))
+
+
+def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The schedule `kind` ("gpipe", "1f1b" or "interleaved") for p ranks, m micro-batches, v chunks."""
+    problems = schedule_problems(kind, p, m, v)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if kind == "gpipe":
+        return gpipe(p, m)
+    if kind == "1f1b":
+        return one_f_one_b(p, m)
+    return interleaved_1f1b(p, m, v)
+
+
+def add_transfers(kind: str, p: int, m: int, v: int, orders: list[list[Action]],
+                  bounds: tuple = ()) -> Schedule:
+    """Insert the sends/receives that per-rank compute orders imply, in a deadlock-free order.
+
+    Every compute action is timed with unit costs (`simulator.time_compute`); a transfer is placed
+    in one global list right after the compute that produces its tensor, and each rank keeps its
+    own events of that list, in that order (see the module docstring for why this cannot hang)."""
+    from .simulator import time_compute
+
+    n_stages = p * v
+    times = time_compute(orders, p, n_stages, 1, 1, 0)
+    events = []  # (time, priority, rank, tiebreak, [(rank, action), ...])
+    for r, order in enumerate(orders):
+        for i, (a, (start, end)) in enumerate(zip(order, times[r])):
+            events.append((start, 1, r, i, [(r, a)]))
+            nxt = a.stage + 1 if a.op == "F" else a.stage - 1
+            if 0 <= nxt < n_stages and nxt % p != r:
+                q = nxt % p
+                send, recv = ("SEND_F", "RECV_F") if a.op == "F" else ("SEND_B", "RECV_B")
+                pair = [(r, Action(send, a.stage, a.mb, q)), (q, Action(recv, nxt, a.mb, r))]
+                events.append((end, 0, r, i, pair))
+    events.sort(key=lambda e: e[:4])
+    actions = [[] for _ in range(p)]
+    for *_, items in events:
+        for r, a in items:
+            actions[r].append(a)
+    return Schedule(kind, p, m, v, tuple(tuple(a) for a in actions), tuple(bounds))
+
+
+def format_grid(schedule: Schedule, transfers: bool = False) -> str:
+    """Rank-by-step grid. Without transfers, compute actions sit in unit-time columns (forward and
+    backward both one unit) so bubbles show as dots; with transfers, each rank's full list in order."""
+    from .simulator import time_compute
+
+    p = schedule.p
+    if transfers:
+        rows = [[str(a) for a in schedule.actions[r]] for r in range(p)]
+    else:
+        orders = [schedule.compute(r) for r in range(p)]
+        times = time_compute(orders, p, schedule.n_stages, 1, 1, 0)
+        width = max((int(e) for t in times for _, e in t), default=0)
+        rows = [["."] * width for _ in range(p)]
+        for r in range(p):
+            for a, (s, _) in zip(orders[r], times[r]):
+                rows[r][int(s)] = str(a)
+    w = max((len(c) for row in rows for c in row), default=1)
+    head = f"{schedule.kind} p={schedule.p} m={schedule.m} v={schedule.v}"
+    lines = [head] + [f"rank {r}: " + " ".join(c.rjust(w) for c in row) for r, row in enumerate(rows)]
+    return "\n".join(lines)
+
+
+__all__ = ["Action", "Schedule", "KINDS", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "make_schedule", "schedule_problems", "add_transfers", "format_grid"]
+
+
+def check(schedule: Schedule):
+    """Verify the schedule's rules and prove it cannot deadlock (see `mini3d.pp.rules`)."""
+    from .rules import check as _check
+
+    return _check(schedule)
+
+
+__all__ += ["check"]
