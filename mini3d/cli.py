@@ -86,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--data", help="a text file to train on (default: the embedded corpus)")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda")
     r.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per optimizer step")
-    r.add_argument("--save", metavar="DIR", help="write a checkpoint here at the end")
-    r.add_argument("--resume", metavar="DIR", help="continue from this checkpoint")
+    r.add_argument("--save", metavar="DIR", help="write checkpoints under DIR (at the end, and "
+                                                   "every --save-every steps)")
+    r.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
+    r.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint under DIR "
+                                                   "(any layout); --steps is the total to reach")
     r.add_argument("--world-size", type=int, help="number of processes (default tp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -101,16 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         mod.register(sub)
     return parser
-
-
-# Features whose flags are accepted but whose implementation has not landed yet.
-def not_implemented(plan: Plan, args) -> list[str]:
-    out = []
-    if plan.pp > 1:
-        out.append(f"pp={plan.pp} (pipeline parallelism) is not implemented yet")
-    if args.save or args.resume:
-        out.append("--save / --resume (checkpoints) are not implemented yet")
-    return out
 
 
 def cmd_train(args) -> int:
@@ -132,7 +125,10 @@ def cmd_train(args) -> int:
         problems.append(data_problem)
     if cfg.vocab_size < 256:
         problems.append(f"vocab_size={cfg.vocab_size} is smaller than the byte vocabulary (256)")
-    problems += not_implemented(plan, args)
+    resume = None
+    if args.resume:
+        resume, resume_problems = check_resume(args.resume, cfg, args.steps)
+        problems += resume_problems
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         choose_device(args.device, local)
@@ -144,7 +140,8 @@ def cmd_train(args) -> int:
     from .train import make_spec, reporter_records, summary_line, train_worker
 
     spec = make_spec(cfg, plan, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
-                     log_jsonl=args.log_jsonl, progress=not args.no_progress)
+                     log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
+                     save_every=args.save_every, resume=resume)
     if torchrun:
         from .launch import init_from_env
 
@@ -163,6 +160,26 @@ def cmd_train(args) -> int:
         return EXIT_HUNG
     print(summary_line(reporter_records(results), plan), flush=True)
     return EXIT_OK
+
+
+def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:
+    """(checkpoint directory, problems) for --resume ROOT."""
+    import dataclasses
+
+    from .checkpoint import latest_dir, read_meta, shape_mismatch
+
+    ckpt = latest_dir(root)
+    if ckpt is None:
+        return None, [f"--resume {root!r} holds no complete checkpoint"]
+    meta = read_meta(ckpt)
+    out = []
+    diff = shape_mismatch(meta, dataclasses.asdict(cfg))
+    if diff:
+        out.append(f"checkpoint {ckpt!r} is of another model shape ({'; '.join(diff)})")
+    if meta["step"] >= steps:
+        out.append(f"checkpoint {ckpt!r} is at step {meta['step']}, --steps={steps} asks for no more "
+                   f"(--steps is the total number of steps to reach)")
+    return ckpt, out
 
 
 def launch_train(spec: dict, world: int, device: str = "auto", timeout: float = 3600):
