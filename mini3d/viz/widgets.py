@@ -203,7 +203,8 @@ def planner_explorer(plan_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"
                                 hovertemplate="%{text}<br>%{x:.2f} s, %{y:.1f} GiB<extra></extra>")
             best = view["best"]
             fig.layout.shapes = []
-            fig.add_hline(y=q["gpu_mem_gib"], line=dict(color=CAPACITY_COLOR, dash="dash"))
+            fig.add_shape(type="line", xref="paper", x0=0, x1=1, yref="y", y0=q["gpu_mem_gib"],
+                          y1=q["gpu_mem_gib"], line=dict(color=CAPACITY_COLOR, dash="dash"))
             fig.layout.meta = {"best": best}
         status.value = ("no plan fits" if best is None else
                         f"best: tp={best['tp']} pp={best['pp']} dp={best['dp']}, "
