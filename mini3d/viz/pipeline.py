@@ -78,7 +78,8 @@ def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = N
     fig = new_figure(title, f"time ({time_unit})", "pipeline rank", widget=widget)
     fill_gantt(fig, timeline, bubble_fraction, formula)
     fig.update_yaxes(autorange="reversed", type="category")
-    fig.update_layout(barmode="overlay", bargap=0.15, legend=dict(orientation="h", y=-0.2))
+    fig.update_layout(barmode="overlay", bargap=0.15, margin=dict(t=95),
+                      legend=dict(orientation="h", x=0, y=1.02, xanchor="left", yanchor="bottom"))
     return fig
 
 
@@ -125,8 +126,10 @@ def fill_gantt(fig: go.Figure, timeline, bubble_fraction=None, formula=None):
         if formula:
             label += f"   (formula {formula})"
         fig.layout.annotations = []
-        fig.add_annotation(text=label, xref="paper", yref="paper", x=0, y=1.08, showarrow=False,
-                           xanchor="left", font=dict(size=14, color="#c0392b"), name="bubble")
+        fig.add_annotation(text=label, xref="paper", yref="paper", x=1, y=1.02, showarrow=False,
+                           xanchor="right", yanchor="bottom", font=dict(size=14, color="#c0392b"),
+                           name="bubble")
+        fig.layout.height = max(260, 110 + 50 * len(timeline))
         fig.layout.meta = {"bubble_fraction": float(bubble_fraction)}
 
 
