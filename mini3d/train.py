@@ -26,12 +26,12 @@ import torch.nn as nn
 
 from .checkpoint import (CheckpointWriter, gather_full_state, read_meta, read_states,
                          restore_full_state)
-from .dp import make_dp
+from .dp import make_dp, model_state_ledger
 from .launch import current_device
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
-from .recompute import apply_recompute
+from .recompute import apply_recompute, measure_activations
 from .tp import apply_tp, boundary_shape, sync_tp_grads
 
 
@@ -194,11 +194,17 @@ def train_worker(spec: dict) -> dict:
     records = []
     tokens_per_step = plan.global_batch * plan.seq_len
     save_every = spec.get("save_every") or 0
+    collect, extra = set(spec.get("collect") or ()), {}
     for step in range(start, spec["steps"]):
         topo.log.context = {"step": step}
         t0 = time.perf_counter()
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
-        loss = trainer.mean_loss_over_dp(trainer.step(mbs, step))
+        measure = "activations" in collect and step == start and len(trainer.chunks) == 1
+        with measure_activations(trainer.chunks[0]) if measure else contextlib.nullcontext() as ledger:
+            loss = trainer.step(mbs, step)
+        if measure:
+            extra["activations"] = {k: v / plan.micro_batches for k, v in ledger.by_category.items()}
+        loss = trainer.mean_loss_over_dp(loss)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                "peak_mem_bytes": peak_memory_bytes(topo.device)}
@@ -220,7 +226,23 @@ def train_worker(spec: dict) -> dict:
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
-            "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {}}
+            "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
+            **collected(trainer, collect), **extra}
+
+
+def collected(trainer: Trainer, what: set) -> dict:
+    """Optional measurements a caller (tests, the course) asks for with spec["collect"]:
+    "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
+    "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
+    micro-batch by module, measured during the first step; one model chunk only)."""
+    out = {}
+    if "events" in what:
+        out["events"] = trainer.topo.log.snapshot()
+    if "timeline" in what and trainer.last_result is not None:
+        out["timeline"] = [(s, e, a) for s, e, a in trainer.last_result.timeline]
+    if "ledger" in what:
+        out["ledger"] = model_state_ledger(trainer.net, trainer.optimizer)
+    return out
 
 
 def describe_plan(plan: Plan) -> str:
