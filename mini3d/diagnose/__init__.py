@@ -1,0 +1,1 @@
+"""Diagnostics: memory estimator (and, from other helpers, the live ledger and hang tools)."""
