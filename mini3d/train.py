@@ -20,6 +20,8 @@ import torch.distributed as dist
 from . import comm
 from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
 from .data import Batches, load_tokens
+from .diagnose.faults import measure_memory
+from .diagnose.session import diagnostics
 from .grid import Grid, build_topology
 from .launch import current_device
 from .model import GPT
@@ -88,6 +90,7 @@ def train_worker(spec: dict) -> dict:
     tokens = load_tokens(spec.get("data"))
     batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
     trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0))
+    diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
     log_file = open(spec["log_jsonl"], "w") if (reporter and spec.get("log_jsonl")) else None
     bar = None
@@ -100,6 +103,7 @@ def train_worker(spec: dict) -> dict:
     tokens_per_step = plan.global_batch * plan.seq_len
     for step in range(spec["steps"]):
         topo.log.context = {"step": step}
+        diag.step_start(step, lambda: measure_memory(trainer.params, trainer.optimizer))  # diagnose
         t0 = time.perf_counter()
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
         loss = trainer.step(mbs)
@@ -118,6 +122,7 @@ def train_worker(spec: dict) -> dict:
         bar.close()
     if log_file:
         log_file.close()
+    diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
             "comm_bytes": dict(topo.log.bytes_by_axis), "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis)}
 

@@ -65,7 +65,8 @@ def drill_worker(spec: dict) -> dict:
         comm.all_reduce(grad, topo.dp)
         sums.append(float(grad.sum()))
     diag.finish()
-    return {"rank": topo.rank, "coords": topo.coords, "sums": sums}
+    waits = [e.end - e.start for e in topo.log.events if e.end is not None]
+    return {"rank": topo.rank, "coords": topo.coords, "sums": sums, "max_wait_s": max(waits, default=0.0)}
 
 
 def expected_sums(spec: dict, dp_size: int) -> list[float]:

@@ -120,6 +120,8 @@ def doing(run: Run, r: int) -> str:
         return death(run, r)
     if d["status"] == "finished":
         return "has finished"
+    if d["status"] == "oom":
+        return f"stopped on OutOfMemory ({', '.join(f'{k} {v}' for k, v in d['context'].items())})"
     if d.get("blocked"):
         verb = "failed in" if d["status"] == "error" else "waits in"
         return f"{verb} {describe_op(d['blocked'])}"

@@ -109,7 +109,7 @@ def _mib(n: float) -> str:
 def oom_report(rank: int, coords: dict, measured: dict, estimated: dict | None, budget: int,
                category: str, requested: int, fits: list[str] | None = None) -> str:
     """The OOM report: which rank, which category, measured vs estimated per category, what fits."""
-    where = ", ".join(f"{k}={v}" for k, v in coords.items())
+    where = ", ".join(f"{k}={coords[k]}" for k in ("tp", "pp", "dp") if k in coords)
     total = sum(measured.get(c, 0) for c in CATEGORIES)
     lines = [f"OUT OF MEMORY on rank {rank} ({where}): allocating {_mib(requested)} of {category} "
              f"with {_mib(total)} in use exceeds the memory budget of {_mib(budget)}",

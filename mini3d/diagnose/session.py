@@ -39,8 +39,22 @@ class Diagnostics:
 
 def diagnostics(topo, spec: dict) -> Diagnostics:
     """This rank's diagnostics as asked for by a worker spec (see the module docstring)."""
+    estimated = spec.get("estimated")
+    if estimated is None and spec.get("inject_fault") and "model" in spec and "plan" in spec:
+        estimated = _estimate(spec, topo.pp.index)
     return Diagnostics(topo, spec.get("run_dir"), float(spec.get("hang_timeout") or 300.0),
-                       spec.get("inject_fault"), spec.get("memory_budget"), spec.get("estimated"))
+                       spec.get("inject_fault"), spec.get("memory_budget"), estimated)
+
+
+def _estimate(spec: dict, stage: int) -> dict | None:
+    """The estimator's bytes per category for this rank's stage (None if it is not in this tree)."""
+    try:
+        from ..config import model_from_dict, plan_from_dict
+        from .estimator import estimate_memory
+    except ImportError:
+        return None
+    return estimate_memory(model_from_dict(spec["model"]), plan_from_dict(spec["plan"]),
+                           stage).as_dict()
 
 
 __all__ = ["Diagnostics", "diagnostics"]

@@ -40,10 +40,16 @@ def nccl_env(hang_timeout: float, run_dir: str) -> dict[str, str]:
 
     Our watchdog fires at `hang_timeout`; NCCL's heartbeat monitor is set a minute later so that the
     mini3d dump (in plan terms) comes first and NCCL's own trace second."""
+    import torch
+
+    # the flight recorder's variables were renamed TORCH_FR_* in torch 2.7 (old names warn)
+    new = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 7)
+    buffer, trace = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if new else
+                     ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: last 2000 collectives per rank
+        buffer: "2000",  # flight recorder: the last 2000 collectives per rank
+        trace: os.path.join(run_dir, "nccl_trace_rank_"),  # where it is written
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # write the recorder when a collective times out
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(run_dir, "nccl_trace_rank_"),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a timed-out collective tears the process down
         "TORCH_NCCL_ENABLE_MONITORING": "1",  # heartbeat monitor for a stuck NCCL watchdog
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(hang_timeout) + 60),
