@@ -179,6 +179,15 @@ def _stop(procs):
             p.join(5)
 
 
+def _clear_run_dir(run_dir: str):
+    """Remove a previous job's marker and dumps, so that they cannot abort or confuse this one."""
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):
+        if name in (ABORT_MARKER, "launcher.json") or (
+                name.startswith("rank") and name.endswith((".json", ".stack"))):
+            os.remove(os.path.join(run_dir, name))
+
+
 def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None:
     """Tell every watchdog to dump (abort marker), wait for them, write launcher.json.
 
@@ -226,6 +235,8 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     for the ranks' watchdogs to dump their state, records every rank's exit in `launcher.json`, and
     reports a watchdog's exit (`HANG_EXIT`) as `HangDetected`."""
     backend, device_type = choose_device(device, world_size, backend)
+    if run_dir is not None:
+        _clear_run_dir(run_dir)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()

@@ -97,3 +97,12 @@ def test_explain_hang_cli_exit_codes(tmp_path, capsys):
     (tmp_path / "rank0.json").write_text(json.dumps(dump))
     assert main(["explain-hang", str(tmp_path)]) == 0
     assert "no hang" in capsys.readouterr().out
+
+
+def test_a_reused_run_dir_is_cleared_so_a_stale_abort_marker_cannot_stop_the_next_job(tmp_path):
+    from mini3d.launch import ABORT_MARKER, _clear_run_dir
+
+    for name in (ABORT_MARKER, "launcher.json", "rank0.json", "rank1.stack", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    _clear_run_dir(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -38,13 +38,13 @@ def _children() -> list[int]:
     return out
 
 
-def _drill(tmp_path, fault, dp=2, pp=1):
-    """Run the drill with `fault`; returns (outcome or exception, seconds, explanation)."""
-    spec = dict(tp=1, pp=pp, dp=dp, steps=3, micro_batches=2, run_dir=str(tmp_path / "run"),
+def _drill(tmp_path, fault, dp=2, pp=1, tp=1):
+    """Run the drill with `fault`; returns (outcome or exception, seconds, explanation, spec)."""
+    spec = dict(tp=tp, pp=pp, dp=dp, steps=3, micro_batches=2, run_dir=str(tmp_path / "run"),
                 hang_timeout=HANG_TIMEOUT, inject_fault=fault)
     t0 = time.monotonic()
     try:
-        outcome = launch(drill_worker, pp * dp, spec, timeout=90, run_dir=spec["run_dir"])
+        outcome = launch(drill_worker, tp * pp * dp, spec, timeout=90, run_dir=spec["run_dir"])
     except (WorkerError, LaunchTimeout) as e:
         outcome = e
     seconds = time.monotonic() - t0
@@ -63,9 +63,11 @@ def test_crash_is_blamed_on_the_dead_rank(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_skipped_collective_is_found_by_aligning_sequence_numbers(tmp_path):
-    outcome, seconds, ex, _ = _drill(tmp_path, "skip:1:1")
+    # tp=2 x dp=2: rank 1 skips its dp all-reduce of step 1; ranks 0 and 2 are in other groups
+    outcome, seconds, ex, _ = _drill(tmp_path, "skip:1:1:dp", tp=2, dp=2)
     assert isinstance(outcome, (WorkerError, HangDetected)) and seconds < HANG_TIMEOUT + SLACK
     assert (ex.culprit, ex.kind) == (1, "skip")
+    assert "rank 3 (tp=1, pp=0, dp=1)" in ex.text and "on the dp group [1, 3]" in ex.text
     assert "rank 1 never entered it" in ex.text
     assert "rank 1 skipped one all_reduce on this group at step 1" in ex.text
 
