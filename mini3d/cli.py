@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world-size", type=int, help="number of processes (default tp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from .diagnose.cli import add_train_args
+
+    add_train_args(t)  # mini3d.diagnose: --hang-timeout --run-dir --inject-fault --memory-budget ...
     t.set_defaults(func=cmd_train)
     for name in SUBCOMMAND_MODULES:
         try:
@@ -125,6 +128,13 @@ def cmd_train(args) -> int:
         problems.append(data_problem)
     if cfg.vocab_size < 256:
         problems.append(f"vocab_size={cfg.vocab_size} is smaller than the byte vocabulary (256)")
+    from .diagnose.cli import diagnose_problems, diagnose_spec
+
+    problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
+    if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
+        from .diagnose.dryrun import dry_run
+
+        return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node)
     resume = None
     if args.resume:
         resume, resume_problems = check_resume(args.resume, cfg, args.steps)
@@ -141,10 +151,13 @@ def cmd_train(args) -> int:
 
     spec = make_spec(cfg, plan, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
                      log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
-                     save_every=args.save_every, resume=resume)
+                     save_every=args.save_every, resume=resume,
+                     **diagnose_spec(args))  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
     if torchrun:
+        from .diagnose.watchdog import nccl_env
         from .launch import init_from_env
 
+        os.environ.update(nccl_env(spec["hang_timeout"], spec["run_dir"]))
         init_from_env(args.device)
         result = train_worker(spec)
         if result["reporter"]:
@@ -153,7 +166,8 @@ def cmd_train(args) -> int:
     try:
         results = launch_train(spec, world, args.device, args.timeout)
     except WorkerError as e:
-        print(f"mini3d train: {e}", file=sys.stderr)
+        print(f"mini3d train: {e}\n(per-rank state: mini3d explain-hang {spec['run_dir']})",
+              file=sys.stderr)
         return EXIT_FAILED
     except LaunchTimeout as e:
         print(f"mini3d train: {e}", file=sys.stderr)
@@ -183,10 +197,13 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
 
 
 def launch_train(spec: dict, world: int, device: str = "auto", timeout: float = 3600):
+    from .diagnose.watchdog import nccl_env
     from .launch import launch
     from .train import train_worker
 
-    return launch(train_worker, world, spec, device=device, timeout=timeout)
+    run_dir = spec.get("run_dir")
+    env = nccl_env(spec["hang_timeout"], run_dir) if run_dir else None
+    return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
 
 
 def main(argv=None) -> int:

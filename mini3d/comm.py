@@ -69,7 +69,7 @@ class CommLog:
         self._ids = itertools.count()
         self.context: dict = {}  # set by the trainer / pipeline runtime (step, action, micro-batch)
         self.lock = threading.Lock()  # the watchdog thread reads `pending`
-        self.fault = None  # optional callable(event, tensor) -> tensor, for fault injection
+        self.fault = None  # optional callable(event, tensor) -> tensor, or SKIP to drop the op
 
     def reset_counters(self):
         self.bytes_by_axis.clear()
@@ -96,6 +96,21 @@ class CommLog:
         ev.end = time.perf_counter()
         with self.lock:
             self.pending.pop(eid, None)
+
+    def retract(self, eid: int, ev: Event, seq_key: str | None = None):
+        """Undo `begin` for an op that will not be issued (fault injection: a skipped collective)."""
+        self._seq[(ev.axis, seq_key or ev.op)] -= 1
+        self.bytes_by_axis[ev.axis] -= ev.bytes
+        self.wire_bytes_by_axis[ev.axis] -= ev.wire_bytes
+        self.count_by_axis_op[(ev.axis, ev.op)] -= 1
+        with self.lock:
+            self.pending.pop(eid, None)
+            if self.events and self.events[-1] is ev:
+                self.events.pop()
+
+    def seq_counts(self) -> dict[str, int]:
+        """Ops issued so far per "axis/op-kind" key (p2p keys name the peer, e.g. "pp/p2p->3")."""
+        return {f"{a}/{k}": n for (a, k), n in self._seq.items()}
 
     def count(self, axis: str, op: str) -> int:
         return self.count_by_axis_op[(axis, op)]
@@ -132,6 +147,7 @@ class _Done:
 
 
 DONE = _Done()
+SKIP = object()  # returned by a fault hook: do not issue this op at all (see diagnose/faults.py)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -143,6 +159,10 @@ def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, 
     eid, ev = log.begin(axis, op, tensor, nbytes, wire, peer, seq_key)
     if log.fault is not None:
         tensor = log.fault(ev, tensor)
+        if tensor is SKIP:
+            log.retract(eid, ev, seq_key)
+            return DONE if async_op else None
+        ev.shape = tuple(tensor.shape)  # a fault may have changed it
     work = fn(tensor)
     if async_op:
         return TracedWork(work, log, eid, ev, after)

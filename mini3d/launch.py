@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import json
 import os
 import pickle
 import queue
@@ -32,6 +33,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEVICE_ENV = "MINI3D_DEVICE"
+HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
+ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
+ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
+_FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
 
 
 class LaunchError(RuntimeError):
@@ -56,6 +61,21 @@ class LaunchTimeout(TimeoutError):
         self.pending = pending
         super().__init__(f"job did not finish within {timeout:.0f} s; ranks still running: {pending} "
                          f"(all processes were stopped)")
+
+
+class HangDetected(LaunchTimeout):
+    """A rank's watchdog saw an op pending past the hang timeout; every rank dumped to `run_dir`."""
+
+    def __init__(self, rank: int, run_dir: str | None):
+        self.rank, self.run_dir, self.pending = rank, run_dir, [rank]
+        TimeoutError.__init__(self, f"hang detected by rank {rank}'s watchdog; every rank dumped its "
+                                    f"communication state to {run_dir} (all processes were stopped); "
+                                    f"run: mini3d explain-hang {run_dir}")
+
+
+def on_failure(hook):
+    """Register `hook(exc)` to run in this worker process when its function raises (e.g. a dump)."""
+    _FAILURE_HOOKS.append(hook)
 
 
 def choose_device(device: str = "auto", local_world_size: int = 1,
@@ -130,6 +150,11 @@ def _worker(rank, world_size, port, backend, device_type, threads, fn, args, q, 
         result = fn(*args)
         q.put((rank, "ok", pickle.dumps(result), ""))
     except BaseException as e:  # report everything, including SystemExit and KeyboardInterrupt
+        for hook in _FAILURE_HOOKS:
+            try:
+                hook(e)
+            except Exception:
+                pass
         q.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
         q.close()
         q.join_thread()
@@ -154,10 +179,64 @@ def _stop(procs):
             p.join(5)
 
 
+def _clear_run_dir(run_dir: str):
+    """Remove a previous job's marker and dumps, so that they cannot abort or confuse this one."""
+    os.makedirs(run_dir, exist_ok=True)
+    for name in os.listdir(run_dir):
+        if name in (ABORT_MARKER, "launcher.json") or (
+                name.startswith("rank") and name.endswith((".json", ".stack"))):
+            os.remove(os.path.join(run_dir, name))
+
+
+def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None:
+    """Tell every watchdog to dump (abort marker), wait for them, write launcher.json.
+
+    Returns the rank whose watchdog detected the hang, or None if no rank stopped for a hang."""
+    os.makedirs(run_dir, exist_ok=True)
+    try:
+        fd = os.open(os.path.join(run_dir, ABORT_MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"by": "launcher", "reason": str(first).splitlines()[0]}, f)
+    except FileExistsError:
+        pass  # a watchdog wrote it first
+    deadline = time.monotonic() + grace
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    errors = {}
+    while True:
+        try:
+            rank, status, payload, _ = q.get(timeout=0.05)
+        except (queue.Empty, OSError, EOFError):
+            break
+        if status != "ok":
+            errors[rank] = payload
+    if isinstance(first, WorkerError):
+        errors.setdefault(first.rank, first.message)
+    ranks = [{"rank": r, "exitcode": p.exitcode, "error": errors.get(r)} for r, p in enumerate(procs)]
+    with open(os.path.join(run_dir, "launcher.json"), "w") as f:
+        json.dump({"first_failure": str(first).splitlines()[0], "ranks": ranks}, f, indent=1)
+    hung = [r for r, p in enumerate(procs) if p.exitcode == HANG_EXIT]
+    if not hung:
+        return None
+    try:
+        with open(os.path.join(run_dir, ABORT_MARKER)) as f:
+            by = json.load(f).get("by")
+        return by if isinstance(by, int) else hung[0]
+    except (OSError, ValueError):
+        return hung[0]
+
+
 def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None = None,
-           timeout: float = 600.0, threads: int = 1, env: dict | None = None) -> list:
-    """Run `fn(*args)` on `world_size` new local processes; return their results in rank order."""
+           timeout: float = 600.0, threads: int = 1, env: dict | None = None,
+           run_dir: str | None = None, grace: float = 5.0) -> list:
+    """Run `fn(*args)` on `world_size` new local processes; return their results in rank order.
+
+    With `run_dir`, a failure first writes the abort marker there and waits up to `grace` seconds
+    for the ranks' watchdogs to dump their state, records every rank's exit in `launcher.json`, and
+    reports a watchdog's exit (`HANG_EXIT`) as `HangDetected`."""
     backend, device_type = choose_device(device, world_size, backend)
+    if run_dir is not None:
+        _clear_run_dir(run_dir)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -195,6 +274,13 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
                 raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(results)))
         for p in procs:
             p.join(max(1.0, min(30.0, deadline - time.monotonic())))
+    except (WorkerError, LaunchTimeout) as e:
+        if run_dir is None:
+            raise
+        hung = _abort_and_record(procs, q, run_dir, grace, e)
+        if hung is not None:
+            raise HangDetected(hung, run_dir) from e
+        raise
     finally:
         _stop(procs)
         q.close()

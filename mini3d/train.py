@@ -21,6 +21,7 @@ import torch.distributed as dist
 from . import comm
 from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
 from .data import Batches, load_tokens
+from .diagnose.session import diagnostics
 from .grid import Grid, build_topology
 import torch.nn as nn
 
@@ -183,6 +184,7 @@ def train_worker(spec: dict) -> dict:
     batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
     trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0))
     start = trainer.load(spec["resume"]) if spec.get("resume") else 0
+    diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
     log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
     bar = None
@@ -197,6 +199,7 @@ def train_worker(spec: dict) -> dict:
     collect, extra = set(spec.get("collect") or ()), {}
     for step in range(start, spec["steps"]):
         topo.log.context = {"step": step}
+        diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
         t0 = time.perf_counter()
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
         measure = "activations" in collect and step == start and len(trainer.chunks) == 1
@@ -223,11 +226,21 @@ def train_worker(spec: dict) -> dict:
         bar.close()
     if log_file:
         log_file.close()
+    diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
             **collected(trainer, collect), **extra}
+
+
+def memory_by_category(trainer: Trainer, activations: float = 0) -> dict:
+    """Measured bytes of this rank in the estimator's categories (model states from the live
+    ledger; activations as measured by the caller)."""
+    led = model_state_ledger(trainer.net, trainer.optimizer)
+    return {"params": led["parameters"], "grads": led["gradients"],
+            "optimizer": led["master_weights"] + led["optimizer_states"] + led["optimizer_scalars"],
+            "activations": activations, "comm_buffers": 0}
 
 
 def collected(trainer: Trainer, what: set) -> dict:

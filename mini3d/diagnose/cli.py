@@ -1,0 +1,78 @@
+"""`mini3d explain-hang DIR`: explain a hang or failure from the per-rank dumps in DIR."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def cmd_explain_hang(args) -> int:
+    from .explain import explain
+
+    if not os.path.isdir(args.dir):
+        print(f"mini3d explain-hang: bad input: DIR={args.dir!r} is not a directory", file=sys.stderr)
+        return 2
+    result = explain(args.dir)
+    if result is None:
+        print(f"mini3d explain-hang: bad input: DIR={args.dir!r} holds no rank*.json dumps (pass the "
+              f"--run-dir of the failed job)", file=sys.stderr)
+        return 2
+    print(result.text)
+    return 0
+
+
+def diagnose_problems(args, plan) -> list[str]:
+    """Bad values among the diagnostics flags (mini3d.diagnose)."""
+    from .faults import fault_problems, parse_fault, parse_size
+
+    out = []
+    if args.hang_timeout <= 0:
+        out.append(f"hang_timeout={args.hang_timeout} must be > 0 seconds")
+    for flag, value, parse in (("--inject-fault", args.inject_fault, parse_fault),
+                               ("--memory-budget", args.memory_budget, parse_size)):
+        if value is None:
+            continue
+        try:
+            parsed = parse(value)
+        except ValueError as e:
+            out.append(str(e))
+            continue
+        if flag == "--inject-fault":
+            out += fault_problems(parsed, plan, args.steps)
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        out.append(f"gpus_per_node={args.gpus_per_node} must be >= 1")
+    return out
+
+
+def diagnose_spec(args) -> dict:
+    """The diagnostics part of a worker spec; without --run-dir the dumps go to a new temp dir."""
+    import tempfile
+
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="mini3d-run-")
+    return dict(run_dir=run_dir, hang_timeout=args.hang_timeout, inject_fault=args.inject_fault,
+                memory_budget=args.memory_budget)
+
+
+def add_train_args(p):
+    """The diagnostics flags of `mini3d train`."""
+    d = p.add_argument_group("diagnostics (mini3d.diagnose)")
+    d.add_argument("--hang-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="an op pending this long is a hang: every rank dumps to --run-dir")
+    d.add_argument("--run-dir", metavar="DIR", help="where ranks dump on a hang (default: a temp dir)")
+    d.add_argument("--inject-fault", metavar="KIND:RANK:STEP[:ARG]",
+                   help="crash, skip, shape, p2p-order, slow or oom, on one rank at one step")
+    d.add_argument("--memory-budget", metavar="SIZE", help="per-rank memory cap, e.g. 512MiB")
+    d.add_argument("--dry-run", action="store_true",
+                   help="validate, print the rank map, prove the step deadlock-free; start nothing")
+    d.add_argument("--gpus-per-node", type=int, help="flag node boundaries in the dry-run map")
+
+
+def register(subparsers):
+    p = subparsers.add_parser("explain-hang", help="explain a hang from the per-rank dumps",
+                              description="Merge the rank*.json dumps that the hang watchdog wrote "
+                                          "and say which rank, axis, micro-batch and op went wrong.")
+    p.add_argument("dir", metavar="DIR", help="the run directory (mini3d train --run-dir)")
+    p.set_defaults(func=cmd_explain_hang)
+
+
+__all__ = ["register", "cmd_explain_hang", "add_train_args", "diagnose_problems", "diagnose_spec"]

@@ -1,0 +1,365 @@
+"""`explain-hang`: merge every rank's dump and say, in terms of the plan, what went wrong.
+
+Inputs in the run directory: `rank{r}.json` (written by each rank's watchdog, see watchdog.py),
+`launcher.json` (every rank's exit status, written by `launch(run_dir=...)`), and `rank{r}.stack`
+(the Python stack of a rank the communication library aborted).
+
+Method. `Event.seq` counts ops per (axis, op kind) on each rank (per peer for send/recv), so the
+k-th all_reduce on a dp group is the same op on every member. For the op each rank is blocked in,
+we ask every other member (or the p2p peer) whether it has entered the matching op; each "no" is an
+edge of a wait-for graph, labelled with what that member does instead. Following the edges ends at
+the culprit: a rank that crashed (no dump), finished without the op (it skipped one), runs outside
+communication (a straggler), or at a cycle (a point-to-point order deadlock). Independently, the
+same op's shape is compared across members (shape mismatch), and each group's ops are aligned by
+seq to find the first one whose step or shape differs between members (where a skip happened).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass, field
+
+from ..grid import Grid
+from .watchdog import describe_op
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
+
+
+@dataclass
+class Run:
+    """Everything a run directory holds."""
+
+    dumps: dict  # rank -> dump dict
+    launcher: dict | None
+    stacks: dict  # rank -> faulthandler text
+    grid: Grid | None = None
+    world: int = 0
+
+    @property
+    def exits(self) -> dict:
+        return {r["rank"]: r for r in (self.launcher or {}).get("ranks", [])}
+
+
+@dataclass
+class Explanation:
+    text: str
+    culprit: int | None = None  # world rank judged responsible
+    kind: str = "unknown"  # crash, skip, shape, p2p-order, straggler, oom, finished, unknown
+    findings: list = field(default_factory=list)
+
+
+def load_run(run_dir: str) -> Run:
+    dumps = {}
+    for path in glob.glob(os.path.join(run_dir, "rank*.json")):
+        with open(path) as f:
+            d = json.load(f)
+        dumps[int(d["rank"])] = d
+    launcher = None
+    if os.path.exists(os.path.join(run_dir, "launcher.json")):
+        with open(os.path.join(run_dir, "launcher.json")) as f:
+            launcher = json.load(f)
+    stacks = {}
+    for path in glob.glob(os.path.join(run_dir, "rank*.stack")):
+        text = open(path).read()
+        if text.strip():
+            stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
+    run = Run(dumps, launcher, stacks)
+    if dumps:
+        g = next(iter(dumps.values()))["grid"]
+        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"))
+        run.world = run.grid.world_size
+    return run
+
+
+# ----------------------------------------------------------------------------- per-rank facts
+
+def who(run: Run, r: int) -> str:
+    c = run.grid.coords(r)
+    return f"rank {r} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']})"
+
+
+def seq_key(ev: dict) -> str:
+    if ev["op"] == "send":
+        return f"{ev['axis']}/p2p->{ev['peer']}"
+    if ev["op"] == "recv":
+        return f"{ev['axis']}/p2p<-{ev['peer']}"
+    return f"{ev['axis']}/{ev['op']}"
+
+
+def death(run: Run, r: int) -> str:
+    """How a rank without a dump ended, from launcher.json and its stack file."""
+    info = run.exits.get(r, {})
+    code = info.get("exitcode")
+    if code is None:
+        s = "left no dump (its exit status is unknown)"
+    elif code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        s = f"was killed by {name} and left no dump"
+    else:
+        s = f"exited with status {code} without a dump"
+    stack = run.stacks.get(r, "")
+    ops = re.findall(r'comm\.py", line \d+ in (\w+)', stack)
+    public = [o for o in ops if not o.startswith("_")]
+    if public:
+        s += f"; its stack shows it inside {public[0]}"
+        if code == -signal.SIGABRT:
+            s += " (the communication library aborted it: gloo does so on a size mismatch)"
+    return s
+
+
+def doing(run: Run, r: int) -> str:
+    d = run.dumps.get(r)
+    if d is None:
+        return death(run, r)
+    if d["status"] == "finished":
+        return "has finished"
+    if d["status"] == "oom":
+        return f"stopped on OutOfMemory ({', '.join(f'{k} {v}' for k, v in d['context'].items())})"
+    if d.get("blocked"):
+        verb = "failed in" if d["status"] == "error" else "waits in"
+        return f"{verb} {describe_op(d['blocked'])}"
+    return f"is running outside communication ({d['status']}, context {d.get('context')})"
+
+
+def _event(d: dict, key: str, seq: int) -> dict | None:
+    return next((e for e in d["events"] if seq_key(e) == key and e["seq"] == seq), None)
+
+
+def entered(run: Run, m: int, key: str, seq: int) -> bool:
+    """Has rank m issued op #seq of `key`? An op begun but queued behind another blocking op
+    (pending, not the one m is blocked in) has not reached the wire."""
+    d = run.dumps[m]
+    if d["seq"].get(key, 0) < seq:
+        return False
+    ev = _event(d, key, seq)
+    return not (ev is not None and ev["pending"] and not ev["blocked"])
+
+
+def waits_for(run: Run, r: int) -> list[tuple[int, str]]:
+    """(member, why) for each rank that r's blocked op waits for."""
+    d = run.dumps.get(r)
+    ev = d.get("blocked") if d else None
+    if ev is None:
+        return []
+    if ev["op"] in ("send", "recv"):
+        q = ev["peer"]
+        back = f"{ev['axis']}/p2p<-{r}" if ev["op"] == "send" else f"{ev['axis']}/p2p->{r}"
+        others = [(q, back)]
+    else:
+        others = [(m, seq_key(ev)) for m in ev["group"] if m != r]
+    out = []
+    for m, key in others:
+        if m not in run.dumps:
+            out.append((m, f"rank {m} {death(run, m)}"))
+        elif not entered(run, m, key, ev["seq"]):
+            n = run.dumps[m]["seq"].get(key, 0)
+            if ev["op"] in ("send", "recv"):
+                other = "recv" if ev["op"] == "send" else "send"
+                out.append((m, f"rank {m} has not issued the matching {other} #{ev['seq']} and "
+                               f"{doing(run, m)}"))
+            else:
+                out.append((m, f"rank {m} never entered it (it issued {n} {ev['op']} on that "
+                               f"group) and {doing(run, m)}"))
+    return out
+
+
+# ----------------------------------------------------------------------------- findings
+
+def shape_mismatch(run: Run) -> tuple[int, str] | None:
+    """(culprit, text) when a blocked collective's shape differs from its group's."""
+    for r, d in sorted(run.dumps.items()):
+        ev = d.get("blocked")
+        if not ev or ev["op"] not in COLLECTIVES:
+            continue
+        key, mine = seq_key(ev), tuple(ev["shape"])
+        theirs = {m: tuple(e["shape"]) for m in ev["group"] if m != r and m in run.dumps
+                  for e in [_event(run.dumps[m], key, ev["seq"])] if e is not None}
+        odd = {m: s for m, s in theirs.items() if s != mine}
+        if odd:
+            m, s = next(iter(odd.items()))
+            return r, (f"shape mismatch in {ev['op']} #{ev['seq']} on the {ev['axis']} group "
+                       f"{ev['group']}: rank {r} has {mine}, rank {m} has {s}")
+        # members that died cannot tell us their shape: compare with this group's earlier ops
+        before = {tuple(e["shape"]) for m in ev["group"] if m in run.dumps
+                  for e in run.dumps[m]["events"]
+                  if seq_key(e) == key and e["seq"] < ev["seq"] and not e["pending"]}
+        dead = [m for m in ev["group"] if m not in run.dumps]
+        if dead and before and mine not in before:
+            return r, (f"shape mismatch in {ev['op']} #{ev['seq']} on the {ev['axis']} group "
+                       f"{ev['group']}: rank {r} sent shape {mine} where every earlier {ev['op']} "
+                       f"on this group had {sorted(before)[0]}; rank {dead[0]} {death(run, dead[0])}")
+    return None
+
+
+def first_divergence(run: Run) -> tuple[int, str] | None:
+    """(rank that skipped, text): the first op #k of a group whose step differs between members."""
+    keys = {}
+    for r, d in run.dumps.items():
+        for e in d["events"]:
+            if e["op"] in COLLECTIVES:
+                keys.setdefault((seq_key(e), tuple(e["group"])), {}).setdefault(r, {})[e["seq"]] = e
+    for (key, group), by_rank in sorted(keys.items()):
+        if len(by_rank) < 2:
+            continue
+        common = sorted(set.intersection(*(set(v) for v in by_rank.values())))
+        for k in common:
+            steps = {r: v[k]["context"].get("step") for r, v in by_rank.items()}
+            if None in steps.values() or len(set(steps.values())) == 1:
+                continue
+            ahead = max(steps, key=steps.get)
+            behind = min(steps, key=steps.get)
+            op = key.split("/")[1]
+            return ahead, (f"first divergence on the {key.split('/')[0]} group {list(group)}: "
+                           f"{op} #{k} came from step {steps[ahead]} on rank {ahead} but from step "
+                           f"{steps[behind]} on rank {behind}: rank {ahead} skipped one {op} on "
+                           f"this group at step {steps[behind]} or before")
+    return None
+
+
+def follow(run: Run, start: int) -> tuple[list[int], str]:
+    """Walk the wait-for graph from `start`; returns (path, how it ends)."""
+    path = [start]
+    while True:
+        edges = waits_for(run, path[-1])
+        if not edges:
+            return path, "end"
+        nxt = edges[0][0]
+        if nxt in path:
+            return path[path.index(nxt):], "cycle"
+        path.append(nxt)
+        if nxt not in run.dumps or not run.dumps[nxt].get("blocked"):
+            return path, "end"
+
+
+def _p2p_cycle_text(run: Run, cycle: list[int]) -> tuple[int, str]:
+    ops = {r: run.dumps[r]["blocked"]["op"] for r in cycle}
+    kind = "recv" if all(o == "recv" for o in ops.values()) else (
+        "send" if all(o == "send" for o in ops.values()) else "mixed")
+    culprit = cycle[0]
+    for r in cycle:  # the rank holding a send it never got to (queued behind its recv) reordered
+        if any(e["op"] == "send" and e["pending"] and not e["blocked"] for e in run.dumps[r]["pending"]):
+            culprit = r
+    names = " and ".join(f"rank {r}" for r in cycle)
+    every = "both" if len(cycle) == 2 else "all"
+    text = (f"point-to-point order deadlock: {names} {every} wait in {kind} from each other"
+            if kind != "mixed" else f"deadlock cycle between {names}")
+    if kind == "recv":
+        text += f"; rank {culprit} posted its recv before its send"
+    return culprit, text
+
+
+HINTS = {
+    "crash": "find why rank {c} died (its stderr, `dmesg` for the OOM killer); all ranks must run "
+             "to the end of every step",
+    "skip": "every member of a group must issue the same collectives in the same order: look for a "
+            "condition on rank {c} (e.g. `if rank == ...`, an early `continue`) around that step",
+    "shape": "tensors in one collective must have the same shape on every member; rank {c}'s "
+             "differs (a per-rank batch or padding size?)",
+    "p2p-order": "pair every send with a recv posted in a compatible order: the lower pipeline "
+                 "index sends first, the higher receives first (see mini3d.pp.p2p.PipeP2P.exchange)",
+    "straggler": "rank {c} is slow or stuck outside communication: compare its step time, or "
+                 "raise --hang-timeout if the work is just long",
+    "oom": "see the OOM report above: lower the named category or give the rank more memory",
+}
+
+
+def _rank_line(run: Run, r: int) -> str:
+    d = run.dumps.get(r)
+    if d is None:
+        return f"  {who(run, r)}: {death(run, r)}"
+    status = d["status"]
+    reason = f" ({d['reason'][:90]})" if status in ("error", "oom", "hang") and d.get("reason") else ""
+    return f"  {who(run, r)}: {status}{reason}; {doing(run, r)}"
+
+
+def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
+    """(culprit rank, kind, finding lines), strongest evidence first."""
+    findings = []
+    ooms = [r for r, d in sorted(run.dumps.items()) if d["status"] == "oom"]
+    if ooms:
+        r = ooms[0]
+        oom = run.dumps[r].get("oom") or {}
+        findings.append(f"{who(run, r)} ran out of memory in category "
+                        f"{oom.get('category', '?')}:\n" + oom.get("report", run.dumps[r]["reason"]))
+        return r, "oom", findings
+    waits = []
+    for r in sorted(run.dumps):
+        for m, why in waits_for(run, r):
+            waits.append(f"{who(run, r)} waits in {describe_op(run.dumps[r]['blocked'])}; {why}")
+    shape = shape_mismatch(run)
+    skip = first_divergence(run)
+    ends = [follow(run, r) for r in sorted(run.dumps) if waits_for(run, r)]
+    if shape:
+        findings += [shape[1]] + waits
+        return shape[0], "shape", findings
+    findings += waits
+    if skip:
+        findings.append(skip[1])
+    for path, how in ends:
+        if how == "cycle":
+            c, text = _p2p_cycle_text(run, path)
+            return c, "p2p-order", findings + [text]
+    for path, how in ends:
+        end = path[-1]
+        if end not in run.dumps:
+            return end, "crash", findings
+        if run.dumps[end]["status"] == "finished":
+            return (skip[0] if skip else end), "skip", findings
+        return end, "straggler", findings
+    dead = [r for r in range(run.world) if r not in run.dumps]
+    if dead:
+        return dead[0], "crash", findings + [f"rank {r} {death(run, r)}" for r in dead]
+    if skip:
+        return skip[0], "skip", findings
+    if all(d["status"] == "finished" for d in run.dumps.values()):
+        return None, "finished", findings
+    return None, "unknown", findings
+
+
+HEADLINES = {
+    "oom": "{w} ran out of memory",
+    "crash": "{w} crashed; the ranks that needed it could not go on",
+    "skip": "{w} skipped a collective its group's other members entered",
+    "shape": "{w} entered a collective with the wrong tensor shape",
+    "p2p-order": "{w} is in a point-to-point order deadlock",
+    "straggler": "{w} did not reach the op its peers wait in (slow or stuck outside communication)",
+}
+
+
+def explain(run_dir: str) -> Explanation | None:
+    """The plain-language explanation of a run directory; None if it holds no dumps."""
+    run = load_run(run_dir)
+    if not run.dumps:
+        return None
+    culprit, kind, findings = _culprit(run)
+    g = run.grid.sizes
+    lines = [f"run {run_dir}: {run.world} ranks, grid tp={g['tp']} pp={g['pp']} dp={g['dp']}; "
+             f"dumps from ranks {sorted(run.dumps)}"]
+    if kind == "finished":
+        lines.append("no hang: every rank finished (a slow run, if it was slow, was only late)")
+    elif culprit is not None:
+        lines.append("culprit: " + HEADLINES[kind].format(w=who(run, culprit)))
+    else:
+        lines.append("culprit: not determined from these dumps")
+    lines.append("what each rank was doing:")
+    lines += [_rank_line(run, r) for r in range(run.world)]
+    if findings:
+        lines.append("why:")
+        lines += [f"  - {f}" for f in findings]
+    faults = {d.get("fault") for d in run.dumps.values() if d.get("fault")}
+    if faults:
+        lines.append(f"(an injected fault was active: {', '.join(sorted(faults))})")
+    if kind in HINTS and culprit is not None:
+        lines.append("what to change: " + HINTS[kind].format(c=culprit))
+    return Explanation("\n".join(lines), culprit, kind, findings)
+
+
+__all__ = ["explain", "load_run", "Explanation", "Run", "waits_for", "first_divergence",
+           "shape_mismatch"]

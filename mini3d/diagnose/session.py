@@ -1,0 +1,60 @@
+"""What a rank's training loop calls to be diagnosable: `diagnostics(topo, spec)`.
+
+    diag = diagnostics(topo, spec)        # after build_topology: starts the hang watchdog
+    for step in range(steps):
+        diag.step_start(step, measure)    # injects the fault, if one was asked for
+        ...
+    diag.finish()                         # "finished" dump; stops the watchdog
+
+`spec` keys (all optional): `run_dir` (no run_dir: no watchdog), `hang_timeout` (seconds, default
+300), `inject_fault` ("KIND:RANK:STEP[:ARG]"), `memory_budget` (bytes or "512MiB"), `estimated`
+(bytes per category, for the OOM report). The trainer and the comm-only drill use the same calls.
+"""
+
+from __future__ import annotations
+
+from .faults import FaultInjector, parse_fault, parse_size
+from .watchdog import start_watchdog
+
+
+class Diagnostics:
+    """The watchdog and the fault injector of one rank; every method is safe when both are off."""
+
+    def __init__(self, topo, run_dir: str | None = None, hang_timeout: float = 300.0,
+                 fault: str | None = None, memory_budget=None, estimated: dict | None = None):
+        self.watchdog = start_watchdog(topo, run_dir, hang_timeout, fault) if run_dir else None
+        budget = parse_size(memory_budget) if memory_budget not in (None, "") else None
+        self.injector = (FaultInjector(parse_fault(fault), topo, budget, estimated)
+                         if fault else None)
+
+    def step_start(self, step: int, measure=None):
+        """Mark the start of optimizer step `step`; `measure()` -> bytes per category (oom only)."""
+        if self.injector is not None:
+            self.injector.step_start(step, measure)
+
+    def finish(self):
+        if self.watchdog is not None:
+            self.watchdog.finish()
+
+
+def diagnostics(topo, spec: dict) -> Diagnostics:
+    """This rank's diagnostics as asked for by a worker spec (see the module docstring)."""
+    estimated = spec.get("estimated")
+    if estimated is None and spec.get("inject_fault") and "model" in spec and "plan" in spec:
+        estimated = _estimate(spec, topo.pp.index)
+    return Diagnostics(topo, spec.get("run_dir"), float(spec.get("hang_timeout") or 300.0),
+                       spec.get("inject_fault"), spec.get("memory_budget"), estimated)
+
+
+def _estimate(spec: dict, stage: int) -> dict | None:
+    """The estimator's bytes per category for this rank's stage (None if it is not in this tree)."""
+    try:
+        from ..config import model_from_dict, plan_from_dict
+        from .estimator import estimate_memory
+    except ImportError:
+        return None
+    return estimate_memory(model_from_dict(spec["model"]), plan_from_dict(spec["plan"]),
+                           stage).as_dict()
+
+
+__all__ = ["Diagnostics", "diagnostics"]
