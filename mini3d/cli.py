@@ -1,7 +1,8 @@
 """`mini3d train | estimate | plan | calibrate | schedule | explain-hang | grade`.
 
 Exit codes (a contract, see DESIGN.md): 0 success; 2 bad input, reported before any process starts
-with a message naming the offending values; 1 a rank failed; 3 the job timed out or hung.
+with a message naming the offending values; 1 a rank failed; 3 the job timed out or hung (see
+`mini3d explain-hang`); 4 out of memory (the report names rank, stage, category and plans that fit).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
 SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.grading")
@@ -166,6 +167,9 @@ def cmd_train(args) -> int:
     try:
         results = launch_train(spec, world, args.device, args.timeout)
     except WorkerError as e:
+        if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
+            print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
+            return EXIT_OOM
         print(f"mini3d train: {e}\n(per-rank state: mini3d explain-hang {spec['run_dir']})",
               file=sys.stderr)
         return EXIT_FAILED

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from . import comm
 from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
 from .data import Batches, load_tokens
+from .diagnose.faults import parse_size
+from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
 from .grid import Grid, build_topology
 import torch.nn as nn
@@ -197,16 +199,19 @@ def train_worker(spec: dict) -> dict:
     tokens_per_step = plan.global_batch * plan.seq_len
     save_every = spec.get("save_every") or 0
     collect, extra = set(spec.get("collect") or ()), {}
+    budget = parse_size(spec["memory_budget"]) if spec.get("memory_budget") else None
     for step in range(start, spec["steps"]):
         topo.log.context = {"step": step}
         diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
         t0 = time.perf_counter()
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
-        measure = "activations" in collect and step == start and len(trainer.chunks) == 1
-        with measure_activations(trainer.chunks[0]) if measure else contextlib.nullcontext() as ledger:
-            loss = trainer.step(mbs, step)
-        if measure:
-            extra["activations"] = {k: v / plan.micro_batches for k, v in ledger.by_category.items()}
+        measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
+        loss, acts = run_step(trainer, mbs, step, measure, spec.get("run_dir"))
+        if acts is not None and "activations" in collect:
+            extra["activations"] = acts
+        if budget and step == start:  # --memory-budget: the measured ledgers against the budget
+            check_budget(memory_by_category(trainer, peak_activation_bytes(trainer, acts)), budget,
+                         rank, topo.coords, cfg, plan)
         loss = trainer.mean_loss_over_dp(loss)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
@@ -232,6 +237,29 @@ def train_worker(spec: dict) -> dict:
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
             **collected(trainer, collect), **extra}
+
+
+def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | None = None):
+    """One optimizer step; (loss, activation bytes per micro-batch by module or None). A CUDA
+    out-of-memory error becomes mini3d's OutOfMemory with the full report."""
+    try:
+        with measure_activations(trainer.chunks[0]) if measure else contextlib.nullcontext() as ledger:
+            loss = trainer.step(mbs, step)
+    except torch.OutOfMemoryError as err:
+        t = trainer.topo
+        raise cuda_oom(err, memory_by_category(trainer), t.device, t.rank, t.coords, trainer.cfg,
+                       trainer.plan, run_dir) from err
+    acts = {k: v / len(mbs) for k, v in ledger.by_category.items()} if measure else None
+    return loss, acts
+
+
+def peak_activation_bytes(trainer: Trainer, acts: dict | None) -> float:
+    """Measured activation peak: bytes saved per micro-batch x micro-batches in flight at once
+    (1 without a pipeline: each micro-batch's backward frees them before the next forward)."""
+    if not acts:
+        return 0.0
+    in_flight = max(trainer.last_result.peak_in_flight.values()) if trainer.last_result else 1
+    return sum(acts.values()) * in_flight
 
 
 def memory_by_category(trainer: Trainer, activations: float = 0) -> dict:

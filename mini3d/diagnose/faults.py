@@ -111,12 +111,14 @@ def oom_report(rank: int, coords: dict, measured: dict, estimated: dict | None, 
     """The OOM report: which rank, which category, measured vs estimated per category, what fits."""
     where = ", ".join(f"{k}={coords[k]}" for k in ("tp", "pp", "dp") if k in coords)
     total = sum(measured.get(c, 0) for c in CATEGORIES)
-    lines = [f"OUT OF MEMORY on rank {rank} ({where}): allocating {_mib(requested)} of {category} "
-             f"with {_mib(total)} in use exceeds the memory budget of {_mib(budget)}",
+    doing = (f"allocating {_mib(requested)} of {category} with {_mib(total)} in use" if requested
+             else f"{_mib(total)} measured in use, most of it {category},")
+    lines = [f"OUT OF MEMORY on rank {rank} ({where}): {doing} exceeds the memory budget of "
+             f"{_mib(budget)}",
              f"  {'category':<13}{'measured':>14}{'estimated':>14}"]
     for c in CATEGORIES:
         est = _mib(estimated[c]) if estimated and c in estimated else "-"
-        mark = "   <- this allocation" if c == category else ""
+        mark = ("   <- this allocation" if requested else "   <- largest") if c == category else ""
         lines.append(f"  {c:<13}{_mib(measured.get(c, 0)):>14}{est:>14}{mark}")
     est_total = _mib(sum(estimated.get(c, 0) for c in CATEGORIES)) if estimated else "-"
     lines.append(f"  {'total':<13}{_mib(total + requested):>14}{est_total:>14}   (with the request)")

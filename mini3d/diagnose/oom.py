@@ -1,0 +1,70 @@
+"""Out-of-memory reports in terms of the plan: which rank and stage, which category, measured next to
+estimated, and up to three plans that would fit.
+
+Two triggers share one report (`faults.oom_report`):
+* on CUDA, `torch.OutOfMemoryError` raised inside a training step is caught and explained (the
+  measured model states come from the live ledger, the rest of the allocator's bytes is attributed to
+  activations and buffers); with `MINI3D_MEMORY_SNAPSHOT=1` a CUDA memory snapshot is written to the
+  run directory for https://pytorch.org/memory_viz;
+* on any device, `--memory-budget SIZE` compares the measured ledgers after the first step (model
+  states + activations saved for backward x the micro-batches in flight) with the budget, so a
+  learner can meet an OOM on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .faults import CATEGORIES, OutOfMemory
+
+
+def plans_that_fit(cfg, plan, budget: int, n: int = 3) -> list[str]:
+    """Up to `n` layouts of the same model, world size and batch whose estimate fits `budget` bytes."""
+    from ..cost.hardware import load_hardware
+    from ..cost.planner import describe, search
+
+    hw = dataclasses.replace(load_hardware("A100-80GB"), name="budget", memory_bytes=budget)
+    try:
+        found = search(cfg, plan.world_size, hw, plan.global_batch, plan.seq_len, plan.dtype,
+                       top_k=n, suggest=False)
+    except Exception:  # the planner is advice: never let it hide the OOM itself
+        return []
+    return [describe(c.plan) for c in found.candidates]
+
+
+def estimated_bytes(cfg, plan, stage: int) -> dict:
+    from .estimator import estimate_memory
+
+    est = estimate_memory(cfg, plan, stage).as_dict()
+    return {c: est[c] for c in CATEGORIES}
+
+
+def check_budget(measured: dict, budget: int, rank: int, coords: dict, cfg, plan) -> None:
+    """Raise `OutOfMemory` with the full report when the measured bytes exceed `budget`."""
+    total = sum(measured.get(c, 0) for c in CATEGORIES)
+    if total <= budget:
+        return
+    biggest = max(CATEGORIES, key=lambda c: measured.get(c, 0))
+    raise OutOfMemory(rank, coords, biggest, 0, budget, measured,
+                      estimated_bytes(cfg, plan, coords["pp"]), plans_that_fit(cfg, plan, budget))
+
+
+def cuda_oom(err, measured_states: dict, device, rank: int, coords: dict, cfg, plan,
+             run_dir: str | None) -> OutOfMemory:
+    """An `OutOfMemory` explaining a `torch.OutOfMemoryError` caught in a CUDA training step."""
+    import torch
+
+    allocated = int(torch.cuda.memory_allocated(device))
+    capacity = int(torch.cuda.get_device_properties(device).total_memory)
+    measured = dict(measured_states)
+    states = sum(measured.get(c, 0) for c in ("params", "grads", "optimizer"))
+    measured["activations"] = max(0, allocated - states)
+    if run_dir and os.environ.get("MINI3D_MEMORY_SNAPSHOT"):
+        os.makedirs(run_dir, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(os.path.join(run_dir, f"memory_snapshot_rank{rank}.pickle"))
+    exc = OutOfMemory(rank, coords, "activations", 0, capacity, measured,
+                      estimated_bytes(cfg, plan, coords["pp"]), plans_that_fit(cfg, plan, capacity))
+    exc.report += f"\n(the CUDA allocator said: {str(err).splitlines()[0]})"
+    exc.args = (exc.report,)
+    return exc
