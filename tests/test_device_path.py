@@ -1,0 +1,112 @@
+"""The CUDA code path, exercised on CPU: device choice with a mocked torch.cuda, bf16 training on CPU,
+guarded memory statistics, gpu_check.py's logic end to end, and where torch.cuda may be called."""
+
+import os
+import re
+
+import pytest
+import torch
+
+from benchmarks import gpu_check
+from mini3d import launch
+from mini3d.launch import LaunchError, choose_device
+from mini3d.train import peak_memory_bytes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _fake_gpus(monkeypatch, n):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_choose_device_with_mocked_cuda(monkeypatch):
+    _fake_gpus(monkeypatch, 2)
+    assert choose_device("auto", 1) == ("nccl", "cuda")
+    assert choose_device("auto", 2) == ("nccl", "cuda")
+    assert choose_device("auto", 4) == ("gloo", "cpu")  # fewer GPUs than local ranks: fall back
+    assert choose_device("cpu", 1) == ("gloo", "cpu")
+    assert choose_device("cuda", 1, backend="gloo") == ("gloo", "cuda")
+    with pytest.raises(LaunchError, match="needs 4 GPUs on this node, found 2"):
+        choose_device("cuda", 4)
+    _fake_gpus(monkeypatch, 0)
+    assert choose_device("auto", 1) == ("gloo", "cpu")
+    with pytest.raises(LaunchError, match="found 0"):
+        choose_device("cuda", 1)
+    with pytest.raises(LaunchError, match="unknown"):
+        choose_device("tpu", 1)
+
+
+def test_set_device_sets_cuda_env_with_mocked_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(i))
+    monkeypatch.setenv(launch.DEVICE_ENV, "cpu")
+    launch._set_device("cuda", 3)
+    assert calls == [3] and launch.current_device() == torch.device("cuda:3")
+    launch._set_device("cpu", 0)
+    assert launch.current_device() == torch.device("cpu")
+
+
+def test_peak_memory_is_guarded_by_device(monkeypatch):
+    assert peak_memory_bytes(torch.device("cpu")) > 10 * 2**20  # RSS of a Python with torch
+    seen = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: seen.append(d) or 12345)
+    assert peak_memory_bytes(torch.device("cuda:0")) == 12345 and seen == [torch.device("cuda:0")]
+    assert peak_memory_bytes(torch.device("cpu")) != 12345  # the CPU path never asks CUDA
+
+
+def test_peak_preset_matching():
+    assert gpu_check.peak_for("NVIDIA H200")[0] == "H200-141GB"
+    assert gpu_check.peak_for("NVIDIA H100 80GB HBM3")[1] == 989e12
+    assert gpu_check.peak_for("NVIDIA A100-SXM4-40GB", 40 * 2**30)[0] == "A100-40GB"
+    assert gpu_check.peak_for("NVIDIA A100-SXM4-80GB", 80 * 2**30)[0] == "A100-80GB"
+    assert gpu_check.peak_for("NVIDIA GeForce RTX 4090") is None
+
+
+@pytest.mark.timeout(240)
+def test_gpu_check_logic_on_cpu_bf16(tmp_path, capsys):
+    """gpu_check --device cpu --tiny: mini3d train in bf16 (CPU) and the plain bf16 loop both run,
+    learn, and the report has every number; both start from the same weights and batch."""
+    results = tmp_path / "RESULTS.md"
+    out_json = tmp_path / "gpu.json"
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--peak-tflops", "0.1",
+                         "--results", str(results), "--json", str(out_json)])
+    assert rc == 0
+    import json
+
+    r = json.loads(out_json.read_text())
+    assert r["dtype"] == "bf16" and r["timed_steps"] == 3
+    assert r["step_s"] > 0 and r["plain_step_s"] > 0 and r["ratio_vs_plain"] > 0
+    assert 0 < r["mfu"] < 1
+    assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_s"] / 0.1e12)
+    assert r["peak_mem_bytes"] > 0 and r["estimated_mem_bytes"] > 0
+    # same initial weights and first batch: the first losses agree to bf16 rounding of the logits
+    assert r["loss_first_last"][0] == pytest.approx(r["plain_loss_first_last"][0], abs=0.05)
+    assert r["loss_first_last"][1] < r["loss_first_last"][0]  # bf16 training on CPU learns
+    text = results.read_text()
+    assert "<!-- begin gpu -->" in text and "tokens/s" in text and "MFU: " in text
+    assert gpu_check.main(["--device", "cpu", "--steps", "2", "--warmup", "3"]) == 2
+
+
+def test_torch_cuda_only_in_launch_and_peak_memory():
+    """Device handling lives in one place: torch.cuda.* only in mini3d/launch.py and in
+    train.peak_memory_bytes."""
+    offenders = []
+    for root, _, files in os.walk(os.path.join(REPO, "mini3d")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, REPO)
+            func = None
+            for i, line in enumerate(open(path), 1):
+                m = re.match(r"def (\w+)", line)
+                if m:
+                    func = m.group(1)
+                if re.search(r"torch\.cuda\b|\.cuda\(", line):
+                    if rel == os.path.join("mini3d", "launch.py"):
+                        continue
+                    if rel == os.path.join("mini3d", "train.py") and func == "peak_memory_bytes":
+                        continue
+                    offenders.append(f"{rel}:{i}: {line.strip()}")
+    assert not offenders, "torch.cuda outside launch.py / peak_memory_bytes:\n" + "\n".join(offenders)
