@@ -78,3 +78,11 @@ def run_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> lis
                         "grads": grads, "weights": weights, "opt_step": opt_step})
         comm.barrier(topo.axes["world"])
     return out
+
+
+def run_specs(specs: list[dict]) -> list[dict]:
+    """`mini3d.train.train_worker` on each spec in turn, in the same processes (one launch, several
+    runs: e.g. a run and its resumption, or two layouts of the same world size)."""
+    from mini3d.train import train_worker
+
+    return [train_worker(spec) for spec in specs]
