@@ -168,6 +168,7 @@ def _worker(rank, world_size, port, backend, device_type, threads, fn, args, q, 
 
 
 def _stop(procs):
+    procs = [p for p in procs if p.pid is not None]  # a start() that failed leaves nothing to join
     for p in procs:
         if p.is_alive():
             p.terminate()

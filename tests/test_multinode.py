@@ -1,0 +1,100 @@
+"""Multi-node shape on one machine: two torchrun agents act as two "nodes" of 2 processes each.
+
+`torch.distributed.run --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d` on loopback, running
+`mini3d train --tp 2 --dp 2`, must give the losses of the same layout spawned by plain `mini3d train`.
+Cleanup: torchrun starts each worker in a session of its own, so killing the agents' process groups
+is not enough; every process we start carries a marker in its environment, and the `finally` kills
+each process (by pid) whose environment holds this test's marker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from mini3d import cli
+from mini3d.grid import Grid
+from mini3d.launch import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = ["train", "--tp", "2", "--dp", "2", "--hidden", "32", "--global-batch", "8", "--seq-len", "16",
+         "--steps", "3", "--seed", "11", "--no-progress", "--device", "cpu"]
+
+
+def _pids_with_marker(marker: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def _kill_marked(marker: str):
+    for pid in _pids_with_marker(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(240)
+def test_two_torchrun_nodes_give_the_losses_of_a_plain_run(tmp_path):
+    marker = f"MINI3D_TEST_MULTINODE={uuid.uuid4().hex}"
+    key, value = marker.split("=")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **{key: value})
+    log = tmp_path / "nodes.jsonl"
+    port = free_port()
+    agents = []
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                   "2", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"127.0.0.1:{port}", "--rdzv-id", value[:8], "--local-addr", "127.0.0.1",
+                   "--max-restarts", "0", "-m", "mini3d", *TRAIN, "--log-jsonl", str(log)]
+            agents.append(subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True))
+        outputs = [a.communicate(timeout=180)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait(10)
+        _kill_marked(marker)
+        time.sleep(0.2)
+        survivors = _pids_with_marker(marker)
+    assert not survivors, f"processes survived: {survivors}"
+    for a, out in zip(agents, outputs):
+        assert a.returncode == 0, out
+    assert sum("done: 3 steps" in out for out in outputs) == 1  # one reporter, on one of the nodes
+    nodes = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+
+    plain_log = tmp_path / "plain.jsonl"
+    assert cli.main([*TRAIN, "--log-jsonl", str(plain_log)]) == 0
+    plain = [json.loads(line)["loss"] for line in plain_log.read_text().splitlines()]
+    assert len(nodes) == 3
+    # same layout, same seed, same data, same order of every reduction: bitwise equal
+    assert nodes == plain
+
+
+def test_grid_reports_node_boundaries():
+    good = Grid(2, 1, 2).describe(gpus_per_node=2)  # tp fastest: tp groups [0,1] [2,3]
+    assert "node    0   0   1   1" in good
+    assert "every tp group stays inside one node" in good and "WARNING" not in good
+    assert Grid(2, 1, 2).crossing_groups("tp", 2) == []
+    assert Grid(2, 1, 2).crossing_groups("dp", 2) == [[0, 2], [1, 3]]  # dp crosses, as intended
+    bad_grid = Grid(2, 1, 2, order="dp-pp-tp")  # tp slowest: tp groups [0,2] [1,3] span both nodes
+    bad = bad_grid.describe(gpus_per_node=2)
+    assert bad_grid.groups("tp") == [[0, 2], [1, 3]]
+    assert "WARNING: tp groups [[0, 2], [1, 3]] cross a node boundary" in bad

@@ -1,0 +1,88 @@
+"""Worker functions for tests/test_3d.py and tests/test_checkpoint.py (spawned by mini3d.launch).
+
+`run_layouts(cases)` trains, inside ONE 8-process job, one `mini3d.train.Trainer` per case (each a
+different tp x pp x dp layout of the same 8 ranks, each with its own process groups) for a few AdamW
+steps on the batches `mini3d.data.Batches` draws, and returns, from every dp_rank-0 process:
+
+* the loss of every step (what the trainer reports, averaged over dp like `mini3d train`);
+* the gradient of every step at full shape, keyed by reference name, captured just before the inner
+  AdamW step (after the dp reduction and the tp sync) and gathered back over dp and tp;
+* the parameters after the last step, gathered with `mini3d.checkpoint.gather_full_state`.
+
+The test process computes the single-process reference and decides what is acceptable.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mini3d import comm
+from mini3d.checkpoint import _names, gather_full_state
+from mini3d.config import ModelConfig, Plan
+from mini3d.data import Batches, load_tokens
+from mini3d.grid import Grid, build_topology
+from mini3d.launch import current_device
+from mini3d.tp import unshard_like
+from mini3d.train import Trainer
+
+LR, WEIGHT_DECAY = 3e-3, 0.1
+
+
+def _capture_grads(trainer: Trainer) -> list:
+    """Make the inner optimizer record each master's gradient shard just before it steps."""
+    opt, seen = trainer.optimizer, []
+    inner_step = opt.inner.step
+
+    def step(*a, **k):
+        seen.append([None if m.grad is None else m.grad.detach().float().clone() for m in opt.masters])
+        return inner_step(*a, **k)
+
+    opt.inner.step = step
+    return seen
+
+
+def full_grads(trainer: Trainer, shards: list) -> dict:
+    """{reference name: full gradient} from one step's gradient shards (collective over dp, tp)."""
+    opt, topo = trainer.optimizer, trainer.topo
+    names, out = _names(trainer.chunks), {}
+    sharded = opt.wrapper.stage >= 1
+    for (group, _, _), shard in zip(opt.shards, shards):
+        full = shard
+        if sharded:
+            full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
+            comm.all_gather(full, shard.contiguous(), topo.dp)
+        for p, local in group.views(full):
+            out[names[p]] = unshard_like(p, local, topo).cpu()
+    return out
+
+
+def run_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> list[dict]:
+    """Train each case ({"name", "plan": Plan dict}) for `steps` steps; see the module docstring."""
+    cfg, rank, out = ModelConfig(**cfg_dict), dist.get_rank(), []
+    tokens = load_tokens()
+    for case in cases:
+        plan = Plan(**case["plan"])
+        topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
+        trainer = Trainer(cfg, plan, topo, seed, LR, WEIGHT_DECAY)
+        seen = _capture_grads(trainer)
+        batches = Batches(tokens, plan.seq_len, plan.global_batch, seed)
+        losses = []
+        for step in range(steps):
+            mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
+            losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
+        grads = [full_grads(trainer, s) for s in seen]
+        weights, _, opt_step = gather_full_state(trainer.chunks, trainer.optimizer, topo)
+        if topo.dp.index == 0:
+            out.append({"name": case["name"], "coords": topo.coords, "losses": losses,
+                        "grads": grads, "weights": weights, "opt_step": opt_step})
+        comm.barrier(topo.axes["world"])
+    return out
+
+
+def run_specs(specs: list[dict]) -> list[dict]:
+    """`mini3d.train.train_worker` on each spec in turn, in the same processes (one launch, several
+    runs: e.g. a run and its resumption, or two layouts of the same world size)."""
+    from mini3d.train import train_worker
+
+    return [train_worker(spec) for spec in specs]
