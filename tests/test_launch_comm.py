@@ -48,7 +48,8 @@ def test_raising_worker_ends_job_with_its_traceback(tmp_path):
 @pytest.mark.timeout(120)
 def test_hanging_worker_is_stopped_by_timeout(tmp_path):
     with pytest.raises(LaunchTimeout) as e:
-        launch(workers.write_pid_then, 2, str(tmp_path), "hang", timeout=8)
+        # 20 s: long enough for both ranks to start (import torch, rendezvous) on a loaded machine
+        launch(workers.write_pid_then, 2, str(tmp_path), "hang", timeout=20)
     assert 1 in e.value.pending
     pids = _pids(tmp_path)
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
