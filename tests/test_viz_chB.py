@@ -147,3 +147,16 @@ def test_rank_grid_explorer_directions():
     assert "InfiniBand" in w.status.value  # pp groups now cross nodes
     w.controls["gpus_per_node"].value = 1  # every rank its own node: tp leaves NVLink
     assert w.status.value.count("InfiniBand") == 3
+
+
+def test_gantt_panels_one_panel_per_schedule():
+    sims = {k: simulate(make_schedule(k, 4, 8, v), 1.0 / v, 2.0 / v).timeline
+            for k, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))}
+    fig = ch05.gantt_panels(sims)
+    b = fig.layout.meta["bubbles"]
+    assert b["gpipe"] == pytest.approx(3 / 11) and b["1f1b"] == pytest.approx(3 / 11)
+    assert b["interleaved"] == pytest.approx(3 / 19)
+    fwd = [t for t in fig.data if t.name == "forward"]
+    assert len(fwd) == 3 and [len(t.x) for t in fwd] == [32, 32, 64]  # p*m forwards (x v chunks)
+    assert sum(t.showlegend for t in fig.data) == len({t.name for t in fig.data})  # one legend entry each
+    assert "(" in fig.layout.xaxis3.title.text

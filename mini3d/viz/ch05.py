@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from .pipeline import bubble_from_timeline, parse_action
+from .pipeline import bubble_from_timeline, gantt_traces, parse_action
+from .theme import ACTION_COLORS, TEMPLATE_NAME
 
 
 def measured_timeline(results: Sequence[dict], compute_only: bool = False) -> list[list[tuple]]:
@@ -66,4 +67,40 @@ def measured_vs_simulated(results: Sequence[dict], kind: str, p: int, m: int, v:
                 measured_makespan=span(measured), simulated_makespan=span(simulated))
 
 
-__all__ = ["measured_timeline", "stage_costs", "measured_vs_simulated"]
+def gantt_panels(panels: dict, time_unit: str = "units of one forward", title: str = "",
+                 shared_x: bool = True):
+    """Several Gantt charts stacked in one figure, one panel per entry of `panels`
+    {panel title: timeline}, with the same trace colours as `gantt_figure` and each panel's bubble
+    fraction (from its timeline) in its title. meta['bubbles'] maps panel title -> fraction."""
+    from plotly.subplots import make_subplots
+
+    names = list(panels)
+    bubbles = {n: bubble_from_timeline(panels[n]) for n in names}
+    fig = make_subplots(rows=len(names), cols=1, shared_xaxes=shared_x, vertical_spacing=0.1,
+                        subplot_titles=[f"{n}: bubble {bubbles[n]:.1%}" for n in names])
+    colors = {"forward": ACTION_COLORS["F"], "backward": ACTION_COLORS["B"], "transfer": "#9a9a9a",
+              "idle": ACTION_COLORS["idle"]}
+    for i, n in enumerate(names, start=1):
+        for name, d in gantt_traces(panels[n]).items():
+            if not d["x"] and name == "transfer":
+                continue
+            fig.add_bar(orientation="h", name=name, x=d["x"], base=d["base"], y=d["y"], text=d["text"],
+                        textposition="inside", insidetextanchor="middle", legendgroup=name,
+                        showlegend=(i == 1), width=0.3 if name == "transfer" else 0.8,
+                        marker=dict(color=colors[name], line=dict(color="white", width=1)),
+                        hovertemplate=name + " mb %{text}: %{base:.2f} + %{x:.2f}<extra></extra>",
+                        row=i, col=1)
+        fig.update_yaxes(title_text="pipeline rank", autorange="reversed", type="category", row=i, col=1)
+    fig.update_xaxes(title_text=f"time ({time_unit})", row=len(names), col=1)
+    if not shared_x:
+        for i in range(1, len(names)):
+            fig.update_xaxes(title_text=f"time ({time_unit})", row=i, col=1)
+    rows = sum(len(panels[n]) for n in names)
+    fig.update_layout(template=TEMPLATE_NAME, title=title, barmode="overlay", bargap=0.15,
+                      height=140 + 45 * rows + 60 * len(names),
+                      legend=dict(orientation="h", x=0, y=1.0, xanchor="left", yanchor="bottom"))
+    fig.layout.meta = {"bubbles": bubbles}
+    return fig
+
+
+__all__ = ["measured_timeline", "stage_costs", "measured_vs_simulated", "gantt_panels"]
