@@ -31,6 +31,8 @@ def hang_on(bad_rank):
 def write_pid_then(path, mode):
     with open(os.path.join(path, f"pid{dist.get_rank()}"), "w") as f:
         f.write(str(os.getpid()))
+    if mode in ("hang", "raise"):
+        dist.barrier()  # every rank has written its pid before one of them misbehaves
     if mode == "hang" and dist.get_rank() == 1:
         time.sleep(3600)
     if mode == "raise" and dist.get_rank() == 1:
