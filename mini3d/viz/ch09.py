@@ -206,5 +206,31 @@ def planner_explorer_fn(hardware: str = "A100-80GB", global_batch: int = 32, dty
 
     return fn
 
-__all__ = ["planner_fn", "planner_explorer_fn", "plan_view", "plan_explorer", "layout_scatter_figure", "time_breakdown_figure",
-           "predicted_vs_measured_figure", "TIME_TERMS"]
+
+
+def scaling_rows(model: str = "gpt-175b", hardware: str = "A100-80GB", tp: int = 8, pp: int = 8,
+                 global_batch: int = 256, gpus=(64, 128, 256, 512, 1024), **plan) -> list[dict]:
+    """Strong scaling of one layout family (tp x pp fixed, dp grows, the global batch fixed) by the
+    cost model: {'gpus', 'step_time_s', 'efficiency' (tokens/s per GPU relative to the first
+    count), 'bubble_fraction', 'dp_exposed_s'} per GPU count."""
+    from mini3d.config import Plan, model_from_preset
+    from mini3d.cost.hardware import load_hardware
+    from mini3d.cost.model import estimate_cost
+
+    cfg, hw = model_from_preset(model), load_hardware(hardware)
+    opts = dict(zero=1, dtype="bf16", recompute="selective", sequence_parallel=tp > 1, seq_len=cfg.max_seq_len)
+    opts.update(plan)
+    rows, base = [], None
+    for n in gpus:
+        dp = n // (tp * pp)
+        p = Plan(tp=tp, pp=pp, dp=dp, micro_batches=global_batch // dp, global_batch=global_batch, **opts)
+        e = estimate_cost(cfg, p, hw, n)
+        per_gpu = e.tokens_per_s / n
+        base = base or per_gpu
+        rows.append(dict(gpus=n, step_time_s=e.step_time_s, efficiency=per_gpu / base,
+                         bubble_fraction=e.bubble_fraction, dp_exposed_s=e.breakdown["dp_exposed"]))
+    return rows
+
+
+__all__ = ["planner_fn", "planner_explorer_fn", "plan_view", "plan_explorer", "layout_scatter_figure",
+           "time_breakdown_figure", "predicted_vs_measured_figure", "scaling_rows", "TIME_TERMS"]
