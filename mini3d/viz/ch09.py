@@ -36,6 +36,13 @@ def _row(est, layout: str) -> dict:
                 breakdown={k: float(est.breakdown[k]) for k in TIME_TERMS}, mfu=float(est.mfu))
 
 
+def ranked_rows(found, top_k: int = 5) -> list[dict]:
+    """Rows for `time_breakdown_figure` from a `mini3d.cost.planner.PlanSearch` (its fastest plans)."""
+    from mini3d.cost.planner import describe
+
+    return [_row(e, describe(e.plan)) for e in found.candidates[:top_k]]
+
+
 def planner_fn(seq_len: int | None = None, dtype: str = "bf16", top_k: int = 5):
     """`plan_fn(model=, hardware=, gpus=, global_batch=)` backed by mini3d.cost.planner.search.
 
@@ -67,7 +74,7 @@ def planner_fn(seq_len: int | None = None, dtype: str = "bf16", top_k: int = 5):
             raise ValueError(f"no valid layout of {model} on gpus={gpus} with global_batch="
                              f"{global_batch} (dp must divide the batch, tp the {cfg.n_heads} heads)")
         return dict(rows=[_row(e, describe(e.plan)) for e in ests],
-                    ranked=[_row(e, describe(e.plan)) for e in found.candidates[:top_k]],
+                    ranked=ranked_rows(found, top_k),
                     capacity_bytes=float(hw.memory_bytes), explanation=found.explanation)
 
     return fn
@@ -232,5 +239,5 @@ def scaling_rows(model: str = "gpt-175b", hardware: str = "A100-80GB", tp: int =
     return rows
 
 
-__all__ = ["planner_fn", "planner_explorer_fn", "plan_view", "plan_explorer", "layout_scatter_figure",
+__all__ = ["ranked_rows", "planner_fn", "planner_explorer_fn", "plan_view", "plan_explorer", "layout_scatter_figure",
            "time_breakdown_figure", "predicted_vs_measured_figure", "scaling_rows", "TIME_TERMS"]
