@@ -114,7 +114,7 @@ def _fill_scatter(fig, rows, capacity_bytes):
 def time_breakdown_figure(rows, title: str = "Where the step time goes (ranked layouts)",
                           widget: bool = False):
     """Horizontal stacked bars, one per layout (fastest on top), seconds per cost-model term."""
-    fig = new_figure(title, "seconds per optimizer step", "layout", widget=widget)
+    fig = new_figure(title, "step time (s)", "layout", widget=widget)
     _fill_breakdown(fig, rows)
     return fig
 
@@ -175,7 +175,7 @@ def predicted_vs_measured_figure(rows, title: str = "Predicted vs measured step 
 
     Each row: {'layout', 'predicted_s', 'measured_s'} (measured_s may also carry min/max as
     'measured_min_s' / 'measured_max_s', drawn as an error bar)."""
-    fig = new_figure(title, "layout", "seconds per optimizer step")
+    fig = new_figure(title, "layout", "step time (s)")
     labels = [r["layout"] for r in rows]
     fig.add_bar(x=labels, y=[r["predicted_s"] for r in rows], name="predicted (cost model)",
                 marker_color="#8e6bbf")
