@@ -1,6 +1,6 @@
 """Exercise recompute: full and selective activation recomputation with torch.utils.checkpoint.
 
-Chapter: 07 recomputation (course/07_recomputation.ipynb)
+Chapter: 07 recomputation (course/07_activation_recomputation.ipynb)
 """
 from __future__ import annotations
 import functools

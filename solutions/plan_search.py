@@ -1,0 +1,77 @@
+"""Exercise plan_search: the fastest layout that fits a memory limit, found by your own search.
+
+Chapter: 09 planning a real run (course/09_planning_a_real_run.ipynb)
+
+Build the planner's core yourself: enumerate the layouts, then every plan of the search space,
+keep those whose estimated memory fits, and rank them by estimated step time. Use
+`mini3d.diagnose.estimator.estimate_memory` and `mini3d.cost.model.estimate_cost` as helpers,
+but not `mini3d.cost.planner` (that is the answer you are rebuilding).
+"""
+
+from __future__ import annotations
+
+from mini3d.config import ModelConfig, Plan
+from mini3d.cost.model import estimate_cost
+from mini3d.diagnose.estimator import estimate_memory
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(cfg: ModelConfig, n_gpus: int) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp * pp * dp == n_gpus, tp dividing both cfg.n_heads and cfg.d_ff,
+    and pp <= cfg.n_layers (each stage needs a layer), sorted ascending."""
+    out = []
+    for tp in _divisors(n_gpus):
+        if cfg.n_heads % tp or cfg.d_ff % tp:
+            continue
+        for pp in _divisors(n_gpus // tp):
+            if pp <= cfg.n_layers:
+                out.append((tp, pp, n_gpus // (tp * pp)))
+    return sorted(out)
+
+
+def candidates(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: int,
+               dtype: str = "bf16") -> list[Plan]:
+    """Every plan of the search space, for each layout whose dp divides global_batch:
+
+    * micro-batch size b: each divisor of global_batch // dp with b <= 16, so that
+      micro_batches = global_batch // (dp * b);
+    * schedule "1f1b" (virtual_stages 1);
+    * zero: 0 when dp == 1; else 0, 1, 2 and 3 when pp == 1, or 0, 1 and 2 when pp > 1;
+    * recompute: "none", "selective" and "full";
+    * sequence_parallel = (tp > 1 and seq_len % tp == 0); dtype, global_batch, seq_len as given.
+    Keep only plans for which `plan.problems(cfg, n_gpus)` is empty (e.g. 1f1b needs m >= pp)."""
+    out = []
+    for tp, pp, dp in layouts(cfg, n_gpus):
+        if global_batch % dp:
+            continue
+        zeros = (0,) if dp == 1 else ((0, 1, 2, 3) if pp == 1 else (0, 1, 2))
+        for b in _divisors(global_batch // dp):
+            if b > 16:
+                continue
+            for zero in zeros:
+                for rec in ("none", "selective", "full"):
+                    plan = Plan(tp=tp, pp=pp, dp=dp, zero=zero, schedule="1f1b",
+                                micro_batches=global_batch // (dp * b), recompute=rec, dtype=dtype,
+                                global_batch=global_batch, seq_len=seq_len,
+                                sequence_parallel=tp > 1 and seq_len % tp == 0)
+                    if not plan.problems(cfg, n_gpus):
+                        out.append(plan)
+    return out
+
+
+def best_plan(cfg: ModelConfig, n_gpus: int, hw, global_batch: int, seq_len: int,
+              memory_limit_bytes: float, dtype: str = "bf16") -> Plan | None:
+    """The candidate with the smallest `estimate_cost(cfg, plan, hw, n_gpus).step_time_s` among
+    those whose `estimate_memory(cfg, plan).total <= memory_limit_bytes` (the busiest stage).
+    None when no candidate fits. Among equally fast plans, any may be returned."""
+    best, best_time = None, float("inf")
+    for plan in candidates(cfg, n_gpus, global_batch, seq_len, dtype):
+        if estimate_memory(cfg, plan).total > memory_limit_bytes:
+            continue  # cheap test first: the cost model is only run on plans that fit
+        t = estimate_cost(cfg, plan, hw, n_gpus).step_time_s
+        if t < best_time:
+            best, best_time = plan, t
+    return best
