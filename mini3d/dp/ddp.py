@@ -44,7 +44,25 @@ from .. import comm
 from .buckets import FlatGroup, param_names, split_into_buckets
 
 
-class DataParallel(nn.Module):
+class GradSyncWrapper(nn.Module):
+    """What every data-parallel wrapper shares: `forward` runs the wrapped `self.module`, and
+    `no_sync()` accumulates gradients locally (no communication) for the backward passes inside."""
+
+    require_sync = True
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = old
+
+
+class DataParallel(GradSyncWrapper):
     """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis`."""
 
     def __init__(self, module: nn.Module, dp_axis, bucket_mb: float = 1.0, zero_stage: int = 0,
@@ -81,18 +99,6 @@ class DataParallel(nn.Module):
         self._works: list = []  # (work, finish callback) in launch order
         self.last_hook_time = None  # perf_counter() of the latest gradient arrival (overlap checks)
         self._dirty = False  # a gradient arrived since the last finish_grad_sync
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Accumulate gradients locally (no communication) for the backward passes inside."""
-        old, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = old
 
     def _attach_grad_views(self):
         if self.stage < 2:

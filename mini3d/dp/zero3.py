@@ -28,13 +28,13 @@ micro-batch or in `finish_grad_sync()`; without it each micro-batch reduce-scatt
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn as nn
 
 from .. import comm
 from .buckets import FlatGroup, param_names
+from .ddp import GradSyncWrapper
 
 
 def find_units(module: nn.Module) -> list[nn.Module]:
@@ -51,7 +51,7 @@ def find_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
-class FullyShardedDP(nn.Module):
+class FullyShardedDP(GradSyncWrapper):
     """ZeRO-3 over `dp_axis`: each rank stores 1/dp of every unit's parameters and gradients."""
 
     stage = 3
@@ -82,17 +82,6 @@ class FullyShardedDP(nn.Module):
             unit.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
         self.require_sync = True
         self._works: list = []
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        old, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = old
 
     # ---- gather / free ---------------------------------------------------------------------
     def _gather(self, g: FlatGroup, wait: bool = True):

@@ -6,6 +6,7 @@
 follows the rules and cannot deadlock; `simulate` times it; `PipelineRuntime` executes it.
 """
 
+from .generic import BlockStage, stages_from_blocks
 from .partition import StageSpec, build_stages, local_specs, partition_layers, stage_specs
 from .rules import CheckResult, check
 from .runtime import PipelineRuntime, StepResult
@@ -16,4 +17,4 @@ from .simulator import SimResult, bubble_formula, simulate
 __all__ = ["Action", "Schedule", "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "schedule_problems", "format_grid", "check", "CheckResult", "simulate", "SimResult",
            "bubble_formula", "StageSpec", "partition_layers", "stage_specs", "local_specs",
-           "build_stages", "PipelineRuntime", "StepResult"]
+           "build_stages", "PipelineRuntime", "StepResult", "BlockStage", "stages_from_blocks"]
