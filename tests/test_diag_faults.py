@@ -1,8 +1,8 @@
 """Fault drills: each injected fault ends the job in time, leaves no process, and is explained.
 
-The trainer in this tree runs tp = pp = dp = 1 only, so the multi-rank faults are driven through
-`mini3d.diagnose.drill` (the communication pattern of a tp x pp x dp step through mini3d.comm, with
-the same `diagnostics(topo, spec)` hooks the trainer calls); `oom` goes through `mini3d train`.
+These drive the faults through `mini3d.diagnose.drill` (the communication pattern of a tp x pp x dp
+step through mini3d.comm, with the same `diagnostics(topo, spec)` hooks the trainer calls), whose
+values are exact; tests/test_faults_trainer.py does the same through real `mini3d train` jobs.
 Each test is ONE launch of 2 ranks (dp=2, or pp=2 for p2p-order) to stay lean on 2 busy cores.
 """
 

@@ -199,7 +199,9 @@ def shape_mismatch(run: Run) -> tuple[int, str] | None:
 
 
 def first_divergence(run: Run) -> tuple[int, str] | None:
-    """(rank that skipped, text): the first op #k of a group whose step differs between members."""
+    """(rank that skipped, text): the first op #k of a group that members issued from different
+    points of the program (their `context`: step, action, micro-batch). The member whose #k carries
+    a context the others reach only at a later #k' skipped one op before it."""
     keys = {}
     for r, d in run.dumps.items():
         for e in d["events"]:
@@ -210,16 +212,29 @@ def first_divergence(run: Run) -> tuple[int, str] | None:
             continue
         common = sorted(set.intersection(*(set(v) for v in by_rank.values())))
         for k in common:
-            steps = {r: v[k]["context"].get("step") for r, v in by_rank.items()}
-            if None in steps.values() or len(set(steps.values())) == 1:
+            ctx = {r: v[k]["context"] for r, v in by_rank.items()}
+            if all(c == next(iter(ctx.values())) for c in ctx.values()):
                 continue
-            ahead = max(steps, key=steps.get)
-            behind = min(steps, key=steps.get)
+            ahead = behind = None
+            for a in by_rank:
+                for b in by_rank:
+                    later = [j for j, e in by_rank[b].items() if j > k and e["context"] == ctx[a]]
+                    if a != b and later and ctx[a] != ctx[b]:
+                        ahead, behind = a, b
+                        break
+                if ahead is not None:
+                    break
+            if ahead is None:  # the later op fell out of the ring buffer: order by step
+                steps = {r: c.get("step", -1) for r, c in ctx.items()}
+                ahead, behind = max(steps, key=steps.get), min(steps, key=steps.get)
+                if steps[ahead] == steps[behind]:
+                    continue
             op = key.split("/")[1]
+            at = ", ".join(f"{n} {v}" for n, v in ctx[behind].items())
             return ahead, (f"first divergence on the {key.split('/')[0]} group {list(group)}: "
-                           f"{op} #{k} came from step {steps[ahead]} on rank {ahead} but from step "
-                           f"{steps[behind]} on rank {behind}: rank {ahead} skipped one {op} on "
-                           f"this group at step {steps[behind]} or before")
+                           f"{op} #{k} came from ({', '.join(f'{n} {v}' for n, v in ctx[ahead].items())})"
+                           f" on rank {ahead} but from ({at}) on rank {behind}: rank {ahead} "
+                           f"skipped one {op} on this group at {at} or before")
     return None
 
 
@@ -302,6 +317,9 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
     findings += waits
     if skip:
         findings.append(skip[1])
+        if any(how == "cycle" or path[-1] in run.dumps for path, how in ends):
+            # the missing collective is what the others wait for, directly or around a cycle
+            return skip[0], "skip", findings
     for path, how in ends:
         if how == "cycle":
             c, text = _p2p_cycle_text(run, path)

@@ -77,6 +77,7 @@ class Watchdog:
         self.rank = topo.rank
         self._stop = threading.Event()
         self._dumped = threading.Lock()  # held forever by the first dump: one dump per rank
+        self._dump_done = threading.Event()  # set once that dump is on disk
         self._thread = threading.Thread(target=self._loop, name=f"mini3d-watchdog{self.rank}",
                                         daemon=True)
         self._stack_file = None
@@ -134,13 +135,19 @@ class Watchdog:
     def dump(self, status: str, reason: str, extra: dict | None = None) -> str | None:
         """Write rank{r}.json once (atomically); later calls do nothing and return None."""
         if not self._dumped.acquire(blocking=False):
+            # Another thread is writing this rank's dump (e.g. the main thread's error hook while
+            # the watchdog aborts): let it finish before anyone ends the process.
+            self._dump_done.wait(timeout=10)
             return None
-        path = os.path.join(self.run_dir, f"rank{self.rank}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.state(status, reason, extra), f, indent=1, default=str)
-        os.replace(tmp, path)
-        return path
+        try:
+            path = os.path.join(self.run_dir, f"rank{self.rank}.json")
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.state(status, reason, extra), f, indent=1, default=str)
+            os.replace(tmp, path)
+            return path
+        finally:
+            self._dump_done.set()
 
     def _on_error(self, exc: BaseException):
         report = getattr(exc, "report", None)

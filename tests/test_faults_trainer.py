@@ -1,0 +1,53 @@
+"""Each injected fault in a real `mini3d train` job on a small 3D layout (tp=2 x pp=2): the job ends
+within hang-timeout + 30 s with a non-zero status, no process survives, and `explain-hang` names
+the culprit rank and the operation (`slow` must instead finish with the fault-free losses).
+The drills of tests/test_diag_faults.py cover the same kinds on the bare communication pattern."""
+
+import json
+import time
+
+import pytest
+
+from mini3d.cli import main
+from mini3d.diagnose.explain import explain
+from tests.test_diag_faults import _children
+
+HANG_TIMEOUT = 3.0
+LAYOUT = ["--tp", "2", "--pp", "2", "--micro-batches", "2", "--global-batch", "4", "--steps", "3",
+          "--no-progress", "--hang-timeout", str(HANG_TIMEOUT), "--timeout", "120"]
+
+
+def _train(tmp_path, *extra):
+    t0 = time.monotonic()
+    rc = main(["train", *LAYOUT, "--run-dir", str(tmp_path / "run"), *extra])
+    return rc, time.monotonic() - t0
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("fault,rc_want,culprit,kind,needle", [
+    ("crash:1:1", 1, 1, "crash", "rank 1 (tp=1, pp=0, dp=0) crashed"),
+    ("skip:1:1", 3, 1, "skip", "rank 1 skipped one all_reduce on this group"),
+    ("shape:2:1", 1, 2, "shape", "rank 2 sent shape"),
+    ("p2p-order:0:1", 3, 0, "p2p-order", "point-to-point"),
+])
+def test_fault_in_a_3d_training_job_is_explained(tmp_path, fault, rc_want, culprit, kind, needle):
+    rc, seconds = _train(tmp_path, "--inject-fault", fault)
+    assert rc == rc_want, (fault, rc)
+    assert seconds < HANG_TIMEOUT + 30 + 30  # + 30 s to start 4 processes on 2 busy cores
+    assert _children() == [], "a rank survived the job"
+    ex = explain(str(tmp_path / "run"))
+    assert (ex.culprit, ex.kind) == (culprit, kind), ex.text
+    assert needle in ex.text, ex.text
+
+
+@pytest.mark.timeout(150)
+def test_a_straggler_only_makes_the_job_later(tmp_path):
+    logs = {}
+    for name, extra in (("clean", []), ("slow", ["--inject-fault", "slow:3:1:2"])):
+        log = tmp_path / f"{name}.jsonl"
+        rc, seconds = _train(tmp_path / name, "--log-jsonl", str(log), *extra)
+        assert rc == 0
+        logs[name] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["loss"] for r in logs["slow"]] == [r["loss"] for r in logs["clean"]]
+    assert logs["slow"][1]["step_time_s"] > 2.0  # step 2 (index 1) waited for the 2 s nap
+    assert _children() == []
