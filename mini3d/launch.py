@@ -97,6 +97,24 @@ def current_device() -> torch.device:
     return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
 
 
+def device_memory(device: torch.device) -> dict:
+    """CUDA allocator statistics of `device` in bytes (allocated now, peak, capacity); {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"allocated": int(torch.cuda.memory_allocated(device)),
+            "peak": int(torch.cuda.max_memory_allocated(device)),
+            "capacity": int(torch.cuda.get_device_properties(device).total_memory)}
+
+
+def dump_memory_snapshot(path: str) -> bool:
+    """Write the CUDA allocator's recorded history (MINI3D_MEMORY_SNAPSHOT=1 starts the recording)
+    for https://pytorch.org/memory_viz; False when there is nothing to write."""
+    if not (torch.cuda.is_available() and os.environ.get("MINI3D_MEMORY_SNAPSHOT")):
+        return False
+    torch.cuda.memory._dump_snapshot(path)
+    return True
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -119,6 +137,8 @@ def _set_device(device_type: str, local_rank: int):
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         os.environ[DEVICE_ENV] = f"cuda:{local_rank}"
+        if os.environ.get("MINI3D_MEMORY_SNAPSHOT"):
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
     else:
         os.environ[DEVICE_ENV] = "cpu"
 

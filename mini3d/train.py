@@ -30,7 +30,7 @@ import torch.nn as nn
 from .checkpoint import (CheckpointWriter, gather_full_state, read_meta, read_states,
                          restore_full_state)
 from .dp import make_dp, model_state_ledger
-from .launch import current_device
+from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
@@ -52,7 +52,7 @@ def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, s
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory of this rank: CUDA's allocator peak on GPUs, the process' peak RSS on CPU."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return device_memory(device)["peak"]
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 

@@ -53,16 +53,16 @@ def check_budget(measured: dict, budget: int, rank: int, coords: dict, cfg, plan
 def cuda_oom(err, measured_states: dict, device, rank: int, coords: dict, cfg, plan,
              run_dir: str | None) -> OutOfMemory:
     """An `OutOfMemory` explaining a `torch.OutOfMemoryError` caught in a CUDA training step."""
-    import torch
+    from ..launch import device_memory, dump_memory_snapshot
 
-    allocated = int(torch.cuda.memory_allocated(device))
-    capacity = int(torch.cuda.get_device_properties(device).total_memory)
+    stats = device_memory(device)
+    allocated, capacity = stats["allocated"], stats["capacity"]
     measured = dict(measured_states)
     states = sum(measured.get(c, 0) for c in ("params", "grads", "optimizer"))
     measured["activations"] = max(0, allocated - states)
-    if run_dir and os.environ.get("MINI3D_MEMORY_SNAPSHOT"):
+    if run_dir:
         os.makedirs(run_dir, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(os.path.join(run_dir, f"memory_snapshot_rank{rank}.pickle"))
+        dump_memory_snapshot(os.path.join(run_dir, f"memory_snapshot_rank{rank}.pickle"))
     exc = OutOfMemory(rank, coords, "activations", 0, capacity, measured,
                       estimated_bytes(cfg, plan, coords["pp"]), plans_that_fit(cfg, plan, capacity))
     exc.report += f"\n(the CUDA allocator said: {str(err).splitlines()[0]})"
