@@ -104,14 +104,15 @@ class Trainer:
 
     def _step_no_pipeline(self, micro_batches, overlap: bool) -> float:
         m, total = len(micro_batches), 0.0
+        # The loss stays a tensor until the step ends: one host sync per step, not per micro-batch.
         for i, (x, y) in enumerate(micro_batches):
             self.topo.log.context = {**self.topo.log.context, "mb": i}
             sync = i == m - 1 and overlap  # the last backward all-reduces buckets as they fill
             with contextlib.nullcontext() if sync else self.net.no_sync():
                 loss = self.net(x, y)
                 (loss / m).backward()  # mean over micro-batches = mean over the replica's batch
-            total += loss.item() / m
-        return total
+            total = total + loss.detach() / m
+        return float(total)
 
     def mean_loss_over_dp(self, loss: float) -> float:
         if self.topo.dp.size == 1:

@@ -97,6 +97,12 @@ class ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, axis):
+        if axis.size > 1 and x.is_contiguous() and x.grad_fn is not None and x._base is None:
+            # The partial output is a fresh matmul result that no backward needs: sum it in place
+            # (no copy of the (B, T, C) activation per layer), telling autograd it changed.
+            comm.all_reduce(x, axis)
+            ctx.mark_dirty(x)
+            return x
         return _all_reduce(x, axis)
 
     @staticmethod
