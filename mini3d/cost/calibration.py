@@ -115,70 +115,96 @@ def measure_memory_bw(n_bytes: int = 64 * 2**20, repeats: int = 5) -> float:
 
 
 def allreduce_probe(sizes: list[int], repeats: int) -> list[tuple[int, float]]:
-    """Run on each of 2 launched ranks: best seconds of a traced all-reduce per payload size."""
+    """Run on each of 2 launched ranks: the median seconds of a traced all-reduce per payload size,
+    each issued right after ~1 ms of single-thread matmuls, as a tp all-reduce follows a layer's
+    compute in a training step. That is the typical in-step cost, not the best case of back-to-back
+    calls after a barrier: the gloo threads have gone idle, caches are cold, and the partner
+    arrives with the skew of its own compute."""
+    import statistics
+
     import torch.distributed as dist
 
     from .. import comm
     from ..grid import Grid, build_topology
 
     topo = build_topology(Grid(1, 1, dist.get_world_size()), dist.get_rank())
+    a, b = torch.randn(256, 64), torch.randn(64, 256)
     out = []
     for n in sizes:
         x = torch.ones(max(1, n // 4))
         comm.all_reduce(x, topo.dp)
-        best = float("inf")
+        times = []
         for _ in range(repeats):
-            comm.barrier(topo.dp)
+            for _ in range(PROBE_MATMULS):
+                a @ b
             t0 = time.perf_counter()
             comm.all_reduce(x, topo.dp)
-            best = min(best, time.perf_counter() - t0)
-        out.append((x.numel() * 4, best))
+            times.append(time.perf_counter() - t0)
+        out.append((x.numel() * 4, statistics.median(times)))
     return out
 
 
-def measure_allreduce(sizes=(2**10, 2**14, 2**18, 2**20, 2**22), repeats: int = 5) -> dict:
-    """gloo all-reduce between 2 local processes: fit seconds = latency + wire_bytes / bandwidth,
-    wire bytes = 2(n-1)/n * payload = the payload for n = 2."""
+PROBE_MATMULS = 12  # 12 x 8.4 MFLOP: about 1 ms on one core
+
+
+def measure_allreduce(sizes=(2**10, 2**14, 2**17, 2**20, 2**22), repeats: int = 9) -> dict:
+    """gloo all-reduce between 2 local processes (wire bytes = 2(n-1)/n * payload = the payload for
+    n = 2): latency = the smaller median of the two smallest payloads (both are all latency),
+    bandwidth from the least-squares slope over all sizes (a plain line fit lets the large sizes' noise swing the intercept)."""
     from ..launch import launch
 
     res = launch(allreduce_probe, 2, list(sizes), repeats, device="cpu", timeout=120)
     worst = [max(a[1], b[1]) for a, b in zip(*res)]
-    latency, per_byte = _fit_line([s for s, _ in res[0]], worst)
+    latency = min(worst[:2])
+    _, per_byte = _fit_line([s for s, _ in res[0]], worst)
     bw = 1 / per_byte if per_byte > 0 else float(sizes[-1]) / worst[-1]
     return {"times": list(zip([s for s, _ in res[0]], worst)), "bandwidth": bw,
             "latency_s": max(latency, 1e-6)}
 
 
-def measure_layer_overhead(peak_flops: float, half_width: float, repeats: int = 5) -> float:
-    """Seconds one small mini3d Block (h=64, 8 x 64 tokens) spends in forward + backward beyond its
-    FLOPs at the fitted matmul rate (one thread): the per-op and elementwise cost that dominates
-    tiny CPU runs. It is charged per layer and micro-batch whatever the size (a simplification)."""
+def measure_layer_overhead(peak_flops: float, half_width: float,
+                           repeats: int = 5) -> tuple[float, float]:
+    """(seconds per layer and micro-batch, seconds per layer and token): what one small mini3d Block
+    (h=64) spends in forward + backward beyond its FLOPs at the fitted matmul rate (one thread).
+
+    The Block is timed at two micro-batch sizes (2 x 64 and 8 x 64 tokens) and the excess over the
+    FLOPs fitted as a line in the token count: the intercept is the per-op cost (Python, autograd,
+    dispatch) that dominates tiny CPU runs; the slope the memory-bound work per token the matmul
+    FLOPs leave out (softmax over the s x s scores, GELU, LayerNorm, the batched per-head matmuls)."""
     from ..config import ModelConfig
     from ..model import Block
     from .model import Efficiency, flops_per_token
 
     cfg = ModelConfig(1, 64, 4, 256, 64)
+    rate = peak_flops * Efficiency(1.0, half_width).at(cfg.d_model)
+    per_token_flops_s = 3 * flops_per_token(cfg, 64)["layer"] / rate
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        block, x = Block(cfg), torch.randn(8, 64, 64, requires_grad=True)  # a typical micro-batch
-        seconds = _best_time(lambda: block(x).sum().backward(), repeats)
+        block, excess = Block(cfg), []
+        for b in LAYER_PROBE_BATCHES:
+            x = torch.randn(b, 64, 64, requires_grad=True)
+            seconds = _best_time(lambda: block(x).sum().backward(), repeats)
+            excess.append(seconds - per_token_flops_s * b * 64)
     finally:
         torch.set_num_threads(threads)
-    rate = peak_flops * Efficiency(1.0, half_width).at(cfg.d_model)
-    return max(0.0, seconds - 3 * flops_per_token(cfg, 64)["layer"] * 8 * 64 / rate)
+    fixed, per_token = _fit_line([b * 64 for b in LAYER_PROBE_BATCHES], excess)
+    return max(0.0, fixed), max(0.0, per_token)
+
+
+LAYER_PROBE_BATCHES = (2, 8)
 
 
 def calibrate_machine(quick: bool = False) -> Hardware:
     """A Hardware description of this CPU machine for predicting mini3d's own gloo runs."""
     reps = 3 if quick else 7
     mm = measure_matmul(repeats=reps)
-    ar = measure_allreduce(repeats=reps)
+    ar = measure_allreduce(repeats=4 * reps + 9)
     cores = os.cpu_count() or 1
+    fixed, per_token = measure_layer_overhead(mm["peak_flops"], mm["half_width"], reps)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name=f"cpu-{os.uname().nodename}", peak_flops=mm["peak_flops"],
                     memory_bytes=float(ram), memory_bw=measure_memory_bw(repeats=reps),
                     nvlink_bw=ar["bandwidth"], internode_bw=ar["bandwidth"], gpus_per_node=cores,
                     latency_s=ar["latency_s"], eff_max=1.0, eff_half_width=mm["half_width"],
-                    shared_host=True,
-                    layer_overhead_s=measure_layer_overhead(mm["peak_flops"], mm["half_width"], reps))
+                    shared_host=True, layer_overhead_s=fixed, token_overhead_s=per_token)

@@ -35,6 +35,7 @@ class Hardware:
     eff_half_width: float | None = None
     shared_host: bool = False  # all ranks share one host's cores (mini3d on a CPU)
     layer_overhead_s: float = 0.0  # fixed cost per layer, micro-batch, forward+backward (kernel launches)
+    token_overhead_s: float = 0.0  # per token and layer, fwd+bwd, beyond the matmul FLOPs (CPU only)
 
     def flops(self, dtype: str) -> float:
         if dtype == "float32" and self.peak_flops_fp32:

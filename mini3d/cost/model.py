@@ -23,18 +23,25 @@ Step time, on the busiest pipeline rank:
 * pipeline: (per micro-batch forward + backward) * m / (1 - bubble), the bubble fraction from the
   schedule simulator (`bubble_fraction`); plus p2p messages of s*b*h*e (/ t under sequence
   parallelism) twice per chunk and micro-batch on the critical path: 2 * (v*m + p - 1) messages.
+* shared host (mini3d's own CPU runs, `Hardware.shared_host`): with more ranks than cores, compute,
+  the per-layer overhead, the optimizer AND communication (there it is CPU work: copies, gloo
+  threads, Python) run world / cores times slower; GPU presets are not shared hosts.
 * data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter + parameter all-gather
   (ZeRO-1/2) moving 2(d-1)/d * the stage's gradient bytes; the gradient part overlaps with the
   last micro-batch's backward (exposed: what does not fit, at least one bucket), the parameter
   all-gather after the optimizer step is exposed. ZeRO-3 gathers parameters twice per micro-batch,
   overlapped with all compute.
-* fixed overhead: `Hardware.layer_overhead_s` per layer and micro-batch (0 for the GPU presets;
-  measured by `mini3d calibrate` on a CPU, where tiny layers are dominated by per-op costs).
+* fixed overhead: `Hardware.layer_overhead_s` per layer and micro-batch, plus
+  `Hardware.token_overhead_s` per layer and token of the micro-batch, divided by tp (0 for the GPU
+  presets; measured by `mini3d calibrate` on a CPU, where tiny layers are dominated by per-op costs
+  and by memory-bound softmax / GELU / LayerNorm work that the matmul FLOPs do not count; tp
+  splits the heads and the MLP hidden dim that most of it runs over).
 * optimizer: Adam is memory-bound: 28 bytes read or written per local parameter at HBM speed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -228,9 +235,12 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     slowdown = max(1.0, n / hw.gpus_per_node) if hw.shared_host else 1.0
     rate = hw.flops(plan.dtype) * eff.at(width) / slowdown
     c_fwd, c_bwd = fwd / rate, (2 * fwd + layers * extra * tokens_mb / t) / rate
-    overhead = layers * hw.layer_overhead_s * slowdown  # 1/3 forward, 2/3 backward
+    per_layer = hw.layer_overhead_s + hw.token_overhead_s * tokens_mb / t
+    overhead = layers * per_layer * slowdown  # 1/3 forward, 2/3 backward
     c_fwd, c_bwd = c_fwd + overhead / 3, c_bwd + 2 * overhead / 3
-    bw = link_bandwidths(plan, hw)
+    if slowdown > 1:  # on a shared host communication is CPU work too (copies, gloo, Python)
+        hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
+    bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
     tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"])
     t_fwd, t_bwd = c_fwd + tp_fwd, c_bwd + tp_bwd
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
