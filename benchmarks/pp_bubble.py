@@ -58,22 +58,75 @@ def _worker(kind, m, steps):
 
 
 def _costs(rows, p):
-    """Per-stage (pp = p, v = 1) mean forward and backward cost of one step, each including the
-    mean time of the send that follows it (a send occupies its rank: the call itself takes time)."""
+    """Per-stage (pp = p, v = 1) mean forward and backward cost of one step, each including what
+    occupies its rank around it besides waiting: the send that follows it (the call takes time), the
+    Python work between consecutive actions, and the receives whose data had already arrived (their
+    whole duration is copying, not waiting); the last two are spread evenly over the rank's F and B.
+    The time a message then spends in flight is `_p2p_latency`."""
+    send_end = _transfer_ends(rows)
     sums = {}  # ((rank, "F" or "B"), "compute" or "send") -> durations
+    overhead = [0.0] * p  # per rank: gaps between actions + receives that did not wait
     for r, row in enumerate(rows):
-        for s, e, a in row:
+        row = sorted(row)
+        for i, (s, e, a) in enumerate(row):
+            if i:
+                overhead[r] += max(0.0, s - row[i - 1][1])
+            if a.startswith("r") and "<" in a and send_end.get((r, a), float("inf")) <= s:
+                overhead[r] += e - s
             op = "F" if a.startswith(("F", "sF")) else "B" if a.startswith(("B", "sB")) else None
             if op is not None:
                 kind = "send" if a.startswith("s") else "compute"
                 sums.setdefault(((r, op), kind), []).append(e - s)
     tf, tb = [], []
     for r in range(p):
+        n_compute = len(sums[((r, "F"), "compute")]) + len(sums[((r, "B"), "compute")])
         for op, out in (("F", tf), ("B", tb)):
             compute = statistics.fmean(sums[((r, op), "compute")])
             sends = sums.get(((r, op), "send"), [])
-            out.append(compute + (sum(sends) / len(sums[((r, op), "compute")])))
+            out.append(compute + (sum(sends) / len(sums[((r, op), "compute")]))
+                       + overhead[r] / n_compute)
     return tf, tb
+
+
+def _transfer_ends(rows) -> dict:
+    """{(receiving rank, receive action): end time of the matching send} (see `_p2p_latency`)."""
+    sends = {}
+    for r, row in enumerate(rows):
+        for s, e, a in row:
+            if a.startswith("s") and ">" in a:
+                peer = int(a.split(">")[1])
+                mb = a[1:].split(".")[1].split(">")[0]
+                sends[(a[1], mb, r, peer)] = e
+    out = {}
+    for r, row in enumerate(rows):
+        for s, e, a in row:
+            if a.startswith("r") and "<" in a:
+                peer = int(a.split("<")[1])
+                mb = a[1:].split(".")[1].split("<")[0]
+                if (a[1], mb, peer, r) in sends:
+                    out[(r, a)] = sends[(a[1], mb, peer, r)]
+    return out
+
+
+def _p2p_latency(rows) -> float:
+    """Median delay from the end of a send to the end of the matching receive, over the transfers
+    whose receiver was already waiting: the time a message spends in flight (gloo + copies), which
+    the simulator charges as `t_p2p` between a stage's action and its neighbour's next one.
+
+    Sends and receives pair up by direction, micro-batch and rank pair: 'sF0.3>1' on rank 0 is
+    received as 'rF1.3<0' on rank 1 (forward of stage s feeds stage s + 1; backward goes down)."""
+    sends, recvs = {}, {}
+    for r, row in enumerate(rows):
+        for s, e, a in row:
+            if a.startswith("s") and ">" in a:
+                peer = int(a.split(">")[1])
+                sends[(a[1], a[1:].split(".")[1].split(">")[0], r, peer)] = (s, e)
+            elif a.startswith("r") and "<" in a:
+                peer = int(a.split("<")[1])
+                recvs[(a[1], a[1:].split(".")[1].split("<")[0], peer, r)] = (s, e)
+    delays = [recvs[k][1] - sends[k][1] for k in sends
+              if k in recvs and recvs[k][0] <= sends[k][1]]
+    return max(0.0, statistics.median(delays)) if delays else 0.0
 
 
 def _analyse(kind, m, per_rank):
@@ -91,7 +144,7 @@ def _analyse(kind, m, per_rank):
         busy = sum(e - s for row in rows for s, e, a in row if a[0] in "FB")
         measured.append(1 - busy / (p * (t1 - t0)))
         spans.append(t1 - t0)
-        sim = simulate(sched, *_costs(rows, p))
+        sim = simulate(sched, *_costs(rows, p), t_p2p=_p2p_latency(rows))
         predicted.append(1 - busy / (p * sim.makespan))
         sim_spans.append(sim.makespan)
     med, pred = statistics.median(measured), statistics.median(predicted)
