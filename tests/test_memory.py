@@ -55,3 +55,22 @@ def test_memory_budget_gives_the_oom_report(capsys):
         assert category in err
     assert "measured" in err and "estimated" in err
     assert "plans that would fit:" in err and "recompute" in err
+
+
+def test_cuda_oom_is_explained_with_the_allocator_numbers(monkeypatch):
+    """The CUDA path of the OOM report, with the allocator faked (no GPU here): the activations are
+    what the allocator holds beyond the measured model states, the budget is the card's capacity."""
+    import mini3d.launch as launch
+    from mini3d.diagnose.oom import cuda_oom
+
+    monkeypatch.setattr(launch, "device_memory",
+                        lambda d: {"allocated": 900 * 2**20, "peak": 950 * 2**20, "capacity": 2**30})
+    states = {"params": 100 * 2**20, "grads": 100 * 2**20, "optimizer": 200 * 2**20,
+              "activations": 0, "comm_buffers": 0}
+    plan = Plan(global_batch=8, micro_batches=1)
+    err = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    exc = cuda_oom(err, states, "cuda:0", 0, {"tp": 0, "pp": 0, "dp": 0}, TINY, plan, None)
+    assert exc.measured["activations"] == 500 * 2**20
+    assert "OUT OF MEMORY on rank 0 (tp=0, pp=0, dp=0)" in exc.report
+    assert "budget of 1,024.0 MiB" in exc.report  # the card's capacity is the budget
+    assert "Tried to allocate 2.00 GiB" in exc.report  # the allocator's own words are kept
