@@ -146,18 +146,6 @@ class OutOfMemory(RuntimeError):
                 "estimated": self.estimated, "report": self.report}
 
 
-def measure_memory(params=(), optimizer=None) -> dict:
-    """Bytes per category held by `params`, their grads and the optimizer's state tensors."""
-    params = list(params)
-    out = dict.fromkeys(CATEGORIES, 0)
-    out["params"] = sum(p.numel() * p.element_size() for p in params)
-    out["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    if optimizer is not None:
-        out["optimizer"] = sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                               for t in s.values() if torch.is_tensor(t))
-    return out
-
-
 class FaultInjector:
     """Makes one rank misbehave once; install as `topo.log.fault` and call `step_start` each step."""
 
@@ -224,5 +212,5 @@ class FaultInjector:
         return tensor
 
 
-__all__ = ["Fault", "FaultInjector", "KINDS", "OutOfMemory", "fault_problems", "measure_memory",
+__all__ = ["Fault", "FaultInjector", "KINDS", "OutOfMemory", "fault_problems",
            "oom_report", "parse_fault", "parse_size"]
