@@ -115,17 +115,9 @@ def _p2p_latency(rows) -> float:
 
     Sends and receives pair up by direction, micro-batch and rank pair: 'sF0.3>1' on rank 0 is
     received as 'rF1.3<0' on rank 1 (forward of stage s feeds stage s + 1; backward goes down)."""
-    sends, recvs = {}, {}
-    for r, row in enumerate(rows):
-        for s, e, a in row:
-            if a.startswith("s") and ">" in a:
-                peer = int(a.split(">")[1])
-                sends[(a[1], a[1:].split(".")[1].split(">")[0], r, peer)] = (s, e)
-            elif a.startswith("r") and "<" in a:
-                peer = int(a.split("<")[1])
-                recvs[(a[1], a[1:].split(".")[1].split("<")[0], peer, r)] = (s, e)
-    delays = [recvs[k][1] - sends[k][1] for k in sends
-              if k in recvs and recvs[k][0] <= sends[k][1]]
+    send_end = _transfer_ends(rows)
+    delays = [e - send_end[(r, a)] for r, row in enumerate(rows) for s, e, a in row
+              if (r, a) in send_end and s <= send_end[(r, a)]]
     return max(0.0, statistics.median(delays)) if delays else 0.0
 
 
