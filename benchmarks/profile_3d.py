@@ -28,20 +28,23 @@ from .train_runs import PLAN_3D, TINY, measure_train
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 
-def _profiled_worker(spec: dict, top: int):
-    """train_worker on every rank; rank 0 under torch.profiler + cProfile, returns both tables."""
+def _profiled_worker(spec: dict, top: int, device_time: bool = False):
+    """train_worker on every rank; rank 0 under torch.profiler + cProfile, returns both tables.
+    device_time: also record CUDA kernels and sort operators by their self device time."""
     if dist.get_rank() != 0:
         train_worker(spec)
         return None
     from torch.profiler import ProfilerActivity, profile
 
     prof = cProfile.Profile()
-    with profile(activities=[ProfilerActivity.CPU]) as tprof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_time else [])
+    with profile(activities=activities) as tprof:
         prof.enable()
         train_worker(spec)
         prof.disable()
-    ops = tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top,
-                                     max_name_column_width=40)
+    ops = tprof.key_averages().table(
+        sort_by="self_device_time_total" if device_time else "self_cpu_time_total",
+        row_limit=top, max_name_column_width=40)
     s = io.StringIO()
     stats = pstats.Stats(prof, stream=s).sort_stats("tottime")
     stats.print_stats(r"mini3d|torch/(autograd|optim|nn/modules|distributed/distributed_c10d)", top)

@@ -176,6 +176,7 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
 
     names = _names(chunks)
     sharded = optimizer.wrapper.stage >= 1
+    fused = bool(optimizer.inner.defaults.get("fused"))  # fused AdamW keeps `step` on the device
     for (group, pshard, _), master in zip(optimizer.shards, optimizer.masters):
         def local_flat(source, key=None):
             flat = torch.zeros(group.padded, dtype=torch.float32, device=master.device)
@@ -189,6 +190,6 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
             pshard.copy_(master)  # bf16 parameters from the restored fp32 masters
         if moments and step > 0:
             optimizer.inner.state[master] = {
-                "step": torch.tensor(float(step)),
+                "step": torch.tensor(float(step), device=master.device if fused else "cpu"),
                 **{k: local_flat(moments, k).clone() for k in MOMENTS}}
     optimizer.wrapper.after_step()  # ZeRO-1/2: every rank re-gathers the parameters it updated

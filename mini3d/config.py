@@ -14,6 +14,7 @@ from dataclasses import dataclass
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("float32", "bf16")
+ATTENTION = ("explicit", "sdpa")
 
 
 class PlanError(ValueError):
@@ -111,6 +112,7 @@ class Plan:
     seq_len: int = 64  # tokens per sequence
     sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence (tp > 1)
     bucket_mb: float = 1.0  # data-parallel gradient bucket size in MiB
+    attention: str = "explicit"  # attention core: written out (keeps the s x s matrix) or torch's sdpa
 
     @property
     def world_size(self) -> int:
@@ -140,6 +142,12 @@ class Plan:
             out.append(f"recompute={self.recompute!r} is unknown (choose {', '.join(RECOMPUTE)})")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is unknown (choose {', '.join(DTYPES)})")
+        if self.attention not in ATTENTION:
+            out.append(f"attention={self.attention!r} is unknown (choose {', '.join(ATTENTION)})")
+        elif self.attention == "sdpa" and self.recompute == "selective":
+            out.append("recompute='selective' recomputes the attention core's s x s matrix, which "
+                       "attention='sdpa' never stores (its fused kernel recomputes it anyway): "
+                       "use --recompute none or full with --attention sdpa")
         if model.n_heads % self.tp:
             out.append(f"tp={self.tp} does not divide n_heads={model.n_heads} "
                        f"(choose tp in {_divisors(model.n_heads)})")
@@ -207,5 +215,5 @@ def model_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
-__all__ = ["ModelConfig", "Plan", "PlanError", "PRESETS", "SCHEDULES", "RECOMPUTE", "DTYPES",
+__all__ = ["ModelConfig", "Plan", "PlanError", "PRESETS", "SCHEDULES", "RECOMPUTE", "DTYPES", "ATTENTION",
            "model_from_preset", "plan_from_dict", "model_from_dict"]

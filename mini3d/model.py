@@ -72,6 +72,24 @@ def attention_core(q, k, v):
     return att @ v  # (B, nh, T, hd)
 
 
+def sdpa_core(q, k, v):
+    """The same attention through `F.scaled_dot_product_attention` (`Plan.attention="sdpa"`): a
+    fused kernel (flash / memory-efficient on GPUs, a flash-style one on CPUs) that keeps only its
+    output and a log-sum-exp per row, never the (T, T) matrix. What a real run on GPUs wants;
+    equal to `attention_core` up to summation order."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+CORES = {"explicit": attention_core, "sdpa": sdpa_core}
+
+
+def set_attention(model: nn.Module, kind: str) -> nn.Module:
+    """Give every attention layer of a GPT (or pipeline stage) the core `kind` ("explicit", "sdpa")."""
+    for block in getattr(model, "blocks", {}).values():
+        block.attn.core = CORES[kind]
+    return model
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

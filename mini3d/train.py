@@ -34,6 +34,7 @@ from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
+from .model import set_attention
 from .recompute import apply_recompute, measure_activations
 from .tp import apply_tp, boundary_shape, sync_tp_grads
 
@@ -56,6 +57,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
+def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
+    """mini3d's optimizer. On CUDA the fused kernel: one pass over each flat master instead of the
+    default multi-tensor path's several elementwise kernels; on CPU torch's default (what the
+    float32 parity tests compare with)."""
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
+                             fused=True if device.type == "cuda" else None)
+
+
 class Trainer:
     """One rank's share of the model and optimizer, and one optimizer step over a global batch.
 
@@ -66,7 +75,7 @@ class Trainer:
         self.cfg, self.plan, self.topo = cfg, plan, topo
         self.stages, self.net, self.optimizer = parallelize(
             cfg, plan, topo, seed,
-            lambda params: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay))
+            lambda params: adamw(params, lr, weight_decay, topo.device))
         self.chunks = [self.stages[s] for s in sorted(self.stages)]
         self.runtime = None
         self.last_result = None  # the pipeline runtime's StepResult of the latest step (pp > 1)
@@ -163,13 +172,14 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     1. pipeline: build only this pp rank's stages (v chunks for interleaved), each initialised
        exactly as the same layers of the full reference model;
     2. tensor parallelism: slice each stage's matrices for this tp rank;
-    3. activation recomputation policy;
+    3. the attention core (written out, or torch's fused sdpa) and the recomputation policy;
     4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
     stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device=topo.device)
     for module in stages.values():
         apply_tp(module, topo, plan)
+        set_attention(module, plan.attention)
         apply_recompute(module, plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
@@ -293,6 +303,8 @@ def describe_plan(plan: Plan) -> str:
         s += f" zero{plan.zero}"
     if plan.pp > 1:
         s += f" {plan.schedule}"
+    if plan.attention != "explicit":
+        s += f" {plan.attention}"
     return s
 
 

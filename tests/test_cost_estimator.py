@@ -58,11 +58,14 @@ def test_activation_adaptation_differs_from_the_paper_by_the_documented_terms():
             paper_layer_activation_bytes(s, b, h, a, tp, sp, "selective"))
         full = layer_activation_bytes(cfg, plan, recompute="full")["stored"]
         assert full == pytest.approx(paper_layer_activation_bytes(s, b, h, a, tp, sp, "full"))
-    # the fused kernel keeps the output and fp32 log-sum-exp instead of the s x s probabilities
+    # the fused kernel keeps an fp32 log-sum-exp instead of the s x s probabilities (its output is
+    # the projection's input, counted either way)
     plan = Plan(seq_len=512, global_batch=2, dtype="bf16")
     diff = (layer_activation_bytes(cfg, plan)["stored"]  # mini3d's model: the written-out core
             - layer_activation_bytes(cfg, plan, fused_attention=True)["stored"])
-    assert diff == a * s * s * b * 2 - (s * b * h * 2 + 4 * a * s * b)
+    assert diff == a * s * s * b * 2 - 4 * a * s * b
+    assert layer_activation_bytes(cfg, plan.replace(attention="sdpa")) == \
+        layer_activation_bytes(cfg, plan, fused_attention=True)
 
 
 @pytest.mark.timeout(30)

@@ -68,27 +68,52 @@ def test_peak_preset_matching():
 
 @pytest.mark.timeout(240)
 def test_gpu_check_logic_on_cpu_bf16(tmp_path, capsys):
-    """gpu_check --device cpu --tiny: mini3d train in bf16 (CPU) and the plain bf16 loop both run,
-    learn, and the report has every number; both start from the same weights and batch."""
+    """gpu_check --device cpu --tiny: mini3d train in bf16 (CPU), its profile, and both plain loops
+    (pure bf16, fp32 + autocast) run and learn, and the report has every number; all start from the
+    same weights and batch."""
     results = tmp_path / "RESULTS.md"
     out_json = tmp_path / "gpu.json"
-    rc = gpu_check.main(["--device", "cpu", "--tiny", "--peak-tflops", "0.1",
+    rc = gpu_check.main(["--device", "cpu", "--tiny", "--peak-tflops", "0.1", "--profile-steps", "2",
                          "--results", str(results), "--json", str(out_json)])
     assert rc == 0
     import json
 
     r = json.loads(out_json.read_text())
-    assert r["dtype"] == "bf16" and r["timed_steps"] == 3
-    assert r["step_s"] > 0 and r["plain_step_s"] > 0 and r["ratio_vs_plain"] > 0
+    assert r["dtype"] == "bf16" and r["timed_steps"] == 3 and r["error"] is None
+    assert r["step_s"] > 0 and r["plain_step_s"] > 0 and r["amp_step_s"] > 0
+    for key in ("plain", "amp"):
+        assert r[f"{key}_ratio_min"] <= r[f"ratio_vs_{key}"] <= r[f"{key}_ratio_max"]
     assert 0 < r["mfu"] < 1
     assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_s"] / 0.1e12)
     assert r["peak_mem_bytes"] > 0 and r["estimated_mem_bytes"] > 0
     # same initial weights and first batch: the first losses agree to bf16 rounding of the logits
-    assert r["loss_first_last"][0] == pytest.approx(r["plain_loss_first_last"][0], abs=0.05)
+    for key in ("plain", "amp"):
+        assert r["loss_first_last"][0] == pytest.approx(r[f"{key}_loss_first_last"][0], abs=0.05)
+        assert r[f"{key}_loss_first_last"][1] < r[f"{key}_loss_first_last"][0]
     assert r["loss_first_last"][1] < r["loss_first_last"][0]  # bf16 training on CPU learns
+    assert "aten::" in r["profile"] and "Self CPU" in r["profile"]  # a torch.profiler table
     text = results.read_text()
     assert "<!-- begin gpu -->" in text and "tokens/s" in text and "MFU: " in text
+    assert "mini3d / this loop = " in text and "autocast" in text and "aten::" in text
     assert gpu_check.main(["--device", "cpu", "--steps", "2", "--warmup", "3"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_gpu_check_reports_a_failed_mini3d_run(tmp_path, monkeypatch):
+    """When `mini3d train` fails (say NCCL cannot start), the report carries its stderr, the plain
+    loops still run (one GPU session learns both), and the exit code is 1."""
+    def broken(*a, **k):
+        raise RuntimeError("mini3d train exited 1:\nRuntimeError: NCCL error: unhandled system error")
+
+    monkeypatch.setattr(gpu_check, "run_mini3d", broken)
+    out_json = tmp_path / "gpu.json"
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--json", str(out_json)]) == 1
+    import json
+
+    r = json.loads(out_json.read_text())
+    assert "NCCL error" in r["error"] and r["plain_step_s"] > 0 and "ratio_vs_plain" not in r
+    text = gpu_check.report(r)
+    assert "mini3d train FAILED" in text and "NCCL error" in text and "plain PyTorch loop" in text
 
 
 def test_torch_cuda_only_in_launch_and_peak_memory():

@@ -32,9 +32,10 @@ def test_estimator_model_states_equal_the_live_ledger(plan):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy", ["none", "selective", "full"])
-def test_estimator_activations_within_15_percent_of_the_measured_ledger(policy):
-    plan = Plan(global_batch=8, micro_batches=2, recompute=policy)
+@pytest.mark.parametrize("policy,attention", [("none", "explicit"), ("selective", "explicit"),
+                                              ("full", "explicit"), ("none", "sdpa")])
+def test_estimator_activations_within_15_percent_of_the_measured_ledger(policy, attention):
+    plan = Plan(global_batch=8, micro_batches=2, recompute=policy, attention=attention)
     (r,) = launch(train_worker, 1, make_spec(TINY, plan, steps=1, collect=["activations"]), timeout=100)
     measured = sum(r["activations"].values())  # bytes saved for backward, per micro-batch
     est = estimate_memory(TINY, plan, 0)

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import sys
 
-from ..config import DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan
+from ..config import ATTENTION, DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan
 from ..diagnose.estimator import GB, estimate_all_stages
 from .hardware import PRESETS as GPUS
 from .hardware import load_hardware, save_hardware
@@ -42,6 +42,8 @@ def _hw_args(p):
     p.add_argument("--gpus", type=int, help="number of GPUs (default tp*pp*dp)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default dp * micro-batches)")
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--attention", default="explicit", choices=ATTENTION,
+                   help="explicit keeps the s x s attention matrix; sdpa (fused) does not")
     p.add_argument("--json", action="store_true", help="print the machine-readable answer")
 
 
@@ -98,7 +100,8 @@ def plan_from_args(args, cfg: ModelConfig) -> Plan:
                 virtual_stages=args.virtual_stages, micro_batches=args.micro_batches,
                 recompute=args.recompute, dtype=args.dtype,
                 global_batch=args.global_batch or dp * args.micro_batches,
-                seq_len=args.seq_len or cfg.max_seq_len, sequence_parallel=args.sequence_parallel)
+                seq_len=args.seq_len or cfg.max_seq_len, sequence_parallel=args.sequence_parallel,
+                attention=args.attention)
     problems = plan.problems(cfg, args.gpus)
     if problems:
         raise BadInput("inconsistent plan: " + "; ".join(problems))
@@ -145,7 +148,7 @@ def cmd_plan(args) -> int:
     if seq > cfg.max_seq_len:
         raise BadInput(f"--seq-len {seq} exceeds the model's max_seq_len={cfg.max_seq_len}")
     batch = args.global_batch or args.gpus
-    res = search(cfg, args.gpus, hw, batch, seq, args.dtype, top_k=args.top)
+    res = search(cfg, args.gpus, hw, batch, seq, args.dtype, top_k=args.top, attention=args.attention)
     if args.json:
         print(json.dumps(res.as_dict(), indent=2))
     else:

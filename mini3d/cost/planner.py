@@ -34,12 +34,15 @@ def describe(plan: Plan) -> str:
     sched = plan.schedule + (f" v{plan.virtual_stages}" if plan.schedule == "interleaved" else "")
     return (f"tp{plan.tp} pp{plan.pp} dp{plan.dp} | {plan.micro_batches} x mb{plan.micro_batch_size}"
             f" | {sched} | zero{plan.zero} | recompute {plan.recompute}"
-            + (" | sp" if plan.sequence_parallel else ""))
+            + (" | sp" if plan.sequence_parallel else "")
+            + (f" | {plan.attention}" if plan.attention != "explicit" else ""))
 
 
 def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: int,
-                    dtype: str = "bf16", max_micro_batch: int = 16):
-    """Every valid Plan of the search space (see the module docstring)."""
+                    dtype: str = "bf16", max_micro_batch: int = 16, attention: str = "explicit"):
+    """Every valid Plan of the search space (see the module docstring); with attention="sdpa"
+    selective recompute has nothing to save and is left out."""
+    policies = ("none", "full") if attention == "sdpa" else ("none", "selective", "full")
     for tp in _divisors(n_gpus):
         if cfg.n_heads % tp or cfg.d_ff % tp:
             continue
@@ -54,11 +57,12 @@ def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: i
                 zeros = (0,) if dp == 1 else ((0, 1, 2, 3) if pp == 1 else (0, 1, 2))
                 for sched, v in scheds:
                     for zero in zeros:
-                        for rec in ("none", "selective", "full"):
+                        for rec in policies:
                             plan = Plan(tp=tp, pp=pp, dp=dp, zero=zero, schedule=sched,
                                         micro_batches=m, virtual_stages=v, recompute=rec,
                                         dtype=dtype, global_batch=global_batch, seq_len=seq_len,
-                                        sequence_parallel=tp > 1 and seq_len % tp == 0)
+                                        sequence_parallel=tp > 1 and seq_len % tp == 0,
+                                        attention=attention)
                             if not plan.problems(cfg, n_gpus):
                                 yield plan
 
@@ -133,11 +137,11 @@ def explain(best: CostEstimate, runner_up: CostEstimate | None) -> str:
 
 def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
            seq_len: int | None = None, dtype: str = "bf16", top_k: int = 5,
-           max_micro_batch: int = 16, suggest: bool = True) -> PlanSearch:
+           max_micro_batch: int = 16, suggest: bool = True, attention: str = "explicit") -> PlanSearch:
     """Rank every valid layout of `cfg` on `n_gpus` GPUs of `hw` by step time; keep the top k."""
     seq_len = seq_len or cfg.max_seq_len
     fitting, smallest, smallest_mem, n = [], None, math.inf, 0
-    for plan in candidate_plans(cfg, n_gpus, global_batch, seq_len, dtype, max_micro_batch):
+    for plan in candidate_plans(cfg, n_gpus, global_batch, seq_len, dtype, max_micro_batch, attention):
         n += 1
         mem = estimate_memory(cfg, plan)
         if mem.total < smallest_mem:
@@ -148,7 +152,7 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
     small = estimate_cost(cfg, smallest, hw, n_gpus) if smallest is not None else None
     result = PlanSearch(cfg, hw, n_gpus, fitting[:top_k], n, len(fitting), small)
     pure = Plan(dp=n_gpus, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
-                micro_batches=max(1, global_batch // n_gpus))
+                micro_batches=max(1, global_batch // n_gpus), attention=attention)
     if not pure.problems(cfg, n_gpus):
         dp_only = estimate_cost(cfg, pure, hw, n_gpus)
         if not dp_only.fits:
@@ -165,7 +169,7 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
                               f"Smallest memory found: " + why_not(small))
         if suggest:
             result.suggestion = _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k,
-                                         max_micro_batch)
+                                         max_micro_batch, attention)
             if result.suggestion is not None:
                 s = result.suggestion
                 result.explanation += (f" With {s.n_gpus} GPUs {s.n_fit} layouts fit; the fastest "
@@ -174,7 +178,7 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
     return result
 
 
-def _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k, max_micro_batch):
+def _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k, max_micro_batch, attention):
     """The same search on the smallest larger GPU count (whole nodes) where something fits.
     Model states alone need state_bytes * n_params / capacity GPUs: start there."""
     per_param = sum(STATE_BYTES[dtype])
@@ -183,7 +187,7 @@ def _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k, max_micro_bat
     first = -(-lower // node) * node
     for count in sorted({first, first + node, 2 * first, 4 * first}):
         found = search(cfg, count, hw, global_batch, seq_len, dtype, top_k, max_micro_batch,
-                       suggest=False)
+                       suggest=False, attention=attention)
         if found.fits:
             return found
     return None

@@ -127,7 +127,7 @@ def paper_layer_activation_bytes(s, b, h, a, tp=1, sp=False, recompute="none") -
     return s * b * h * (10 + 24 / tp + quad / tp)
 
 
-def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool = False,
+def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool | None = None,
                            recompute: str | None = None) -> dict:
     """Bytes one transformer block keeps for backward, one micro-batch, on one tp rank.
 
@@ -139,10 +139,12 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool =
     * Q, K (4sbh) and V (2sbh) -> 3 * sbh*e / t (the qkv output, saved by the attention core).
     * softmax 2as^2b + its dropout mask as^2b + dropout output 2as^2b: mini3d has no dropout and
       writes the attention core out (mini3d.model.attention_core), so it keeps the softmax
-      probabilities: a*s^2*b*e / t (the default, `fused_attention=False`). A fused kernel
-      (`fused_attention=True`, e.g. scaled_dot_product_attention's flash path) would keep only the
-      output (sbh*e / t) and the fp32 log-sum-exp (4*a*s*b / t).
-    * attention projection input 2sbh -> sbh*e / t (a contiguous copy of the core's output).
+      probabilities: a*s^2*b*e / t (`plan.attention="explicit"`, the default). A fused kernel
+      (`plan.attention="sdpa"`: scaled_dot_product_attention's flash path) keeps only its output
+      and the fp32 log-sum-exp (4*a*s*b / t); the output is laid out (b, s, a, h/a), so the
+      projection's input below is a view of it, not a second copy (measured: tests/test_attention.py).
+      `fused_attention` overrides the plan.
+    * attention projection input 2sbh -> sbh*e / t (the core's output, made contiguous).
     * attention and MLP dropout masks (sbh each): absent (no dropout).
     * GELU input 8sbh and MLP projection input 8sbh -> 2 * sbf*e / t (Korthikanti has f = 4h).
 
@@ -154,9 +156,11 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool =
     """
     s, b, h, a, f = plan.seq_len, plan.micro_batch_size, cfg.d_model, cfg.n_heads, cfg.d_ff
     t, e = plan.tp, ELEMENT_BYTES[plan.dtype]
+    if fused_attention is None:
+        fused_attention = plan.attention == "sdpa"
     sbh = s * b * h * e
     rep = 4 * sbh / (t if plan.sequence_parallel else 1)
-    core = (sbh + 4 * a * s * b) / t if fused_attention else a * s * s * b * e / t
+    core = 4 * a * s * b / t if fused_attention else a * s * s * b * e / t
     split = (3 * sbh + sbh + 2 * s * b * f * e) / t
     full = rep + split + core
     recompute = plan.recompute if recompute is None else recompute
@@ -215,7 +219,7 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
 # ----------------------------------------------------------------------------- the estimate
 
 def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
-                   fused_attention: bool = False) -> MemoryEstimate:
+                   fused_attention: bool | None = None) -> MemoryEstimate:
     """Memory of one rank of pipeline stage `stage`."""
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage} is outside pp={plan.pp} stages (choose 0..{plan.pp - 1})")
@@ -238,12 +242,12 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
                           math.ceil(sum(buffers.values())), n, inflight, detail)
 
 
-def estimate_all_stages(cfg: ModelConfig, plan: Plan, fused_attention: bool = False):
+def estimate_all_stages(cfg: ModelConfig, plan: Plan, fused_attention: bool | None = None):
     return [estimate_stage(cfg, plan, s, fused_attention) for s in range(plan.pp)]
 
 
 def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
-                    fused_attention: bool = False) -> MemoryEstimate:
+                    fused_attention: bool | None = None) -> MemoryEstimate:
     """Memory per rank of stage `stage`, or of the stage that needs the most when `stage` is None."""
     if stage is not None:
         return estimate_stage(cfg, plan, stage, fused_attention)

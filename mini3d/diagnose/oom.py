@@ -27,7 +27,7 @@ def plans_that_fit(cfg, plan, budget: int, n: int = 3) -> list[str]:
     hw = dataclasses.replace(load_hardware("A100-80GB"), name="budget", memory_bytes=budget)
     try:
         found = search(cfg, plan.world_size, hw, plan.global_batch, plan.seq_len, plan.dtype,
-                       top_k=n, suggest=False)
+                       top_k=n, suggest=False, attention=plan.attention)
     except Exception:  # the planner is advice: never let it hide the OOM itself
         return []
     return [describe(c.plan) for c in found.candidates]
