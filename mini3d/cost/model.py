@@ -19,7 +19,10 @@ Step time, on the busiest pipeline rank:
 * tensor parallelism: per layer and micro-batch, two all-reduces forward and two backward (two
   more with full recompute), or the equal-volume all-gather / reduce-scatter pairs under sequence
   parallelism, each moving 2(t-1)/t * s*b*h*e bytes per rank at NVLink speed, or at the inter-node
-  speed when a tp group spans nodes. Not overlapped with compute (as in Megatron-LM 2022).
+  speed when a tp group spans nodes. Not overlapped with compute (as in Megatron-LM 2022). The
+  vocabulary-parallel ends add, per micro-batch, one such op forward on the first stage (the
+  embedding's partial lookups summed) and one backward on the last (the head's input gradient),
+  and two small all-reduces forward on the last (the cross-entropy's max and sums, 3 * s*b*4 bytes).
 * pipeline: (per micro-batch forward + backward) * m / (1 - bubble), the bubble fraction from the
   schedule simulator (`bubble_fraction`); plus p2p messages of s*b*h*e (/ t under sequence
   parallelism) twice per chunk and micro-batch on the critical path: 2 * (v*m + p - 1) messages.
@@ -67,7 +70,7 @@ class Efficiency:
 
 # Fitted by `mini3d.cost.calibration.fit_efficiency()` on the two Korthikanti et al. 2022 rows
 # (A100-80GB, Megatron-LM); tests check that refitting gives these values and both rows within 5%.
-CALIBRATED = Efficiency(eff_max=0.7665, half_width=425.3)
+CALIBRATED = Efficiency(eff_max=0.7684, half_width=426.7)
 
 
 def efficiency_for(hw: Hardware, override: Efficiency | None = None) -> Efficiency:
@@ -179,16 +182,22 @@ def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
     return r, len(stage_layers(cfg, plan, r))
 
 
-def _tp_time(cfg, plan, hw, layers, bw) -> tuple[float, float, float]:
-    """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch."""
+def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, float]:
+    """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch on
+    pipeline rank `stage` (the first holds the embedding, the last the head and the loss)."""
     t = plan.tp
     if t == 1:
         return 0.0, 0.0, 0.0
+    first, last = stage == 0, stage == plan.pp - 1
     act = plan.seq_len * plan.micro_batch_size * cfg.d_model * ELEMENT_BYTES[plan.dtype]
     wire = 2 * (t - 1) / t * act
     per_op = wire / bw + (2 if plan.sequence_parallel else 1) * hw.latency_s
-    fwd_ops, bwd_ops = 2 * layers, (4 if plan.recompute == "full" else 2) * layers
-    return fwd_ops * per_op, bwd_ops * per_op, (fwd_ops + bwd_ops) * wire
+    fwd_ops = 2 * layers + first
+    bwd_ops = (4 if plan.recompute == "full" else 2) * layers + last
+    loss_wire = 2 * (t - 1) / t * 3 * plan.seq_len * plan.micro_batch_size * 4 if last else 0.0
+    loss_s = loss_wire / bw + 2 * hw.latency_s if last else 0.0
+    return (fwd_ops * per_op + loss_s, bwd_ops * per_op,
+            (fwd_ops + bwd_ops) * wire + loss_wire)
 
 
 def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
@@ -241,7 +250,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     if slowdown > 1:  # on a shared host communication is CPU work too (copies, gloo, Python)
         hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
-    tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"])
+    tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"], stage)
     t_fwd, t_bwd = c_fwd + tp_fwd, c_bwd + tp_bwd
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
