@@ -51,7 +51,7 @@ def row_cells(r: dict) -> list[str]:
     if lo is not None and hi is not None:
         ratio += f" ({lo:.2f}/{r.get('ratio_median', r.get('ratio')):.2f}/{hi:.2f})"
     if r.get("goal") is not None:
-        note = f"goal {r['goal']}; " + note
+        note = f"goal {r['goal']}" + (f"; {note}" if note else "")
     return [r["name"], _fmt_s(r.get("ours_s")), _fmt_s(r.get("theirs_s")), ratio, note]
 
 

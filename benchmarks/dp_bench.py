@@ -29,6 +29,8 @@ from mini3d.grid import Grid, build_topology
 from mini3d.launch import launch
 from mini3d.model import GPT
 
+from .common import ratio_row
+
 CFG = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, max_seq_len=64, name="bench")
 BATCH, SEQ, SEED = 8, 64, 0
 
@@ -99,20 +101,13 @@ def bench_worker(repeats: int, warmup: int = 2):
     return {"times": times, "errors": errors}
 
 
-def _row(name, ours, theirs):
-    r = [a / b for a, b in zip(ours, theirs)]
-    return {"name": name, "ours_s": statistics.median(ours), "theirs_s": statistics.median(theirs),
-            "ratio": statistics.median(ours) / statistics.median(theirs),
-            "ratio_min": min(r), "ratio_median": statistics.median(r), "ratio_max": max(r)}
-
-
 def run(quick: bool = True) -> list[dict]:
     """Rows comparing step times (dp=2, gloo/CPU); `quick` uses fewer repeats."""
     out = launch(bench_worker, 2, 5 if quick else 20, timeout=600)[0]
     t, rows = out["times"], []
-    rows.append(_row("dp=2 DataParallel vs DDP", t["mini3d-dp"], t["torch-ddp"]))
+    rows.append(ratio_row("dp=2 DataParallel vs DDP", t["mini3d-dp"], t["torch-ddp"], goal=1.05))
     if "torch-fsdp2" in t:
-        rows.append(_row("dp=2 ZeRO-3 vs FSDP2", t["mini3d-zero3"], t["torch-fsdp2"]))
+        rows.append(ratio_row("dp=2 ZeRO-3 vs FSDP2", t["mini3d-zero3"], t["torch-fsdp2"], goal=1.10))
     else:
         rows.append({"name": "dp=2 ZeRO-3 vs FSDP2", "ours_s": statistics.median(t["mini3d-zero3"]),
                      "theirs_s": None, "ratio": None, "note": out["errors"]["torch-fsdp2"]})

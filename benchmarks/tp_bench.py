@@ -34,6 +34,8 @@ from mini3d.grid import Grid, build_topology
 from mini3d.launch import launch
 from mini3d.tp import ColumnParallelLinear, RowParallelLinear
 
+from benchmarks.common import ratio_row
+
 TP = 2
 
 
@@ -99,9 +101,7 @@ def _worker(shapes, repeats: int, warmup: int):
                 if i >= warmup:
                     times[name].append(t)
         o, t = times["ours"], times["theirs"]
-        rows.append({"name": f"tp={TP} MLP fwd+bwd b={b} s={s} h={h} ffn={f}",
-                     "ours_s": statistics.median(o), "theirs_s": statistics.median(t),
-                     "ratio": statistics.median(o) / statistics.median(t),
+        rows.append({**ratio_row(f"tp={TP} MLP fwd+bwd b={b} s={s} h={h} ffn={f}", o, t, goal=1.05),
                      "ours_min": min(o), "ours_median": statistics.median(o), "ours_max": max(o),
                      "theirs_min": min(t), "theirs_median": statistics.median(t),
                      "theirs_max": max(t), "repeats": repeats, "same_result": bool(same)})
