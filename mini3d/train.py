@@ -96,9 +96,10 @@ class Trainer:
         dev = self.topo.device
         micro_batches = [(x.to(dev), y.to(dev)) for x, y in micro_batches]
         # Sequence parallelism leaves partial LayerNorm gradients on each tp rank: they are summed
-        # over tp before the dp sync, so then every backward runs under no_sync. So do interleaved
-        # pipelines (several chunks per rank, each finishing its backward at another time).
-        overlap = not (self.plan.sequence_parallel and self.topo.tp.size > 1) and len(self.chunks) == 1
+        # over tp before the dp sync, so then every backward runs under no_sync. Interleaved
+        # pipelines overlap like the others: each chunk syncs during its own last backward (the
+        # buckets run in reverse registration order, and the later chunks finish first).
+        overlap = not (self.plan.sequence_parallel and self.topo.tp.size > 1)
         if self.runtime is None:
             loss = self._step_no_pipeline(micro_batches, overlap)
         else:

@@ -18,6 +18,7 @@ from mini3d.config import ModelConfig, Plan
 from mini3d.data import Batches, load_tokens
 from mini3d.launch import launch
 from mini3d.model import GPT
+from mini3d.train import make_spec, train_worker
 from tests.threed_workers import LR, WEIGHT_DECAY, run_layouts
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32)
@@ -168,3 +169,24 @@ def test_zero3_with_pipeline_is_refused_with_its_cost_and_an_alternative():
     assert "gathers" in msg and "--zero 1" in msg  # explains the cost, suggests ZeRO-1
     assert not Plan(pp=2, dp=2, zero=1, micro_batches=4, **BASE).problems(CFG, 4)
     assert not Plan(dp=4, zero=3, **BASE).problems(CFG, 4)
+
+
+@pytest.mark.timeout(120)
+def test_interleaved_pipeline_overlaps_the_dp_gradient_sync():
+    """pp2 x dp2, interleaved (v=2): each model chunk's buckets are all-reduced during that chunk's
+    last backward, while the pipeline still runs the earlier chunk's backwards, not after it all.
+    On pipeline rank 0 (chunks 0 and 2) the first dp all-reduce of the step is issued inside
+    action B2.1 (chunk 2's last backward), before the receives that feed chunk 0's backwards."""
+    plan = Plan(pp=2, dp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
+                global_batch=8, seq_len=16, bucket_mb=0.02)
+    out = launch(train_worker, 4, make_spec(CFG, plan, steps=2, collect=["events"]), device="cpu",
+                 timeout=100)
+    for r in out:
+        step = [e for e in r["events"] if e["context"].get("step") == 1]
+        dp = [e for e in step if e["axis"] == "dp" and e["op"] == "all_reduce" and e["bytes"] > 64]
+        pp = [e for e in step if e["axis"] == "pp" and e["op"] in ("send", "recv")]
+        assert dp and pp, r["coords"]
+        first = min(dp, key=lambda e: e["start"])
+        last_stage = 2 if r["coords"]["pp"] == 0 else 3  # the chunk whose backward ends first
+        assert first["context"]["action"] == f"B{last_stage}.1", first["context"]
+        assert first["start"] < max(e["start"] for e in pp), r["coords"]
