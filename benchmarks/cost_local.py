@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
 
 from mini3d.config import ModelConfig, Plan

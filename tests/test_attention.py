@@ -13,25 +13,11 @@ from mini3d.cli import main
 from mini3d.config import ModelConfig, Plan
 from mini3d.diagnose.estimator import layer_activation_bytes
 from mini3d.model import GPT, attention_core, sdpa_core, set_attention
-from mini3d.recompute import measure_activations
-
-CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64)
+from tests.test_recompute import CFG, _run as run_policy
 
 
 def _run(attention: str, b: int = 4, s: int = 32, steps: int = 3):
-    m = set_attention(GPT(CFG, seed=1), attention)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    losses, grads, ledger = [], [], None
-    for step in range(steps):
-        x = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(step))
-        with measure_activations(m) as ledger:
-            loss = m(x, x.roll(-1, 1))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, ledger
+    return run_policy("none", b, s, steps, attention=attention)
 
 
 def test_set_attention_swaps_every_core_and_only_the_core():

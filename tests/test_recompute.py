@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig
-from mini3d.model import GPT
+from mini3d.model import GPT, set_attention
 from mini3d.config import Plan
 from mini3d.diagnose.estimator import layer_activation_bytes
 from mini3d.recompute import apply_recompute, measure_activations
@@ -12,9 +12,10 @@ from mini3d.recompute import apply_recompute, measure_activations
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64)
 
 
-def _run(policy, b, s, steps=3):
+def _run(policy, b, s, steps=3, attention="explicit"):
+    """(losses, gradients per step, the last step's activation ledger) of 3 AdamW steps."""
     torch.manual_seed(0)
-    m = apply_recompute(GPT(CFG, seed=1), policy)
+    m = apply_recompute(set_attention(GPT(CFG, seed=1), attention), policy)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     losses, grads, ledger = [], [], None
     for step in range(steps):
