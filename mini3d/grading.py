@@ -19,7 +19,7 @@ import os
 import random
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 IMPLS = ("exercises", "solutions")
 

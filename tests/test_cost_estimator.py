@@ -34,7 +34,7 @@ def test_stage_parameter_counts_match_the_real_model():
     assert stage_layers(cfg8, plan, 0) == [0, 1, 4, 5] and stage_layers(cfg8, plan, 1) == [2, 3, 6, 7]
     # tp=2: split matrices halve; LayerNorms, row-parallel biases and positions are replicated;
     # the vocabulary 97 is padded to 98 for the embedding and the head
-    h, f, V = cfg.d_model, cfg.d_ff, 97
+    h, V = cfg.d_model, 97
     replicated = cfg.n_layers * (4 * h + 2 * h) + cfg.max_seq_len * h + 2 * h
     padding = 2 * (98 - V) * h
     total = stage_param_count(cfg, Plan(tp=2), 0)

@@ -5,8 +5,6 @@ swings far more, so this test allows a factor 2.5 either way: it fails when the 
 kind (a missing term, a wrong oversubscription factor, an overhead counted per step instead of per
 layer), not when a neighbour's job slows a step down."""
 
-import dataclasses
-
 import pytest
 
 from benchmarks.cost_local import FIT_PLAN, LAYOUTS, fit_layer_overhead, validate
