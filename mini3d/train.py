@@ -36,7 +36,7 @@ from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
-from .tp import apply_tp, boundary_shape, sync_tp_grads
+from .tp import apply_tp, boundary_shape, sum_replicated_grads
 
 
 def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
@@ -76,6 +76,8 @@ class Trainer:
         self.stages, self.net, self.optimizer = parallelize(
             cfg, plan, topo, seed,
             lambda params: adamw(params, lr, weight_decay, topo.device))
+        if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
+            self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
         self.chunks = [self.stages[s] for s in sorted(self.stages)]
         self.runtime = None
         self.last_result = None  # the pipeline runtime's StepResult of the latest step (pp > 1)
@@ -95,29 +97,23 @@ class Trainer:
         (on every rank: the pipeline broadcasts it from the last stage)."""
         dev = self.topo.device
         micro_batches = [(x.to(dev), y.to(dev)) for x, y in micro_batches]
-        # Sequence parallelism leaves partial LayerNorm gradients on each tp rank: they are summed
-        # over tp before the dp sync, so then every backward runs under no_sync. Interleaved
-        # pipelines overlap like the others: each chunk syncs during its own last backward (the
-        # buckets run in reverse registration order, and the later chunks finish first).
-        overlap = not (self.plan.sequence_parallel and self.topo.tp.size > 1)
+        # The dp gradient sync overlaps the last backward of each model chunk (interleaved
+        # pipelines too: the later chunks finish first, and their buckets come first).
         if self.runtime is None:
-            loss = self._step_no_pipeline(micro_batches, overlap)
+            loss = self._step_no_pipeline(micro_batches)
         else:
-            with contextlib.nullcontext() if overlap else self.net.no_sync():
-                self.last_result = self.runtime.step(micro_batches, step, dp=self.net if overlap else None)
+            self.last_result = self.runtime.step(micro_batches, step, dp=self.net)
             loss = self.last_result.loss
-        for chunk in self.chunks:
-            sync_tp_grads(chunk, self.topo)
-        self.optimizer.step()  # finishes (or, after no_sync, launches) the gradient sync first
+        self.optimizer.step()  # waits for the gradient sync (and its grad_hooks) first
         self.optimizer.zero_grad()
         return loss
 
-    def _step_no_pipeline(self, micro_batches, overlap: bool) -> float:
+    def _step_no_pipeline(self, micro_batches) -> float:
         m, total = len(micro_batches), 0.0
         # The loss stays a tensor until the step ends: one host sync per step, not per micro-batch.
         for i, (x, y) in enumerate(micro_batches):
             self.topo.log.context = {**self.topo.log.context, "mb": i}
-            sync = i == m - 1 and overlap  # the last backward all-reduces buckets as they fill
+            sync = i == m - 1  # the last backward all-reduces buckets as they fill
             with contextlib.nullcontext() if sync else self.net.no_sync():
                 loss = self.net(x, y)
                 (loss / m).backward()  # mean over micro-batches = mean over the replica's batch

@@ -26,7 +26,8 @@ STEPS, SEED = 3, 7
 BASE = dict(global_batch=16, seq_len=16, bucket_mb=0.02)  # small buckets: several per stage
 
 CASES = [  # every case uses the same 8 ranks
-    ("tp2-pp2-dp2-zero0-1f1b", Plan(tp=2, pp=2, dp=2, zero=0, micro_batches=4, **BASE)),
+    ("tp2-pp2-dp2-zero0-1f1b-sp", Plan(tp=2, pp=2, dp=2, zero=0, micro_batches=4,
+                                       sequence_parallel=True, **BASE)),
     ("tp2-pp2-dp2-zero1-1f1b", Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, **BASE)),
     ("tp2-pp1-dp4-zero2-sp-selective", Plan(tp=2, dp=4, zero=2, micro_batches=2,
                                             sequence_parallel=True, recompute="selective", **BASE)),
@@ -190,3 +191,24 @@ def test_interleaved_pipeline_overlaps_the_dp_gradient_sync():
         last_stage = 2 if r["coords"]["pp"] == 0 else 3  # the chunk whose backward ends first
         assert first["context"]["action"] == f"B{last_stage}.1", first["context"]
         assert first["start"] < max(e["start"] for e in pp), r["coords"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("zero", [0, 2])
+def test_sequence_parallel_overlaps_the_dp_gradient_sync(zero):
+    """tp2 x dp2 with sequence parallelism: the dp gradient collectives start during the last
+    backward (before its last sequence all-gather / reduce-scatter), and the replicated
+    parameters' partial gradients are summed over tp after them, one all-reduce per step."""
+    plan = Plan(tp=2, dp=2, zero=zero, micro_batches=2, global_batch=8, seq_len=16,
+                sequence_parallel=True, bucket_mb=0.02)
+    out = launch(train_worker, 4, make_spec(CFG, plan, steps=2, collect=["events"]), device="cpu",
+                 timeout=100)
+    dp_op = "all_reduce" if zero == 0 else "reduce_scatter"
+    for r in out:
+        step = [e for e in r["events"] if e["context"].get("step") == 1]
+        dp = [e for e in step if e["axis"] == "dp" and e["op"] == dp_op and e["bytes"] > 64]  # not the loss
+        seq = [e for e in step if e["axis"] == "tp" and e["op"] in ("all_gather", "reduce_scatter")]
+        tp_sums = [e for e in step if e["axis"] == "tp" and e["op"] == "all_reduce"
+                   and e["start"] > max(x["end"] for x in dp)]
+        assert min(e["start"] for e in dp) < max(e["start"] for e in seq), r["coords"]
+        assert len(tp_sums) == 1, [(e["op"], e["bytes"]) for e in tp_sums]

@@ -68,6 +68,9 @@ class ShardedOptimizer:
                 group.master_init = None
             self.masters.append(master)
         self.inner = optimizer_factory(self.masters)
+        # f([(flat group, its local gradient)]) after the dp sync, before the update; changes in place
+        # (the trainer sums sequence-parallel gradients over tp here: tp.sum_replicated_grads)
+        self.grad_hooks: list = []
 
     @property
     def param_groups(self):
@@ -75,8 +78,10 @@ class ShardedOptimizer:
 
     def step(self):
         self.wrapper.finish_grad_sync()
-        for (group, pshard, grad_of), master in zip(self.shards, self.masters):
-            g = grad_of()
+        local = [(group, grad_of()) for group, _, grad_of in self.shards]
+        for hook in self.grad_hooks:
+            hook(local)
+        for (_, g), master in zip(local, self.masters):
             master.grad = g if g.dtype == master.dtype else g.float()
         self.inner.step()
         with torch.no_grad():

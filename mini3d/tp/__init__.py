@@ -15,10 +15,11 @@ from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedd
 from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sequence, scatter_to_sequence, scatter_to_tp)
 from .parallelize import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
-                          grad_norm_sq, load_full_state_dict, shard_like, sync_tp_grads,
-                          unshard_like)
+                          grad_norm_sq, load_full_state_dict, shard_like, sum_replicated_grads,
+                          sync_tp_grads, unshard_like)
 
-__all__ = ["apply_tp", "sync_tp_grads", "full_state_dict", "full_grads", "boundary_shape",
+__all__ = ["apply_tp", "sync_tp_grads", "sum_replicated_grads", "full_state_dict", "full_grads",
+           "boundary_shape",
            "load_full_state_dict", "gather_logits", "grad_norm_sq", "shard_like", "unshard_like",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "copy_to_tp", "reduce_from_tp", "scatter_to_tp",

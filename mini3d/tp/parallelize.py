@@ -19,7 +19,9 @@ input all-gathers the sequence (instead of `f`), each row-parallel output reduce
 (instead of `g`), and the head gathers the sequence before its vocab-parallel matmul. The
 replicated parameters then see only T/tp positions on each rank, so their gradients are partial
 sums: call `sync_tp_grads(model, topo)` after backward (it is a no-op without sequence
-parallelism). Parameter names are unchanged, so `full_state_dict` keys match the reference's.
+parallelism), or, under a data-parallel wrapper, `sum_replicated_grads` on the dp-synchronised
+gradient shards (the trainer does: sums commute, so the dp sync can overlap backward and the tp
+sum follow it). Parameter names are unchanged, so `full_state_dict` keys match the reference's.
 """
 
 from __future__ import annotations
@@ -106,6 +108,30 @@ def sync_tp_grads(model, topo) -> None:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def sum_replicated_grads(local_grads, tp_axis) -> None:
+    """`sync_tp_grads` for gradients that a data-parallel wrapper already reduced over dp: sum over
+    tp, in place, the parts of each flat group's local gradient (`ShardedOptimizer.grad_hooks`
+    items: (group, the whole flat gradient or this rank's lo:hi shard of it)) that belong to
+    replicated parameters. One flattened all-reduce; tp ranks hold equal layouts, so equal parts."""
+    if tp_axis.size == 1:
+        return
+    parts = []
+    for group, g in local_grads:
+        base = 0 if g.numel() == group.padded else group.lo
+        for p, off in zip(group.params, group.offsets):
+            lo, hi = max(off, base), min(off + p.numel(), base + g.numel())
+            if not is_tp_sharded(p) and lo < hi:
+                parts.append(g[lo - base:hi - base])
+    if not parts:
+        return
+    flat = torch.cat(parts)
+    comm.all_reduce(flat, tp_axis)
+    offset = 0
+    for part in parts:
+        part.copy_(flat[offset:offset + part.numel()])
+        offset += part.numel()
 
 
 def grad_norm_sq(model, topo) -> torch.Tensor:
