@@ -34,8 +34,11 @@ CASES = [  # every case uses the same 8 ranks
     ("tp1-pp2-dp4-interleaved-v2-full", Plan(pp=2, dp=4, schedule="interleaved", virtual_stages=2,
                                              micro_batches=2, recompute="full", **BASE)),
     ("tp2-pp1-dp4-zero3-bf16", Plan(tp=2, dp=4, zero=3, micro_batches=2, dtype="bf16", **BASE)),
-    ("tp2-pp2-dp2-zero1-sdpa-full", Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, attention="sdpa",
-                                         recompute="full", **BASE)),  # fused attention, same numbers
+    ("tp2-pp1-dp4-zero3-sp", Plan(tp=2, dp=4, zero=3, micro_batches=2, sequence_parallel=True,
+                                  **BASE)),
+    ("tp2-pp2-dp2-zero1-sdpa-full-sp", Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4,
+                                            attention="sdpa", recompute="full",
+                                            sequence_parallel=True, **BASE)),
 ]
 
 
