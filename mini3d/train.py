@@ -167,15 +167,17 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     """The ordered transforms that turn the reference model into this rank's share of it:
 
     1. pipeline: build only this pp rank's stages (v chunks for interleaved), each initialised
-       exactly as the same layers of the full reference model;
-    2. tensor parallelism: slice each stage's matrices for this tp rank;
+       exactly as the same layers of the full reference model, in host memory;
+    2. tensor parallelism: slice each stage's matrices for this tp rank, then move the slices to
+       this rank's device (so a GPU never holds the unsliced stage: 1/tp of its bytes at most);
     3. the attention core (written out, or torch's fused sdpa) and the recomputation policy;
     4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
-    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device=topo.device)
+    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages)
     for module in stages.values():
         apply_tp(module, topo, plan)
+        module.to(topo.device)  # keeps the Parameter objects (and their tp_dim / tp_index marks)
         set_attention(module, plan.attention)
         apply_recompute(module, plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
