@@ -153,7 +153,7 @@ class GPT(nn.Module):
     A middle stage maps hidden states (B, T, C) to hidden states."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, layers=None, first: bool = True,
-                 last: bool = True):
+                 last: bool = True, init: bool = True):
         super().__init__()
         self.cfg, self.first, self.last = cfg, first, last
         layers = range(cfg.n_layers) if layers is None else layers
@@ -161,7 +161,8 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg) if first else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
         self.head = Head(cfg) if last else None
-        self.init_weights(seed)
+        if init:  # init=False: shapes only (e.g. on the meta device; see materialize_reference)
+            self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed: int):

@@ -36,7 +36,7 @@ from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
-from .tp import apply_tp, boundary_shape, sum_replicated_grads
+from .tp import apply_tp, boundary_shape, materialize_reference, sum_replicated_grads
 
 
 def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
@@ -166,18 +166,19 @@ def _stage_files(ckpt: str) -> list[str]:
 def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory):
     """The ordered transforms that turn the reference model into this rank's share of it:
 
-    1. pipeline: build only this pp rank's stages (v chunks for interleaved), each initialised
-       exactly as the same layers of the full reference model, in host memory;
-    2. tensor parallelism: slice each stage's matrices for this tp rank, then move the slices to
-       this rank's device (so a GPU never holds the unsliced stage: 1/tp of its bytes at most);
+    1. pipeline: build only this pp rank's stages (v chunks for interleaved), on the meta device
+       (shapes, no memory);
+    2. tensor parallelism: slice each stage's matrices for this tp rank (still shapes), then give
+       each slice its value on this rank's device: the slice of the same parameter of the full
+       reference model (one full parameter in host memory at a time, never the unsliced stage);
     3. the attention core (written out, or torch's fused sdpa) and the recomputation policy;
     4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
-    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages)
+    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta")
     for module in stages.values():
         apply_tp(module, topo, plan)
-        module.to(topo.device)  # keeps the Parameter objects (and their tp_dim / tp_index marks)
+        materialize_reference(module, topo, seed, topo.device)
         set_attention(module, plan.attention)
         apply_recompute(module, plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]

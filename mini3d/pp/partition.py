@@ -81,11 +81,20 @@ def local_specs(pp_rank: int, n_layers: int, p: int, v: int = 1, boundaries=None
 
 def build_stages(cfg, seed: int, pp_rank: int, p: int, v: int = 1, boundaries=None,
                  device=None) -> dict:
-    """{stage id: GPT module holding that stage's layers}, with the reference initialisation."""
+    """{stage id: GPT module holding that stage's layers}, with the reference initialisation;
+    on device "meta": shapes only, no values (`mini3d.tp.materialize_reference` gives them)."""
+    import torch
+
     from mini3d.model import GPT
 
+    meta = device is not None and torch.device(device).type == "meta"
     out = {}
     for spec in local_specs(pp_rank, cfg.n_layers, p, v, boundaries):
+        if meta:
+            with torch.device("meta"):
+                out[spec.stage] = GPT(cfg, seed, layers=spec.layers, first=spec.first,
+                                      last=spec.last, init=False)
+            continue
         module = GPT(cfg, seed, layers=spec.layers, first=spec.first, last=spec.last)
         out[spec.stage] = module.to(device) if device is not None else module
     return out

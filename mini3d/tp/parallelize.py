@@ -200,6 +200,28 @@ def shard_like(p, full: torch.Tensor, topo) -> torch.Tensor:
     return full.index_select(dim, idx)
 
 
+@torch.no_grad()
+def materialize_reference(model, topo, seed: int, device) -> None:
+    """Give a model built on the meta device (and sharded there by `apply_tp`) its reference initial
+    values on `device`: each parameter's tp slice of `mini3d.model.reference_init`, one full
+    parameter in host memory at a time (instead of the whole unsliced stage on every rank).
+    The Parameter objects are replaced (meta tensors hold no storage to fill) and keep their marks."""
+    from ..model import reference_init
+
+    for mod_name, mod in model.named_modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            shape = list(p.shape)
+            if is_tp_sharded(p):
+                shape[p.tp_dim] = p.tp_full_size
+            name = f"{mod_name}.{key}" if mod_name else key
+            full = reference_init(name, tuple(shape), seed, model.cfg)
+            new = nn.Parameter(shard_like(p, full, topo).to(device), p.requires_grad)  # a new tensor
+            new.__dict__.update(p.__dict__)  # tp_dim, tp_index, tp_full_size
+            mod._parameters[key] = new
+
+
 def unshard_like(p, t: torch.Tensor, topo) -> torch.Tensor:
     """Inverse of `shard_like`: the full tensor from this rank's slice `t` (collective over tp)."""
     return _unshard(t, p, topo.tp) if is_tp_sharded(p) else t.detach().clone()
