@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = t.add_argument_group("run")
     r.add_argument("--steps", type=int, default=20)
     r.add_argument("--lr", type=float, default=3e-3)
+    r.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
+                   help="clip the global gradient norm to NORM (0: off; 1.0 is usual)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--data", help="a text file to train on (default: the embedded corpus)")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -127,6 +129,8 @@ def cmd_train(args) -> int:
     problems = plan.problems(cfg, world)
     if args.steps < 1:
         problems.append(f"steps={args.steps} must be >= 1")
+    if args.grad_clip < 0:
+        problems.append(f"grad_clip={args.grad_clip} must be >= 0 (0 turns clipping off)")
     data_problem = check_data_path(args.data)
     if data_problem:
         problems.append(data_problem)
@@ -154,6 +158,7 @@ def cmd_train(args) -> int:
     from .train import make_spec, reporter_records, summary_line, train_worker
 
     spec = make_spec(cfg, plan, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
+                     grad_clip=args.grad_clip,
                      log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
                      save_every=args.save_every, resume=resume,
                      **diagnose_spec(args))  # mini3d.diagnose: run_dir, hang_timeout, fault, budget

@@ -36,7 +36,8 @@ from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
-from .tp import apply_tp, boundary_shape, materialize_reference, sum_replicated_grads
+from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
+                 sum_replicated_grads)
 
 
 def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
@@ -71,13 +72,16 @@ class Trainer:
     Parallelising is an ordered series of transforms (see `parallelize`)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, topo, seed: int, lr: float,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, grad_clip: float = 0.0):
         self.cfg, self.plan, self.topo = cfg, plan, topo
         self.stages, self.net, self.optimizer = parallelize(
             cfg, plan, topo, seed,
             lambda params: adamw(params, lr, weight_decay, topo.device))
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
+        self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
+        if grad_clip > 0:
+            self.optimizer.grad_hooks.append(lambda local: self._clip(local, grad_clip))
         self.chunks = [self.stages[s] for s in sorted(self.stages)]
         self.runtime = None
         self.last_result = None  # the pipeline runtime's StepResult of the latest step (pp > 1)
@@ -87,6 +91,9 @@ class Trainer:
             self.runtime = PipelineRuntime(self.stages, schedule, topo,
                                            boundary_shape(plan, plan.micro_batch_size, cfg),
                                            dtype=act_dtype, device=topo.device)
+
+    def _clip(self, local, max_norm: float):
+        self.last_grad_norm = clip_grad_norm_(local, self.topo, max_norm, self.plan.zero >= 1)
 
     @property
     def holds_loss(self) -> bool:
@@ -195,7 +202,8 @@ def train_worker(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     tokens = load_tokens(spec.get("data"))
     batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
-    trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0))
+    trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0),
+                      spec.get("grad_clip", 0.0))
     start = trainer.load(spec["resume"]) if spec.get("resume") else 0
     diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
@@ -227,6 +235,8 @@ def train_worker(spec: dict) -> dict:
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                "peak_mem_bytes": peak_memory_bytes(topo.device)}
+        if trainer.last_grad_norm is not None:
+            rec["grad_norm"] = trainer.last_grad_norm  # before clipping
         records.append(rec)
         if log_file:
             log_file.write(json.dumps(rec) + "\n")

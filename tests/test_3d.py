@@ -42,8 +42,10 @@ CASES = [  # every case uses the same 8 ranks
 ]
 
 
-def reference(steps: int):
-    """(losses, grads per step, final params) of the unparallelised model on the global batches."""
+def reference(steps: int, grad_clip: float = 0.0, norms: list | None = None):
+    """(losses, grads per step, final params) of the unparallelised model on the global batches;
+    with grad_clip, torch's clip_grad_norm_ before each update (the grads are taken after it, and
+    the norms before it are appended to `norms`)."""
     model = GPT(CFG, SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
     batches = Batches(load_tokens(), BASE["seq_len"], BASE["global_batch"], SEED)
@@ -52,6 +54,8 @@ def reference(steps: int):
         x, y = batches.global_batch_at(step)
         loss = model(x, y)
         loss.backward()
+        if grad_clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)))
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
@@ -215,3 +219,31 @@ def test_sequence_parallel_overlaps_the_dp_gradient_sync(zero):
                    and e["start"] > max(x["end"] for x in dp)]
         assert min(e["start"] for e in dp) < max(e["start"] for e in seq), r["coords"]
         assert len(tp_sums) == 1, [(e["op"], e["bytes"]) for e in tp_sums]
+
+
+CLIP_CASES = [  # dp replicas with sequence parallelism; dp shards (ZeRO-1, ZeRO-3) across pp or tp
+    ("tp2-pp2-dp2-zero0-sp-clip", Plan(tp=2, pp=2, dp=2, zero=0, micro_batches=4,
+                                       sequence_parallel=True, **BASE)),
+    ("tp2-pp2-dp2-zero1-clip", Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, **BASE)),
+    ("tp2-pp1-dp4-zero3-clip", Plan(tp=2, dp=4, zero=3, micro_batches=2, **BASE)),
+]
+CLIP = 0.5  # the reference's norms are 1.4-3.1: every step clips
+
+
+@pytest.mark.timeout(240)
+def test_gradient_clipping_equals_torch_clip_grad_norm_on_the_reference():
+    """--grad-clip: the global norm over every shard (tp pieces summed, replicated ones once, dp
+    shards summed, replicas not, pp stages summed) equals torch.nn.utils.clip_grad_norm_'s on the
+    unsharded model, and the clipped gradients, losses and parameters match it (float32 bounds)."""
+    cases = [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP} for n, p in CLIP_CASES]
+    results = launch(run_layouts, 8, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu",
+                     timeout=220)
+    ref_norms = []
+    ref = reference(STEPS, CLIP, ref_norms)
+    assert min(ref_norms) > 2 * CLIP  # the clipping is active at every step
+    for name, plan in CLIP_CASES:
+        runs = [r for per_rank in results for r in per_rank if r["name"] == name]
+        for r in runs:
+            assert r["losses"] == pytest.approx(ref[0], abs=F32["loss"]), (name, r["losses"])
+            assert r["norms"] == pytest.approx(ref_norms, rel=1e-5), (name, r["norms"], ref_norms)
+        check_float32(name, plan, results, ref)

@@ -53,6 +53,8 @@ def test_unigram_entropy_of_corpus_is_sane():
      ["global_batch=6 does not split into dp=2 x micro_batches=2"]),
     (["--data", "/no/such/file.txt"], ["/no/such/file.txt", "does not exist"]),
     (["--schedule", "zigzag"], ["schedule='zigzag' is unknown"]),
+    (["--grad-clip", "-1"], ["grad_clip=-1.0 must be >= 0"]),
+    (["--attention", "flash9"], ["attention='flash9' is unknown (choose explicit, sdpa)"]),
 ])
 def test_bad_input_exits_2_naming_values_before_any_process(argv, needles, capsys, monkeypatch):
     def boom(*a, **k):

@@ -64,17 +64,18 @@ def run_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> lis
     for case in cases:
         plan = Plan(**case["plan"])
         topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
-        trainer = Trainer(cfg, plan, topo, seed, LR, WEIGHT_DECAY)
+        trainer = Trainer(cfg, plan, topo, seed, LR, WEIGHT_DECAY, case.get("grad_clip", 0.0))
         seen = _capture_grads(trainer)
         batches = Batches(tokens, plan.seq_len, plan.global_batch, seed)
-        losses = []
+        losses, norms = [], []
         for step in range(steps):
             mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
             losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
+            norms.append(trainer.last_grad_norm)
         grads = [full_grads(trainer, s) for s in seen]
         weights, _, opt_step = gather_full_state(trainer.chunks, trainer.optimizer, topo)
         if topo.dp.index == 0:
-            out.append({"name": case["name"], "coords": topo.coords, "losses": losses,
+            out.append({"name": case["name"], "coords": topo.coords, "losses": losses, "norms": norms,
                         "grads": grads, "weights": weights, "opt_step": opt_step})
         comm.barrier(topo.axes["world"])
     return out

@@ -16,9 +16,9 @@ from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_
                        reduce_scatter_to_sequence, scatter_to_sequence, scatter_to_tp)
 from .parallelize import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
                           grad_norm_sq, load_full_state_dict, shard_like, sum_replicated_grads,
-                          sync_tp_grads, unshard_like, materialize_reference)
+                          sync_tp_grads, unshard_like, materialize_reference, clip_grad_norm_)
 
-__all__ = ["apply_tp", "sync_tp_grads", "sum_replicated_grads", "materialize_reference", "full_state_dict", "full_grads",
+__all__ = ["apply_tp", "sync_tp_grads", "sum_replicated_grads", "materialize_reference", "clip_grad_norm_", "full_state_dict", "full_grads",
            "boundary_shape",
            "load_full_state_dict", "gather_logits", "grad_norm_sq", "shard_like", "unshard_like",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

@@ -110,20 +110,25 @@ def sync_tp_grads(model, topo) -> None:
         offset += g.numel()
 
 
-def sum_replicated_grads(local_grads, tp_axis) -> None:
-    """`sync_tp_grads` for gradients that a data-parallel wrapper already reduced over dp: sum over
-    tp, in place, the parts of each flat group's local gradient (`ShardedOptimizer.grad_hooks`
-    items: (group, the whole flat gradient or this rank's lo:hi shard of it)) that belong to
-    replicated parameters. One flattened all-reduce; tp ranks hold equal layouts, so equal parts."""
-    if tp_axis.size == 1:
-        return
-    parts = []
+def _local_parts(local_grads):
+    """(piece, replicated over tp?) for each parameter's piece of the local flat gradients that a
+    data-parallel wrapper holds (`ShardedOptimizer.grad_hooks` items: (group, the whole flat
+    gradient or this rank's lo:hi shard of it)); padding is left out."""
     for group, g in local_grads:
         base = 0 if g.numel() == group.padded else group.lo
         for p, off in zip(group.params, group.offsets):
             lo, hi = max(off, base), min(off + p.numel(), base + g.numel())
-            if not is_tp_sharded(p) and lo < hi:
-                parts.append(g[lo - base:hi - base])
+            if lo < hi:
+                yield g[lo - base:hi - base], not is_tp_sharded(p)
+
+
+def sum_replicated_grads(local_grads, tp_axis) -> None:
+    """`sync_tp_grads` for gradients that a data-parallel wrapper already reduced over dp: sum over
+    tp, in place, the parts of the local flat gradients that belong to replicated parameters. One
+    flattened all-reduce; tp ranks hold equal layouts, so equal parts."""
+    if tp_axis.size == 1:
+        return
+    parts = [part for part, replicated in _local_parts(local_grads) if replicated]
     if not parts:
         return
     flat = torch.cat(parts)
@@ -132,6 +137,33 @@ def sum_replicated_grads(local_grads, tp_axis) -> None:
     for part in parts:
         part.copy_(flat[offset:offset + part.numel()])
         offset += part.numel()
+
+
+@torch.no_grad()
+def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -> float:
+    """Scale the whole model's gradient, in place, so that its global L2 norm is at most `max_norm`
+    (`torch.nn.utils.clip_grad_norm_` over the unsharded model: coefficient max_norm / (norm +
+    1e-6), capped at 1); returns the norm before clipping, the same on every rank.
+
+    Each element is counted once: tp-sharded pieces are summed over tp, replicated ones (equal on
+    every tp rank, after `sum_replicated_grads`) taken once; dp shards (ZeRO >= 1) are summed over
+    dp, replicas (ZeRO-0) not; pipeline stages are summed over pp. Each piece's norm is taken in
+    float32 (as torch does), the squares are summed in float64."""
+    sq = torch.zeros(2, dtype=torch.float64, device=local_grads[0][1].device)  # [replicated, sharded]
+    for part, replicated in _local_parts(local_grads):
+        sq[0 if replicated else 1] += torch.linalg.vector_norm(part, dtype=torch.float32).double() ** 2
+    # one tp all-reduce of both sums; the replicated sum then counts each element tp times
+    comm.all_reduce(sq, topo.tp)
+    total = (sq[0] / topo.tp.size + sq[1]).reshape(1)
+    if sharded_over_dp:
+        comm.all_reduce(total, topo.dp)
+    comm.all_reduce(total, topo.pp)
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for _, g in local_grads:
+            g.mul_(coef)
+    return norm
 
 
 def grad_norm_sq(model, topo) -> torch.Tensor:
