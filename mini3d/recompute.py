@@ -105,7 +105,14 @@ class ActivationLedger:
                 self.by_category[self._stack[-1] if self._stack else "model"] += storage.nbytes()
         return t
 
+    def _new_forward(self, _module, _inputs):
+        # Storage is deduplicated within one forward (views of one tensor count once), not across
+        # micro-batches: once a backward has freed the previous micro-batch's tensors, the allocator
+        # hands their addresses out again, and equal (address, size) keys would hide new tensors.
+        self._seen.clear()
+
     def __enter__(self):
+        self._handles.append(self.model.register_forward_pre_hook(self._new_forward))
         for name, mod in self.model.named_modules():
             if name:
                 self._handles.append(mod.register_forward_pre_hook(self._enter(name)))
