@@ -159,10 +159,10 @@ def run_check(ex: Exercise, check: Check, impl_name: str, seed: int, shortcut: b
 
 
 def all_exercises() -> list[Exercise]:
-    from . import grading_checks, grading_plan, grading_tp, grading_workers
+    from . import grading_3d, grading_checks, grading_plan, grading_tp, grading_workers
 
     exs = (grading_checks.EXERCISES + grading_workers.EXERCISES + grading_tp.EXERCISES
-           + grading_plan.EXERCISES)
+           + grading_plan.EXERCISES + grading_3d.EXERCISES)
     return sorted(exs, key=lambda e: e.chapter)  # stable: course order
 
 
