@@ -169,10 +169,10 @@ def report(r: dict) -> str:
             line += (f"; mini3d / this loop = {r[f'ratio_vs_{key}']:.3f} "
                      f"(min {r[f'{key}_ratio_min']:.3f}, max {r[f'{key}_ratio_max']:.3f})")
         lines.append(line)
-    losses = [f"{k} {r[f'{k}_first_last'][0]:.3f} -> {r[f'{k}_first_last'][1]:.3f}"
-              for k in ("loss", "plain_loss", "amp_loss") if f"{k}_first_last" in r]
-    lines.append("- loss (first -> last step): " + ", ".join(losses).replace("plain_loss", "plain")
-                 .replace("amp_loss", "amp").replace("loss ", "mini3d ", 1))
+    losses = [f"{label} {r[key][0]:.3f} -> {r[key][1]:.3f}" for label, key in
+              (("mini3d", "loss_first_last"), ("plain", "plain_loss_first_last"),
+               ("amp", "amp_loss_first_last")) if key in r]
+    lines.append("- loss (first -> last step): " + ", ".join(losses))
     if r["profile"]:
         lines += ["", "mini3d's operators, one rank (torch.profiler):", "", "```", r["profile"].rstrip(), "```"]
     return "\n".join(lines)

@@ -99,15 +99,20 @@ def sync_tp_grads(model, topo) -> None:
     One flattened all-reduce. A no-op without sequence parallelism or with tp=1."""
     if not getattr(model, "sequence_parallel", False) or topo.tp.size == 1:
         return
-    grads = [p.grad for p in model.parameters() if not is_tp_sharded(p) and p.grad is not None]
-    if not grads:
+    _sum_in_place([p.grad for p in model.parameters() if not is_tp_sharded(p) and p.grad is not None],
+                  topo.tp)
+
+
+def _sum_in_place(tensors: list, axis) -> None:
+    """Sum each tensor over `axis`, in place, with one all-reduce of their concatenation."""
+    if not tensors:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, topo.tp)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    comm.all_reduce(flat, axis)
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _local_parts(local_grads):
@@ -126,17 +131,8 @@ def sum_replicated_grads(local_grads, tp_axis) -> None:
     """`sync_tp_grads` for gradients that a data-parallel wrapper already reduced over dp: sum over
     tp, in place, the parts of the local flat gradients that belong to replicated parameters. One
     flattened all-reduce; tp ranks hold equal layouts, so equal parts."""
-    if tp_axis.size == 1:
-        return
-    parts = [part for part, replicated in _local_parts(local_grads) if replicated]
-    if not parts:
-        return
-    flat = torch.cat(parts)
-    comm.all_reduce(flat, tp_axis)
-    offset = 0
-    for part in parts:
-        part.copy_(flat[offset:offset + part.numel()])
-        offset += part.numel()
+    if tp_axis.size > 1:
+        _sum_in_place([part for part, replicated in _local_parts(local_grads) if replicated], tp_axis)
 
 
 @torch.no_grad()
@@ -149,9 +145,12 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     every tp rank, after `sum_replicated_grads`) taken once; dp shards (ZeRO >= 1) are summed over
     dp, replicas (ZeRO-0) not; pipeline stages are summed over pp. Each piece's norm is taken in
     float32 (as torch does), the squares are summed in float64."""
-    sq = torch.zeros(2, dtype=torch.float64, device=local_grads[0][1].device)  # [replicated, sharded]
+    norms = ([], [])  # [replicated, sharded]: one float32 norm per piece, summed once below
     for part, replicated in _local_parts(local_grads):
-        sq[0 if replicated else 1] += torch.linalg.vector_norm(part, dtype=torch.float32).double() ** 2
+        norms[0 if replicated else 1].append(torch.linalg.vector_norm(part, dtype=torch.float32))
+    dev = local_grads[0][1].device
+    sq = torch.stack([torch.stack(n).double().square().sum() if n else
+                      torch.zeros((), dtype=torch.float64, device=dev) for n in norms])
     # one tp all-reduce of both sums; the replicated sum then counts each element tp times
     comm.all_reduce(sq, topo.tp)
     total = (sq[0] / topo.tp.size + sq[1]).reshape(1)
