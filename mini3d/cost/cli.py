@@ -17,7 +17,7 @@ import json
 import sys
 
 from ..config import ATTENTION, DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan
-from ..diagnose.estimator import GB, estimate_all_stages
+from .memory import GB, estimate_all_stages
 from .hardware import PRESETS as GPUS
 from .hardware import load_hardware, save_hardware
 

@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan, PlanError
-from ..diagnose.estimator import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, padded_vocab,
+from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, padded_vocab,
                                   stage_layers, stage_param_count)
 from .hardware import Hardware
 

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
-from ..diagnose.estimator import CATEGORIES, GB, STATE_BYTES, estimate_memory
+from .memory import CATEGORIES, GB, STATE_BYTES, estimate_memory
 from .hardware import Hardware
 from .model import CostEstimate, estimate_cost
 

@@ -8,7 +8,7 @@
    execute the lists with rendezvous semantics (a collective completes when every member of its group
    is at it; a send when its peer is at the matching recv). If every list runs to the end, no
    interleaving of the real step can hang;
-4. print the memory estimate per pipeline stage (`mini3d.diagnose.estimator`) and the bubble.
+4. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble.
 
 The proof runs on a reduced grid, tp and dp capped at 2: every tp group and every dp replica runs
 the same program, so two members show every cross-group interaction that more would.
@@ -29,7 +29,8 @@ def _layers_per_chunk(n_layers: int, n_chunks: int) -> list[int]:
 def pipeline_actions(plan) -> tuple[list, str]:
     """Per-pipeline-rank action lists from mini3d.pp.schedules (with a note on where they came from)."""
     try:
-        from ..pp.schedules import check, make_schedule
+        from ..pp.rules import check
+        from ..pp.schedules import make_schedule
     except ImportError:
         if plan.pp > 1:
             return None, "mini3d.pp.schedules is not available in this tree: pipeline p2p not checked"
@@ -40,7 +41,7 @@ def pipeline_actions(plan) -> tuple[list, str]:
         return acts, "pp=1: no pipeline transfers"
     s = make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
     result = check(s)
-    note = f"schedule {plan.schedule}: mini3d.pp.schedules.check " + (
+    note = f"schedule {plan.schedule}: mini3d.pp.rules.check " + (
         "passed" if result.ok else "FAILED: " + "; ".join(result.problems))
     return [[tuple(a) for a in s.actions[r]] for r in range(plan.pp)], note
 
@@ -113,9 +114,9 @@ def simulate(progs: list[list[tuple]], grid: Grid) -> str | None:
 
 def memory_lines(cfg, plan) -> list[str]:
     try:
-        from .estimator import estimate_memory
+        from ..cost.memory import estimate_memory
     except ImportError:
-        return ["memory: mini3d.diagnose.estimator is not available in this tree"]
+        return ["memory: mini3d.cost.memory is not available in this tree"]
     def size(n):
         return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 2**20:,.1f} MiB"
 

@@ -229,13 +229,3 @@ def format_grid(schedule: Schedule, transfers: bool = False) -> str:
 
 __all__ = ["Action", "Schedule", "KINDS", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "make_schedule", "schedule_problems", "add_transfers", "format_grid"]
-
-
-def check(schedule: Schedule):
-    """Verify the schedule's rules and prove it cannot deadlock (see `mini3d.pp.rules`)."""
-    from .rules import check as _check
-
-    return _check(schedule)
-
-
-__all__ += ["check"]

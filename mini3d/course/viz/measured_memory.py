@@ -4,7 +4,7 @@ The live side is what `mini3d.train.train_worker` returns with `collect=["ledger
 `ledger` holds the model-state bytes of one rank read from its live tensors (`mini3d.dp.ledger`),
 `activations` the bytes saved for backward per micro-batch, by module. `measured_breakdown` turns
 one rank's result into the estimator's categories; `estimated_breakdown` does the same for
-`mini3d.diagnose.estimator.estimate_memory`; `breakdown_mib_figure` draws them side by side in MiB
+`mini3d.cost.memory.estimate_memory`; `breakdown_mib_figure` draws them side by side in MiB
 (a tiny model's bytes would vanish on the GiB axis of `memory_breakdown_figure`).
 """
 

@@ -53,7 +53,7 @@ def planner_fn(seq_len: int | None = None, dtype: str = "bf16", top_k: int = 5):
     from mini3d.cost.hardware import load_hardware
     from mini3d.cost.model import estimate_cost
     from mini3d.cost.planner import candidate_plans, describe, search
-    from mini3d.diagnose.estimator import estimate_memory
+    from mini3d.cost.memory import estimate_memory
 
     def fn(model="gpt-7b", hardware="A100-80GB", gpus=8, global_batch=32):
         cfg, hw = model_from_preset(model), load_hardware(hardware)
