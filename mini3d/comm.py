@@ -150,6 +150,29 @@ DONE = _Done()
 SKIP = object()  # returned by a fault hook: do not issue this op at all (see diagnose/faults.py)
 
 
+def ring_steps(op: str, n: int) -> int:
+    """Sequential messages one rank sends in op's ring algorithm over n members, each paying one
+    link latency: an all-reduce is a reduce-scatter (n-1 steps) then an all-gather (n-1 more), so
+    2(n-1); an all-gather or reduce-scatter alone n-1; a send 1 (Thakur, Rabenseifner and Gropp
+    2005, the alpha term of the ring algorithms)."""
+    if n <= 1:
+        return 0
+    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "send": 1}[op]
+
+
+def ring_wire_bytes(op: str, n: int, nbytes: int) -> int:
+    """Bytes one rank sends in op's ring algorithm over n members, for a full tensor of `nbytes`:
+    each step moves nbytes/n, so 2(n-1)/n * nbytes for an all-reduce, (n-1)/n * nbytes for an
+    all-gather or reduce-scatter, nbytes for a send (the `wire_bytes` of the event log). Integer
+    sizes give the log's integer bytes; float sizes (the cost model's) are not rounded."""
+    if op == "send":
+        return nbytes
+    if n <= 1:
+        return 0
+    steps = ring_steps(op, n)
+    return steps * nbytes // n if isinstance(nbytes, int) else steps * nbytes / n
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -182,7 +205,7 @@ def all_reduce(tensor: torch.Tensor, axis, op: str = "sum", async_op: bool = Fal
     b = _nbytes(tensor)
     after = (lambda: tensor.div_(n)) if op == "avg" else None
     rop = _REDUCE["sum"] if op == "avg" else _REDUCE[op]
-    return _run(axis, "all_reduce", tensor, b, 2 * (n - 1) * b // n,
+    return _run(axis, "all_reduce", tensor, b, ring_wire_bytes("all_reduce", n, b),
                 lambda t: dist.all_reduce(t, op=rop, group=axis.group, async_op=async_op),
                 async_op, after=after)
 
@@ -194,7 +217,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, axis, async_op: bool =
         output.copy_(input)
         return DONE if async_op else None
     b = _nbytes(output)
-    return _run(axis, "all_gather", output, b, (n - 1) * b // n,
+    return _run(axis, "all_gather", output, b, ring_wire_bytes("all_gather", n, b),
                 lambda t: _all_gather(t, input, group=axis.group, async_op=async_op),
                 async_op)
 
@@ -208,7 +231,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis, op: str = "s
         return DONE if async_op else None
     b = _nbytes(input)
     after = (lambda: output.div_(n)) if op == "avg" else None
-    return _run(axis, "reduce_scatter", input, b, (n - 1) * b // n,
+    return _run(axis, "reduce_scatter", input, b, ring_wire_bytes("reduce_scatter", n, b),
                 lambda t: _reduce_scatter(output, t, op=_REDUCE["sum"], group=axis.group,
                                                      async_op=async_op),
                 async_op, after=after)

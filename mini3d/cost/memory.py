@@ -9,8 +9,10 @@ vocabulary padded to a multiple of tp and split over tp; position table replicat
 first stage, the head (final LayerNorm and an untied, bias-free output matrix, vocabulary-parallel)
 on the last. Column-parallel layers (qkv, MLP fc) split weight and bias over tp; row-parallel ones
 (attention proj, MLP proj) split the weight and replicate the bias; LayerNorms are replicated.
-Layers are split over the pp * virtual_stages model chunks as evenly as possible, the first chunks
-taking one extra layer when the split is uneven; chunk c lives on pipeline rank c % pp.
+Layers are split over the pp * virtual_stages model chunks by `mini3d.pp.partition_layers` (the
+split the pipeline builds); chunk c lives on pipeline rank c % pp. The vocabulary is padded by
+`mini3d.tp.layers.padded_size`, micro-batches in flight come from
+`mini3d.pp.schedules.in_flight_bound`: the functions the engine itself runs.
 
 Model states (bytes per parameter, ZeRO paper accounting): float32 keeps params 4, grads 4 and
 Adam moments 8; bf16 keeps bf16 params 2, bf16 grads 2, and 12 in `optimizer` (fp32 master copy 4
@@ -23,6 +25,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
+from ..pp.partition import partition_layers
+from ..pp.schedules import in_flight_bound
+from ..tp.layers import padded_size
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
@@ -67,25 +72,9 @@ class MemoryEstimate:
 
 # ----------------------------------------------------------------------------- parameters
 
-def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Vocabulary rounded up to a multiple of tp, so every tp rank holds an equal slice."""
-    return -(-vocab_size // tp) * tp
-
-
-def chunk_layers(n_layers: int, n_chunks: int) -> list[list[int]]:
-    """Global layer ids of each model chunk: balanced, the first chunks one longer if uneven."""
-    base, extra = divmod(n_layers, n_chunks)
-    out, start = [], 0
-    for c in range(n_chunks):
-        n = base + (1 if c < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
 def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
     """Every layer pipeline rank `stage` holds (all of its virtual chunks)."""
-    chunks = chunk_layers(cfg.n_layers, plan.pp * plan.virtual_stages)
+    chunks = partition_layers(cfg.n_layers, plan.pp, plan.virtual_stages)
     return [i for c, ids in enumerate(chunks) if c % plan.pp == stage for i in ids]
 
 
@@ -102,9 +91,9 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     h, t = cfg.d_model, plan.tp
     n = len(stage_layers(cfg, plan, stage)) * layer_params(cfg, t)
     if stage == 0:
-        n += padded_vocab(cfg.vocab_size, t) * h // t + cfg.max_seq_len * h
+        n += padded_size(cfg.vocab_size, t) * h // t + cfg.max_seq_len * h
     if stage == plan.pp - 1:
-        n += 2 * h + padded_vocab(cfg.vocab_size, t) * h // t
+        n += 2 * h + padded_size(cfg.vocab_size, t) * h // t
     return n
 
 
@@ -180,12 +169,8 @@ def inflight_microbatches(plan: Plan, stage: int) -> float:
     order): rank r runs 2*(pp-r-1) + (v-1)*pp warm-up chunk forwards, plus the one in flight, each
     chunk being 1/v of the stage, capped at m*v chunks. Rank 0 holds (1 + (pp-1)/(pp*v)) * pp
     micro-batches' worth of its layers (Korthikanti et al. 2022, sec. 4.2.3)."""
-    m, p, v = plan.micro_batches, plan.pp, plan.virtual_stages
-    if plan.schedule == "gpipe":
-        return float(m)
-    if plan.schedule == "interleaved":
-        return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1) / v
-    return float(min(m, p - stage))
+    v = plan.virtual_stages
+    return in_flight_bound(plan.schedule, plan.pp, plan.micro_batches, v, stage) / v
 
 
 def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
@@ -194,7 +179,7 @@ def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     s, b, h, t = plan.seq_len, plan.micro_batch_size, cfg.d_model, plan.tp
     e = ELEMENT_BYTES[plan.dtype]
     ln = s * b * h * e / (t if plan.sequence_parallel else 1)
-    return ln + s * b * h * e + s * b * padded_vocab(cfg.vocab_size, t) // t * 4
+    return ln + s * b * h * e + s * b * padded_size(cfg.vocab_size, t) // t * 4
 
 
 def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
@@ -255,6 +240,6 @@ def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
 
 
 __all__ = ["MemoryEstimate", "CATEGORIES", "estimate_memory", "estimate_stage", "estimate_all_stages",
-           "model_state_bytes", "stage_param_count", "stage_layers", "chunk_layers", "layer_params",
-           "padded_vocab", "layer_activation_bytes", "paper_layer_activation_bytes",
+           "model_state_bytes", "stage_param_count", "stage_layers", "layer_params",
+           "layer_activation_bytes", "paper_layer_activation_bytes",
            "inflight_microbatches"]

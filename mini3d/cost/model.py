@@ -34,6 +34,10 @@ Step time, on the busiest pipeline rank:
   last micro-batch's backward (exposed: what does not fit, at least one bucket), the parameter
   all-gather after the optimizer step is exposed. ZeRO-3 gathers parameters twice per micro-batch,
   overlapped with all compute.
+* every collective and p2p message costs `Hardware.collective_s`: its ring wire bytes over the
+  link's bandwidth plus one latency per sequential ring step (2(n-1) for an all-reduce over n
+  ranks, n-1 for an all-gather or reduce-scatter, 1 for a send); tp collectives per layer come
+  from `mini3d.tp.comm_per_layer`, the same list the real layers issue.
 * fixed overhead: `Hardware.layer_overhead_s` per layer and micro-batch, plus
   `Hardware.token_overhead_s` per layer and token of the micro-batch, divided by tp (0 for the GPU
   presets; measured by `mini3d calibrate` on a CPU, where tiny layers are dominated by per-op costs
@@ -49,10 +53,13 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from ..comm import ring_steps, ring_wire_bytes
 from ..config import ModelConfig, Plan, PlanError
-from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, padded_vocab,
-                                  stage_layers, stage_param_count)
+from ..pp.schedules import make_schedule
+from ..pp.simulator import bubble_formula, simulate
+from ..tp.course import comm_per_layer
 from .hardware import Hardware
+from .memory import ELEMENT_BYTES, MemoryEstimate, estimate_memory, stage_layers, stage_param_count
 
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
 
@@ -143,23 +150,12 @@ def hardware_flops(cfg: ModelConfig, plan: Plan) -> float:
     return model_flops(cfg, plan) + cfg.n_layers * extra * plan.global_batch * plan.seq_len
 
 
-def closed_form_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p-1)/(m+p-1); interleaved (p-1)/(v*m+p-1)."""
-    chunks = v * m if kind == "interleaved" else m
-    return (p - 1) / (chunks + p - 1)
-
-
 @functools.lru_cache(maxsize=4096)
 def bubble_fraction(kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.0) -> float:
-    """Bubble fraction from the pipeline simulator (uniform stages, p2p costed separately);
-    the closed forms when `mini3d.pp` is not available."""
+    """Bubble fraction from the pipeline simulator (uniform stages, p2p costed separately); for
+    uniform stages it equals the closed form `mini3d.pp.simulator.bubble_formula` (tested)."""
     if p == 1:
         return 0.0
-    try:
-        from mini3d.pp.schedules import make_schedule
-        from mini3d.pp.simulator import simulate
-    except ImportError:
-        return closed_form_bubble(kind, p, m, v)
     return float(simulate(make_schedule(kind, p, m, v), 1.0, bwd_ratio, 0.0).bubble_fraction)
 
 
@@ -185,19 +181,26 @@ def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
 def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch on
     pipeline rank `stage` (the first holds the embedding, the last the head and the loss)."""
-    t = plan.tp
+    t, sb = plan.tp, plan.seq_len * plan.micro_batch_size
     if t == 1:
         return 0.0, 0.0, 0.0
     first, last = stage == 0, stage == plan.pp - 1
-    act = plan.seq_len * plan.micro_batch_size * cfg.d_model * ELEMENT_BYTES[plan.dtype]
-    wire = 2 * (t - 1) / t * act
-    per_op = wire / bw + (2 if plan.sequence_parallel else 1) * hw.latency_s
-    fwd_ops = 2 * layers + first
-    bwd_ops = (4 if plan.recompute == "full" else 2) * layers + last
-    loss_wire = 2 * (t - 1) / t * 3 * plan.seq_len * plan.micro_batch_size * 4 if last else 0.0
-    loss_s = loss_wire / bw + 2 * hw.latency_s if last else 0.0
-    return (fwd_ops * per_op + loss_s, bwd_ops * per_op,
-            (fwd_ops + bwd_ops) * wire + loss_wire)
+    c = comm_per_layer(t, plan.micro_batch_size, plan.seq_len, cfg.d_model, plan.sequence_parallel,
+                       ELEMENT_BYTES[plan.dtype])
+
+    def seconds(ops):
+        return sum(o["count"] * hw.collective_s(o["op"], t, o["bytes"], bw) for o in ops)
+
+    redo = plan.recompute == "full"  # the backward runs the forward's collectives again
+    act = sb * cfg.d_model * ELEMENT_BYTES[plan.dtype]
+    end_s, end_wire = hw.collective_s("all_reduce", t, act, bw), ring_wire_bytes("all_reduce", t, act)
+    loss = [4 * sb, 8 * sb] if last else []  # cross-entropy: the max, then the two sums (fp32)
+    fwd_s = layers * seconds(c["forward"]) + first * end_s + sum(
+        hw.collective_s("all_reduce", t, n, bw) for n in loss)
+    bwd_s = layers * (seconds(c["backward"]) + redo * seconds(c["forward"])) + last * end_s
+    wire = (layers * (c["forward_wire_bytes"] * (1 + redo) + c["backward_wire_bytes"])
+            + (first + last) * end_wire + sum(ring_wire_bytes("all_reduce", t, n) for n in loss))
+    return fwd_s, bwd_s, wire
 
 
 def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
@@ -205,21 +208,17 @@ def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, floa
     d = plan.dp
     if d == 1:
         return 0.0, 0.0, 0.0
-    e = ELEMENT_BYTES[plan.dtype]
-    grads = params = n_params * e
-    frac = (d - 1) / d
+    grads = params = float(n_params * ELEMENT_BYTES[plan.dtype])
     bucket = plan.bucket_mb * 2**20
     n_buckets = max(1, math.ceil(grads / bucket))
-    if plan.zero == 0:
-        g_wire, p_wire = 2 * frac * grads, 0.0
-    elif plan.zero in (1, 2):
-        g_wire, p_wire = frac * grads, frac * params
-    else:
-        g_wire, p_wire = frac * grads, 2 * plan.micro_batches * frac * params
-    t_grad = g_wire / bw + n_buckets * hw.latency_s
-    t_last = min(t_grad, frac * min(bucket, grads) * (2 if plan.zero == 0 else 1) / bw + hw.latency_s)
+    g_op = "all_reduce" if plan.zero == 0 else "reduce_scatter"
+    g_wire = ring_wire_bytes(g_op, d, grads)
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * plan.micro_batches}[plan.zero]  # parameter all-gathers
+    p_wire = gathers * ring_wire_bytes("all_gather", d, params)
+    t_grad = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw)
+    t_last = min(t_grad, hw.collective_s(g_op, d, min(bucket, grads), bw))
     exposed = max(t_last, t_grad - t_bwd)
-    t_param = p_wire / bw + (n_buckets * hw.latency_s if p_wire else 0.0)
+    t_param = (p_wire / bw + n_buckets * ring_steps("all_gather", d) * hw.latency_s) if gathers else 0.0
     if plan.zero == 3:
         per_layer = t_param / max(1, 2 * plan.micro_batches * cfg.n_layers)
         exposed += max(per_layer, t_param - t_compute)
@@ -255,7 +254,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
     msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
-    pp_s = 2 * (v * m + p - 1) * (msg / bw["pp"] + hw.latency_s) if p > 1 else 0.0
+    pp_s = 2 * (v * m + p - 1) * hw.collective_s("send", 2, msg, bw["pp"]) if p > 1 else 0.0
     pp_wire = 2 * v * m * msg if p > 1 else 0.0
     n_params = stage_param_count(cfg, plan, stage)
     dp_total, dp_exposed, dp_wire = _dp_time(cfg, plan, hw, n_params, bw["dp"], t_bwd,
@@ -281,5 +280,5 @@ def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
 
 
 __all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
-           "flops_per_token", "model_flops", "hardware_flops", "bubble_fraction",
-           "closed_form_bubble", "link_bandwidths", "PlanError", "padded_vocab"]
+           "flops_per_token", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
+           "link_bandwidths", "PlanError"]

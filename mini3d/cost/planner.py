@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
-from .memory import CATEGORIES, GB, STATE_BYTES, estimate_memory
+from .memory import CATEGORIES, GB, STATE_BYTES, estimate_memory, model_state_bytes
 from .hardware import Hardware
 from .model import CostEstimate, estimate_cost
 
@@ -181,8 +181,8 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
 def _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k, max_micro_batch, attention):
     """The same search on the smallest larger GPU count (whole nodes) where something fits.
     Model states alone need state_bytes * n_params / capacity GPUs: start there."""
-    per_param = sum(STATE_BYTES[dtype])
-    lower = max(n_gpus + 1, math.ceil(per_param * cfg.n_params() / hw.memory_bytes))
+    states = sum(model_state_bytes(cfg.n_params(), dtype, dp=1, zero=0))
+    lower = max(n_gpus + 1, math.ceil(states / hw.memory_bytes))
     node = hw.gpus_per_node
     first = -(-lower // node) * node
     for count in sorted({first, first + node, 2 * first, 4 * first}):

@@ -17,13 +17,9 @@ the same program, so two members show every cross-group interaction that more wo
 from __future__ import annotations
 
 from ..grid import Grid
+from ..pp.partition import partition_layers
 
 CAP = 2  # tp and dp members kept for the deadlock proof (see the module docstring)
-
-
-def _layers_per_chunk(n_layers: int, n_chunks: int) -> list[int]:
-    base, extra = divmod(n_layers, n_chunks)
-    return [base + (1 if c < extra else 0) for c in range(n_chunks)]
 
 
 def pipeline_actions(plan) -> tuple[list, str]:
@@ -51,7 +47,7 @@ def rank_programs(cfg, plan, grid: Grid, actions) -> list[list[tuple]]:
 
     kind is "coll" (key = (axis, group)), "send" or "recv" (key = peer world rank)."""
     n_chunks = plan.pp * plan.virtual_stages
-    layers = _layers_per_chunk(cfg.n_layers, n_chunks)
+    layers = [len(ids) for ids in partition_layers(cfg.n_layers, plan.pp, plan.virtual_stages)]
     tp_ops = 4 if plan.sequence_parallel else 2  # per layer: 2 all-reduces, or 2 AG + 2 RS
     progs = []
     for r in range(grid.world_size):
@@ -130,9 +126,12 @@ def memory_lines(cfg, plan) -> list[str]:
 
 
 def bubble_line(plan) -> str:
+    from ..pp.simulator import bubble_formula
+
     p, m, v = plan.pp, plan.micro_batches, plan.virtual_stages
-    den = (v * m if plan.schedule == "interleaved" else m) + p - 1
-    return f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {p - 1}/{den} = {(p - 1) / den:.1%}"
+    b = bubble_formula(plan.schedule, p, m, v)
+    return (f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {b.numerator}/{b.denominator}"
+            f" = {float(b):.1%}")
 
 
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print) -> int:

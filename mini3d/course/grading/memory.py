@@ -7,6 +7,7 @@ parameter of mixed-precision AdamW, sharded per ZeRO stage.
 from __future__ import annotations
 
 from mini3d.config import ModelConfig
+from mini3d.cost.memory import STATE_BYTES
 from .core import Check, Exercise, expect
 
 
@@ -44,8 +45,7 @@ def min_gpus(ctx):
 
 
 
-_PER = {"float32": {"params": 4, "grads": 4, "optimizer": 8},
-        "bf16": {"params": 2, "grads": 2, "optimizer": 12}}
+_PER = {dtype: dict(zip(("params", "grads", "optimizer"), per)) for dtype, per in STATE_BYTES.items()}
 
 
 def bytes_per_param_ok(ctx):

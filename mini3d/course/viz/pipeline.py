@@ -9,7 +9,6 @@ and `mb` attributes (`mini3d.pp.schedules.Action`), a dict with those keys, or i
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 from typing import Sequence
 
 import plotly.graph_objects as go
@@ -61,10 +60,10 @@ def bubble_from_timeline(timeline: Sequence[Sequence]) -> float:
 
 def bubble_formula_text(kind: str, p: int, m: int, v: int = 1) -> str:
     """The closed form the chapter teaches, evaluated: '(p-1)/(m+p-1) = 3/11 = 27.3%'."""
-    if kind == "interleaved":
-        value, form = Fraction(p - 1, v * m + p - 1), "(p-1)/(v·m+p-1)"
-    else:
-        value, form = Fraction(p - 1, m + p - 1), "(p-1)/(m+p-1)"
+    from mini3d.pp.simulator import bubble_formula
+
+    value = bubble_formula(kind, p, m, v)
+    form = "(p-1)/(v·m+p-1)" if kind == "interleaved" else "(p-1)/(m+p-1)"
     return f"{form} = {value.numerator}/{value.denominator} = {float(value):.1%}"
 
 
