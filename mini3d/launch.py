@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEVICE_ENV = "MINI3D_DEVICE"
+STRICT_ENV = "MINI3D_STRICT_DEVICE"  # "1": workers compute with torch's default device set to meta
 HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
 ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
 ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
@@ -143,6 +144,20 @@ def _set_device(device_type: str, local_rank: int):
         os.environ[DEVICE_ENV] = "cpu"
 
 
+def strict_device() -> bool:
+    """True when MINI3D_STRICT_DEVICE=1: this process must never rely on torch's default device."""
+    return os.environ.get(STRICT_ENV, "") == "1"
+
+
+def enter_strict_device():
+    """Under MINI3D_STRICT_DEVICE=1, make torch's default device `meta` (this thread: where the
+    worker computes, and on CPU its autograd too). A tensor created without an explicit device then
+    has no data and no device of the run: any op mixing it with real tensors, and any collective
+    on it, fails at once, as a stray CPU tensor fails under NCCL / CUDA."""
+    if strict_device():
+        torch.set_default_device("meta")
+
+
 def init_from_env(device: str = "auto", backend: str | None = None, threads: int | None = None):
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -152,6 +167,7 @@ def init_from_env(device: str = "auto", backend: str | None = None, threads: int
         torch.set_num_threads(threads)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://")
+    enter_strict_device()
     return backend, device_type
 
 
@@ -167,6 +183,7 @@ def _worker(rank, world_size, port, backend, device_type, threads, fn, args, q, 
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=max(30.0, timeout)))
+        enter_strict_device()
         result = fn(*args)
         q.put((rank, "ok", pickle.dumps(result), ""))
     except BaseException as e:  # report everything, including SystemExit and KeyboardInterrupt
