@@ -152,7 +152,7 @@ def cmd_train(args) -> int:
         problems += resume_problems
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-        choose_device(args.device, local)
+        choose_device(args.device, local, per_process=torchrun)
     except LaunchError as e:
         problems.append(str(e))
     if problems:
