@@ -62,6 +62,9 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--dtype", default="float32", help="float32 or bf16")
     g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm regions (tp > 1)")
     g.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size in MiB")
+    g.add_argument("--grad-dtype", default="float32",
+                   help="bf16 runs: accumulate and reduce gradients in float32 (default) or bf16 "
+                        "(half the gradient memory and dp traffic, rounded at every sum)")
     g.add_argument("--attention", default="explicit",
                    help="explicit (written out, keeps the s x s matrix: what the course measures) "
                         "or sdpa (torch's fused scaled_dot_product_attention: for real runs)")
@@ -72,7 +75,7 @@ def plan_from_args(args) -> Plan:
                 micro_batches=args.micro_batches, virtual_stages=args.virtual_stages,
                 recompute=args.recompute, dtype=args.dtype, global_batch=args.global_batch,
                 seq_len=args.seq_len, sequence_parallel=args.sequence_parallel,
-                bucket_mb=args.bucket_mb, attention=args.attention)
+                bucket_mb=args.bucket_mb, attention=args.attention, grad_dtype=args.grad_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +162,7 @@ def cmd_train(args) -> int:
         problems += resume_problems
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-        choose_device(args.device, local)
+        choose_device(args.device, local, per_process=torchrun)
     except LaunchError as e:
         problems.append(str(e))
     if problems:

@@ -113,6 +113,9 @@ class Plan:
     sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence (tp > 1)
     bucket_mb: float = 1.0  # data-parallel gradient bucket size in MiB
     attention: str = "explicit"  # attention core: written out (keeps the s x s matrix) or torch's sdpa
+    # bf16 runs: gradients accumulated and dp-reduced in float32 (Megatron / FSDP default), or in
+    # bf16: half the gradient memory and dp traffic, but rounded at every sum (see mini3d/dp/ddp.py)
+    grad_dtype: str = "float32"
 
     @property
     def world_size(self) -> int:
@@ -142,6 +145,11 @@ class Plan:
             out.append(f"recompute={self.recompute!r} is unknown (choose {', '.join(RECOMPUTE)})")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is unknown (choose {', '.join(DTYPES)})")
+        if self.grad_dtype not in DTYPES:
+            out.append(f"grad_dtype={self.grad_dtype!r} is unknown (choose {', '.join(DTYPES)})")
+        elif self.grad_dtype == "bf16" and self.dtype != "bf16":
+            out.append("grad_dtype='bf16' needs dtype='bf16' (float32 parameters have float32 "
+                       "gradients)")
         if self.attention not in ATTENTION:
             out.append(f"attention={self.attention!r} is unknown (choose {', '.join(ATTENTION)})")
         elif self.attention == "sdpa" and self.recompute == "selective":

@@ -54,9 +54,10 @@ class Batches:
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), each (global_batch, seq_len); y is x shifted by one token."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)
+        g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g,
+                               device="cpu")
+        idx = starts[:, None] + torch.arange(self.seq_len + 1, device="cpu")
         w = self.tokens[idx]
         return w[:, :-1], w[:, 1:]
 

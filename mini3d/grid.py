@@ -47,7 +47,7 @@ class Grid:
         self.world_size = tp * pp * dp
         slow_to_fast = tuple(reversed(self.order))
         self._dims = slow_to_fast
-        self.ranks = torch.arange(self.world_size).view(*(self.sizes[a] for a in slow_to_fast))
+        self.ranks = torch.arange(self.world_size, device="cpu").view(*(self.sizes[a] for a in slow_to_fast))
 
     def coords(self, rank: int) -> dict[str, int]:
         """{'tp': i, 'pp': j, 'dp': k} of a world rank."""
@@ -125,6 +125,7 @@ class Axis:
     index: int  # this rank's position in `ranks`
     group: object = None  # torch ProcessGroup (None when the group has one member)
     log: object = None  # the process' CommLog (see comm.py)
+    device: torch.device | None = None  # where this rank's tensors on the axis live (checked by comm)
 
     @property
     def size(self) -> int:
@@ -179,7 +180,7 @@ def build_topology(grid: Grid, rank: int, device: torch.device | str = "cpu", lo
             if rank in g:
                 mine = (g, pg)
         g, pg = mine if mine else ([rank], None)
-        topo.axes[name] = Axis(name, tuple(g), g.index(rank), pg, log)
+        topo.axes[name] = Axis(name, tuple(g), g.index(rank), pg, log, topo.device)
     # the whole job; group None is torch's default (world) group
-    topo.axes["world"] = Axis("world", tuple(range(grid.world_size)), rank, None, log)
+    topo.axes["world"] = Axis("world", tuple(range(grid.world_size)), rank, None, log, topo.device)
     return topo

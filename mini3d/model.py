@@ -28,13 +28,13 @@ def reference_init(name: str, shape: tuple, seed: int, cfg: ModelConfig) -> torc
     """The float32 value the reference model gives parameter `name` (its name in the full model)."""
     if name.endswith(".bias") or name.startswith("ln") or ".ln" in name:
         if (name.startswith("ln") or ".ln" in name) and name.endswith(".weight"):
-            return torch.ones(shape)
-        return torch.zeros(shape)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            return torch.ones(shape, device="cpu")
+        return torch.zeros(shape, device="cpu")
+    g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     std = 0.02
     if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
         std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
-    return torch.randn(shape, generator=g) * std
+    return torch.randn(shape, generator=g, device="cpu") * std
 
 
 class Attention(nn.Module):

@@ -85,6 +85,7 @@ class Trainer:
         self.chunks = [self.stages[s] for s in sorted(self.stages)]
         self.runtime = None
         self.last_result = None  # the pipeline runtime's StepResult of the latest step (pp > 1)
+        self.last_peak_grad_bytes = 0  # most gradient bytes held at once in the latest step
         if plan.pp > 1:
             schedule = make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
             act_dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
@@ -104,6 +105,7 @@ class Trainer:
         (on every rank: the pipeline broadcasts it from the last stage)."""
         dev = self.topo.device
         micro_batches = [(x.to(dev), y.to(dev)) for x, y in micro_batches]
+        self.net.meter.reset()  # peak gradient bytes of this step (see dp.ledger.GradMeter)
         # The dp gradient sync overlaps the last backward of each model chunk (interleaved
         # pipelines too: the later chunks finish first, and their buckets come first).
         if self.runtime is None:
@@ -112,6 +114,7 @@ class Trainer:
             self.last_result = self.runtime.step(micro_batches, step, dp=self.net)
             loss = self.last_result.loss
         self.optimizer.step()  # waits for the gradient sync (and its grad_hooks) first
+        self.last_peak_grad_bytes = self.net.meter.peak
         self.optimizer.zero_grad()
         return loss
 
@@ -130,7 +133,8 @@ class Trainer:
     def mean_loss_over_dp(self, loss: float) -> float:
         if self.topo.dp.size == 1:
             return loss
-        t = torch.tensor([loss], dtype=torch.float64)
+        # on the rank's device: an NCCL group rejects CPU tensors
+        t = torch.tensor([loss], dtype=torch.float64, device=self.topo.device)
         comm.all_reduce(t, self.topo.dp, op="avg")
         return float(t.item())
 
@@ -234,7 +238,8 @@ def train_worker(spec: dict) -> dict:
         loss = trainer.mean_loss_over_dp(loss)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "peak_mem_bytes": peak_memory_bytes(topo.device)}
+               "peak_mem_bytes": peak_memory_bytes(topo.device),
+               "peak_grad_bytes": trainer.last_peak_grad_bytes}
         if trainer.last_grad_norm is not None:
             rec["grad_norm"] = trainer.last_grad_norm  # before clipping
         records.append(rec)

@@ -17,6 +17,8 @@ split the pipeline builds); chunk c lives on pipeline rank c % pp. The vocabular
 Model states (bytes per parameter, ZeRO paper accounting): float32 keeps params 4, grads 4 and
 Adam moments 8; bf16 keeps bf16 params 2, bf16 grads 2, and 12 in `optimizer` (fp32 master copy 4
 + Adam moments 8). ZeRO-1 divides `optimizer` by dp, ZeRO-2 also `grads`, ZeRO-3 also `params`.
+Gradients are charged in the dtype they are really held in: `plan.grad_dtype` (float32 by default,
+so 4 bytes per gradient under bf16 too; 2 with grad_dtype="bf16", the ZeRO paper's accounting).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..config import ModelConfig, Plan
 from ..pp.partition import partition_layers
 from ..pp.schedules import in_flight_bound
 from ..tp.layers import padded_size
+from ..dp.buckets import transient_grad_bytes
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
@@ -97,9 +100,13 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     return n
 
 
-def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes per rank for `n_params` parameters under ZeRO-`zero`."""
+def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int,
+                      grad_dtype: str | None = None) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per rank for `n_params` parameters under ZeRO-`zero`;
+    gradients in `grad_dtype` when given (else the paper's: the parameters' dtype)."""
     p, g, o = STATE_BYTES[dtype]
+    if grad_dtype is not None:
+        g = ELEMENT_BYTES[grad_dtype]
     shard = lambda per, stage_from: n_params * per / (dp if zero >= stage_from else 1)  # noqa: E731
     return (math.ceil(shard(p, 3)), math.ceil(shard(g, 2)), math.ceil(shard(o, 1)))
 
@@ -184,14 +191,19 @@ def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
 
 def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
     """Buffers communication needs besides the tensors above (stated choices, not measurements):
-    dp: two gradient buckets (one filling, one in flight); ZeRO-3: one block's gathered
+    dp: the gradient buckets alive during backward beyond the persistent gradients
+    (`mini3d.dp.buckets.transient_grad_bytes`: ZeRO-2 buckets of bucket_mb, ZeRO-3 one block's
+    gradients, each with its reduce-scatter output); ZeRO-3: one block's gathered
     parameters plus the prefetched next; pp: a send and a receive activation buffer;
     sequence parallel: one all-gathered (s, b, h) input."""
     e = ELEMENT_BYTES[plan.dtype]
     sbh = plan.seq_len * plan.micro_batch_size * cfg.d_model * e
     out = {"dp": 0.0, "zero3": 0.0, "pp": 0.0, "tp": 0.0}
     if plan.dp > 1:
-        out["dp"] = 2 * plan.bucket_mb * 2**20
+        g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e
+        # buckets close at bucket_mb of parameter bytes; their gradients take g bytes an element
+        bucket = layer_params(cfg, plan.tp) * g if plan.zero == 3 else plan.bucket_mb * 2**20 * g / e
+        out["dp"] = transient_grad_bytes(bucket, plan.dp, plan.zero)
     if plan.dp > 1 and plan.zero == 3:
         out["zero3"] = 2 * layer_params(cfg, plan.tp) * e
     if plan.pp > 1:
@@ -209,7 +221,8 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage} is outside pp={plan.pp} stages (choose 0..{plan.pp - 1})")
     n = stage_param_count(cfg, plan, stage)
-    params, grads, optimizer = model_state_bytes(n, plan.dtype, plan.dp, plan.zero)
+    params, grads, optimizer = model_state_bytes(n, plan.dtype, plan.dp, plan.zero,
+                                                 plan.grad_dtype if plan.dtype == "bf16" else None)
     layers = len(stage_layers(cfg, plan, stage))
     per_layer = layer_activation_bytes(cfg, plan, fused_attention)
     inflight = inflight_microbatches(plan, stage)

@@ -36,7 +36,7 @@ def padded_size(n: int, tp: int) -> int:
 def chunk_index(n: int, tp: int, tp_rank: int) -> torch.Tensor:
     """Indices of tp_rank's contiguous chunk of a dim of size n (padded to a multiple of tp)."""
     per = padded_size(n, tp) // tp
-    return torch.arange(tp_rank * per, (tp_rank + 1) * per)
+    return torch.arange(tp_rank * per, (tp_rank + 1) * per, device="cpu")
 
 
 def head_index(d_model: int, tp: int, tp_rank: int) -> torch.Tensor:
