@@ -178,14 +178,22 @@ def cmd_train(args) -> int:
         if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
             print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
             return EXIT_OOM
-        print(f"mini3d train: {e}\n(per-rank state: mini3d explain-hang {spec['run_dir']})",
-              file=sys.stderr)
-        return EXIT_FAILED
+        return report_failure(e, spec["run_dir"], EXIT_FAILED)
     except LaunchTimeout as e:
-        print(f"mini3d train: {e}", file=sys.stderr)
-        return EXIT_HUNG
+        return report_failure(e, spec["run_dir"], EXIT_HUNG)
     print(summary_line(reporter_records(results), plan), flush=True)
     return EXIT_OK
+
+
+def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
+    """Print the failure culprit first (mini3d.diagnose.report), else the launcher's exception."""
+    from .diagnose.report import failure_report
+
+    lines = failure_report(run_dir)
+    if lines is None:
+        lines = [str(exc)] + ([f"(per-rank state: mini3d explain-hang {run_dir})"] if run_dir else [])
+    print("mini3d train: " + "\n".join(lines), file=sys.stderr, flush=True)
+    return code
 
 
 def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:

@@ -16,7 +16,6 @@ timeout nor stops a job whose other ranks hang after one crashed; this file adds
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import os
@@ -126,11 +125,11 @@ def in_torchrun() -> bool:
 
 
 def _die_with_parent():
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans if the launcher is killed)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans if the launcher is killed).
+    Spawned workers arm it earlier, in mini3d._boot, before torch is imported."""
+    from ._boot import die_with_parent
+
+    die_with_parent()
 
 
 def _set_device(device_type: str, local_rank: int):
@@ -209,6 +208,18 @@ def _clear_run_dir(run_dir: str):
             os.remove(os.path.join(run_dir, name))
 
 
+def _process_state(p) -> str | None:
+    """'stopped' (SIGSTOP, a debugger), 'running' (alive) or None (gone), from /proc."""
+    if p.pid is None or p.exitcode is not None:
+        return None
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    return "stopped" if code in ("T", "t") else None if code in ("Z", "X") else "running"
+
+
 def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None:
     """Tell every watchdog to dump (abort marker), wait for them, write launcher.json.
 
@@ -223,17 +234,20 @@ def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None
     deadline = time.monotonic() + grace
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
-    errors = {}
+    errors, tracebacks = {}, {}
     while True:
         try:
-            rank, status, payload, _ = q.get(timeout=0.05)
+            rank, status, payload, tb = q.get(timeout=0.05)
         except (queue.Empty, OSError, EOFError):
             break
         if status != "ok":
-            errors[rank] = payload
+            errors[rank], tracebacks[rank] = payload, tb
     if isinstance(first, WorkerError):
         errors.setdefault(first.rank, first.message)
-    ranks = [{"rank": r, "exitcode": p.exitcode, "error": errors.get(r)} for r, p in enumerate(procs)]
+        tracebacks.setdefault(first.rank, first.traceback)
+    ranks = [{"rank": r, "exitcode": p.exitcode, "error": errors.get(r),
+              "state": _process_state(p), "traceback": tracebacks.get(r) or None}
+             for r, p in enumerate(procs)]
     with open(os.path.join(run_dir, "launcher.json"), "w") as f:
         json.dump({"first_failure": str(first).splitlines()[0], "ranks": ranks}, f, indent=1)
     hung = [r for r, p in enumerate(procs) if p.exitcode == HANG_EXIT]
@@ -261,9 +275,11 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, name=f"mini3d-rank{r}", daemon=True,
-                         args=(r, world_size, port, backend, device_type, threads, fn, args, q, env,
-                               timeout))
+    from ._boot import run as boot  # the spawn target: arms die-with-parent before importing torch
+
+    procs = [ctx.Process(target=boot, name=f"mini3d-rank{r}", daemon=True,
+                         args=(os.getpid(), pickle.dumps((r, world_size, port, backend, device_type,
+                                                          threads, fn, args, env, timeout)), q))
              for r in range(world_size)]
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout

@@ -88,6 +88,9 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         os.makedirs(self.run_dir, exist_ok=True)
+        from .report import keep_library_noise_in
+
+        keep_library_noise_in(self.run_dir, self.rank)  # gloo's abort text: not the first line
         self._stack_file = open(os.path.join(self.run_dir, f"rank{self.rank}.stack"), "w")
         faulthandler.enable(file=self._stack_file, all_threads=True)  # SIGABRT/SIGSEGV stacks
         on_failure(self._on_error)
@@ -187,7 +190,8 @@ class Watchdog:
         c = self.topo.coords
         print(f"mini3d watchdog: rank {self.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}) waited "
               f"{age:.1f} s in {where}; every rank dumps to {self.run_dir}; stopping the job "
-              f"(run: mini3d explain-hang {self.run_dir})", file=sys.stderr, flush=True)
+              f"(run: mini3d explain-hang {self.run_dir})", file=sys.__stderr__, flush=True)
+        # (to RUN_DIR/rank{r}.stderr: the launcher's report names the culprit, not this waiter)
         self._exit(HANG_EXIT)
 
     def _exit(self, code: int):
