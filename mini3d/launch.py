@@ -2,8 +2,9 @@
 
 `launch(fn, world_size, *args)` spawns `world_size` local processes (the `spawn` start method, so it
 works from a Jupyter kernel as long as `fn` lives in an importable module), initialises
-torch.distributed in each on a free loopback port, runs `fn(*args)`, and returns every rank's result
-in rank order. A worker that raises ends the whole job with a `WorkerError` carrying that rank's
+torch.distributed in each through a FileStore in a private directory (no network listener; gloo's
+and NCCL's own sockets are pinned to the loopback interface), runs `fn(*args)`, and returns every
+rank's result in rank order. A worker that raises ends the whole job with a `WorkerError` carrying that rank's
 traceback; a job that runs past `timeout` is stopped with `LaunchTimeout`. In every case all children
 are terminated (then killed) before `launch` returns or raises, and each child also dies with its
 parent (PR_SET_PDEATHSIG) if the parent itself is killed.
@@ -21,6 +22,7 @@ import json
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -120,6 +122,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LOOPBACK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # gloo's and NCCL's own connections
+
+
+def _rendezvous_dir() -> str:
+    """A private (0700) directory for the job's FileStore. Local ranks meet through a file, not a
+    TCPStore: rank 0's TCPStore would listen on every interface, unauthenticated, and a port picked
+    by `free_port` can be taken by another process before the store binds it again."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="mini3d-rdzv-")
+
+
 def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
@@ -154,17 +168,19 @@ def init_from_env(device: str = "auto", backend: str | None = None, threads: int
     return backend, device_type
 
 
-def _worker(rank, world_size, port, backend, device_type, threads, fn, args, q, env, timeout):
+def _worker(rank, world_size, store_path, backend, device_type, threads, fn, args, q, env, timeout):
     _die_with_parent()
     os.environ.update(env or {})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    for var in LOOPBACK_ENV:  # the libraries' own sockets stay on loopback (unless the user chose)
+        os.environ.setdefault(var, "lo")
     torch.set_num_threads(threads)
     try:
         _set_device(device_type, rank)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
+        store = dist.FileStore(store_path, world_size)  # no listening socket (see _rendezvous_dir)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=max(30.0, timeout)))
         result = fn(*args)
         q.put((rank, "ok", pickle.dumps(result), ""))
@@ -274,11 +290,12 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
         _clear_run_dir(run_dir)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
+    rdzv = _rendezvous_dir()
+    store_path = os.path.join(rdzv, "store")
     from ._boot import run as boot  # the spawn target: arms die-with-parent before importing torch
 
     procs = [ctx.Process(target=boot, name=f"mini3d-rank{r}", daemon=True,
-                         args=(os.getpid(), pickle.dumps((r, world_size, port, backend, device_type,
+                         args=(os.getpid(), pickle.dumps((r, world_size, store_path, backend, device_type,
                                                           threads, fn, args, env, timeout)), q))
              for r in range(world_size)]
     results: dict[int, object] = {}
@@ -321,4 +338,5 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     finally:
         _stop(procs)
         q.close()
+        shutil.rmtree(rdzv, ignore_errors=True)
     return [results[r] for r in range(world_size)]
