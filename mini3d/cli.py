@@ -200,11 +200,14 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
     """(checkpoint directory, problems) for --resume ROOT."""
     import dataclasses
 
-    from .checkpoint import latest_dir, read_meta, shape_mismatch
+    from .checkpoint import latest_dir, read_meta, shape_mismatch, verify_checkpoint
 
     ckpt = latest_dir(root)
     if ckpt is None:
         return None, [f"--resume {root!r} holds no complete checkpoint"]
+    broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
+    if broken:
+        return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
     meta = read_meta(ckpt)
     out = []
     diff = shape_mismatch(meta, dataclasses.asdict(cfg))

@@ -111,10 +111,29 @@ def victims_line(run, culprit: int) -> str:
     return "the other ranks stopped because of it: " + "; ".join(parts) if parts else ""
 
 
+def _disk_full(run_dir: str) -> list[str] | None:
+    """A full disk under a checkpoint is the story whichever rank hit it (mini3d.checkpoint)."""
+    import json
+
+    try:
+        with open(os.path.join(run_dir, "launcher.json")) as f:
+            ranks = json.load(f)["ranks"]
+    except (OSError, ValueError, KeyError):
+        return None
+    for r in ranks:
+        if (r.get("error") or "").startswith("DiskFull: "):
+            return [r["error"][len("DiskFull: "):] + f" (rank {r['rank']})",
+                    f"(every rank's state: {run_dir})"]
+    return None
+
+
 def failure_report(run_dir: str | None) -> list[str] | None:
     """The report's lines, culprit first; None when the run directory cannot name a culprit."""
     if not run_dir or not os.path.isdir(run_dir):
         return None
+    full = _disk_full(run_dir)
+    if full:
+        return full
     ex = explain(run_dir)
     if ex is None or ex.culprit is None:
         return None
