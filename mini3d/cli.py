@@ -182,6 +182,10 @@ def cmd_train(args) -> int:
     except LaunchTimeout as e:
         return report_failure(e, spec["run_dir"], EXIT_HUNG)
     print(summary_line(reporter_records(results), plan), flush=True)
+    if not args.run_dir:  # the default (temporary) run directory served its purpose
+        import shutil
+
+        shutil.rmtree(spec["run_dir"], ignore_errors=True)
     return EXIT_OK
 
 

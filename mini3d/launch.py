@@ -37,6 +37,7 @@ DEVICE_ENV = "MINI3D_DEVICE"
 HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
 ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
 ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
+JOB_ENV = "MINI3D_JOB_ID"  # this job's id: its abort marker is ABORT-<id> (see abort_marker)
 _FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
 
 
@@ -72,6 +73,13 @@ class HangDetected(LaunchTimeout):
         TimeoutError.__init__(self, f"hang detected by rank {rank}'s watchdog; every rank dumped its "
                                     f"communication state to {run_dir} (all processes were stopped); "
                                     f"run: mini3d explain-hang {run_dir}")
+
+
+def abort_marker(run_dir: str, job: str | None = None) -> str:
+    """RUN_DIR/ABORT-<job id>: one marker per job, so that neither a stale marker left by a failed
+    job nor another job sharing the run directory can stop this one."""
+    job = job or os.environ.get(JOB_ENV)
+    return os.path.join(run_dir, f"{ABORT_MARKER}-{job}" if job else ABORT_MARKER)
 
 
 def on_failure(hook):
@@ -205,8 +213,8 @@ def _worker(rank, world_size, store_path, backend, device_type, threads, fn, arg
 def _stop(procs):
     procs = [p for p in procs if p.pid is not None]  # a start() that failed leaves nothing to join
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        if p.is_alive():  # a stopped process cannot act on SIGTERM: no point waiting for it
+            p.kill() if _process_state(p) == "stopped" else p.terminate()
     deadline = time.monotonic() + 5
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -220,7 +228,7 @@ def _clear_run_dir(run_dir: str):
     os.makedirs(run_dir, exist_ok=True)
     for name in os.listdir(run_dir):
         if name in (ABORT_MARKER, "launcher.json") or (
-                name.startswith("rank") and name.endswith((".json", ".stack"))):
+                name.startswith("rank") and name.endswith((".json", ".stack", ".stderr"))):
             os.remove(os.path.join(run_dir, name))
 
 
@@ -236,13 +244,13 @@ def _process_state(p) -> str | None:
     return "stopped" if code in ("T", "t") else None if code in ("Z", "X") else "running"
 
 
-def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None:
+def _abort_and_record(procs, q, run_dir: str, grace: float, first, job: str) -> int | None:
     """Tell every watchdog to dump (abort marker), wait for them, write launcher.json.
 
     Returns the rank whose watchdog detected the hang, or None if no rank stopped for a hang."""
     os.makedirs(run_dir, exist_ok=True)
     try:
-        fd = os.open(os.path.join(run_dir, ABORT_MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(abort_marker(run_dir, job), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         with os.fdopen(fd, "w") as f:
             json.dump({"by": "launcher", "reason": str(first).splitlines()[0]}, f)
     except FileExistsError:
@@ -265,12 +273,13 @@ def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None
               "state": _process_state(p), "traceback": tracebacks.get(r) or None}
              for r, p in enumerate(procs)]
     with open(os.path.join(run_dir, "launcher.json"), "w") as f:
-        json.dump({"first_failure": str(first).splitlines()[0], "ranks": ranks}, f, indent=1)
+        json.dump({"first_failure": str(first).splitlines()[0], "job": job, "ranks": ranks}, f,
+                  indent=1)
     hung = [r for r, p in enumerate(procs) if p.exitcode == HANG_EXIT]
     if not hung:
         return None
     try:
-        with open(os.path.join(run_dir, ABORT_MARKER)) as f:
+        with open(abort_marker(run_dir, job)) as f:
             by = json.load(f).get("by")
         return by if isinstance(by, int) else hung[0]
     except (OSError, ValueError):
@@ -288,6 +297,10 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     backend, device_type = choose_device(device, world_size, backend)
     if run_dir is not None:
         _clear_run_dir(run_dir)
+    import uuid
+
+    job = uuid.uuid4().hex[:12]
+    env = {**(env or {}), JOB_ENV: job}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     rdzv = _rendezvous_dir()
@@ -331,7 +344,7 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     except (WorkerError, LaunchTimeout) as e:
         if run_dir is None:
             raise
-        hung = _abort_and_record(procs, q, run_dir, grace, e)
+        hung = _abort_and_record(procs, q, run_dir, grace, e, job)
         if hung is not None:
             raise HangDetected(hung, run_dir) from e
         raise
