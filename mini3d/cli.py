@@ -191,25 +191,40 @@ def cmd_train(args) -> int:
         if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
             print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
             return EXIT_OOM
-        print(f"mini3d train: {e}\n(per-rank state: mini3d explain-hang {spec['run_dir']})",
-              file=sys.stderr)
-        return EXIT_FAILED
+        return report_failure(e, spec["run_dir"], EXIT_FAILED)
     except LaunchTimeout as e:
-        print(f"mini3d train: {e}", file=sys.stderr)
-        return EXIT_HUNG
+        return report_failure(e, spec["run_dir"], EXIT_HUNG)
     print(summary_line(reporter_records(results), plan), flush=True)
+    if not args.run_dir:  # the default (temporary) run directory served its purpose
+        import shutil
+
+        shutil.rmtree(spec["run_dir"], ignore_errors=True)
     return EXIT_OK
+
+
+def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
+    """Print the failure culprit first (mini3d.diagnose.report), else the launcher's exception."""
+    from .diagnose.report import failure_report
+
+    lines = failure_report(run_dir)
+    if lines is None:
+        lines = [str(exc)] + ([f"(per-rank state: mini3d explain-hang {run_dir})"] if run_dir else [])
+    print("mini3d train: " + "\n".join(lines), file=sys.stderr, flush=True)
+    return code
 
 
 def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:
     """(checkpoint directory, problems) for --resume ROOT."""
     import dataclasses
 
-    from .checkpoint import latest_dir, read_meta, shape_mismatch
+    from .checkpoint import latest_dir, read_meta, shape_mismatch, verify_checkpoint
 
     ckpt = latest_dir(root)
     if ckpt is None:
         return None, [f"--resume {root!r} holds no complete checkpoint"]
+    broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
+    if broken:
+        return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
     meta = read_meta(ckpt)
     out = []
     diff = shape_mismatch(meta, dataclasses.asdict(cfg))

@@ -2,8 +2,9 @@
 
 `launch(fn, world_size, *args)` spawns `world_size` local processes (the `spawn` start method, so it
 works from a Jupyter kernel as long as `fn` lives in an importable module), initialises
-torch.distributed in each on a free loopback port, runs `fn(*args)`, and returns every rank's result
-in rank order. A worker that raises ends the whole job with a `WorkerError` carrying that rank's
+torch.distributed in each through a FileStore in a private directory (no network listener; gloo's
+and NCCL's own sockets are pinned to the loopback interface), runs `fn(*args)`, and returns every
+rank's result in rank order. A worker that raises ends the whole job with a `WorkerError` carrying that rank's
 traceback; a job that runs past `timeout` is stopped with `LaunchTimeout`. In every case all children
 are terminated (then killed) before `launch` returns or raises, and each child also dies with its
 parent (PR_SET_PDEATHSIG) if the parent itself is killed.
@@ -16,12 +17,12 @@ timeout nor stops a job whose other ranks hang after one crashed; this file adds
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -37,6 +38,7 @@ STRICT_ENV = "MINI3D_STRICT_DEVICE"  # "1": workers compute with torch's default
 HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
 ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
 ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
+JOB_ENV = "MINI3D_JOB_ID"  # this job's id: its abort marker is ABORT-<id> (see abort_marker)
 _FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
 
 
@@ -72,6 +74,13 @@ class HangDetected(LaunchTimeout):
         TimeoutError.__init__(self, f"hang detected by rank {rank}'s watchdog; every rank dumped its "
                                     f"communication state to {run_dir} (all processes were stopped); "
                                     f"run: mini3d explain-hang {run_dir}")
+
+
+def abort_marker(run_dir: str, job: str | None = None) -> str:
+    """RUN_DIR/ABORT-<job id>: one marker per job, so that neither a stale marker left by a failed
+    job nor another job sharing the run directory can stop this one."""
+    job = job or os.environ.get(JOB_ENV)
+    return os.path.join(run_dir, f"{ABORT_MARKER}-{job}" if job else ABORT_MARKER)
 
 
 def on_failure(hook):
@@ -150,16 +159,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LOOPBACK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # gloo's and NCCL's own connections
+
+
+def _rendezvous_dir() -> str:
+    """A private (0700) directory for the job's FileStore. Local ranks meet through a file, not a
+    TCPStore: rank 0's TCPStore would listen on every interface, unauthenticated, and a port picked
+    by `free_port` can be taken by another process before the store binds it again."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="mini3d-rdzv-")
+
+
 def in_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
 def _die_with_parent():
-    """Ask Linux to SIGKILL this process when its parent dies (no orphans if the launcher is killed)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass
+    """Ask Linux to SIGKILL this process when its parent dies (no orphans if the launcher is killed).
+    Spawned workers arm it earlier, in mini3d._boot, before torch is imported."""
+    from ._boot import die_with_parent
+
+    die_with_parent()
 
 
 def _set_device(device_type: str, local_rank: int, local_world_size: int | None = None):
@@ -201,17 +222,19 @@ def init_from_env(device: str = "auto", backend: str | None = None, threads: int
     return backend, device_type
 
 
-def _worker(rank, world_size, port, backend, device_type, threads, fn, args, q, env, timeout):
+def _worker(rank, world_size, store_path, backend, device_type, threads, fn, args, q, env, timeout):
     _die_with_parent()
     os.environ.update(env or {})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    for var in LOOPBACK_ENV:  # the libraries' own sockets stay on loopback (unless the user chose)
+        os.environ.setdefault(var, "lo")
     torch.set_num_threads(threads)
     try:
         _set_device(device_type, rank, world_size)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
+        store = dist.FileStore(store_path, world_size)  # no listening socket (see _rendezvous_dir)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=max(30.0, timeout)))
         enter_strict_device()
         result = fn(*args)
@@ -237,8 +260,8 @@ def _worker(rank, world_size, port, backend, device_type, threads, fn, args, q, 
 def _stop(procs):
     procs = [p for p in procs if p.pid is not None]  # a start() that failed leaves nothing to join
     for p in procs:
-        if p.is_alive():
-            p.terminate()
+        if p.is_alive():  # a stopped process cannot act on SIGTERM: no point waiting for it
+            p.kill() if _process_state(p) == "stopped" else p.terminate()
     deadline = time.monotonic() + 5
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -252,17 +275,29 @@ def _clear_run_dir(run_dir: str):
     os.makedirs(run_dir, exist_ok=True)
     for name in os.listdir(run_dir):
         if name in (ABORT_MARKER, "launcher.json") or (
-                name.startswith("rank") and name.endswith((".json", ".stack"))):
+                name.startswith("rank") and name.endswith((".json", ".stack", ".stderr"))):
             os.remove(os.path.join(run_dir, name))
 
 
-def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None:
+def _process_state(p) -> str | None:
+    """'stopped' (SIGSTOP, a debugger), 'running' (alive) or None (gone), from /proc."""
+    if p.pid is None or p.exitcode is not None:
+        return None
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+    return "stopped" if code in ("T", "t") else None if code in ("Z", "X") else "running"
+
+
+def _abort_and_record(procs, q, run_dir: str, grace: float, first, job: str) -> int | None:
     """Tell every watchdog to dump (abort marker), wait for them, write launcher.json.
 
     Returns the rank whose watchdog detected the hang, or None if no rank stopped for a hang."""
     os.makedirs(run_dir, exist_ok=True)
     try:
-        fd = os.open(os.path.join(run_dir, ABORT_MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(abort_marker(run_dir, job), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         with os.fdopen(fd, "w") as f:
             json.dump({"by": "launcher", "reason": str(first).splitlines()[0]}, f)
     except FileExistsError:
@@ -270,24 +305,28 @@ def _abort_and_record(procs, q, run_dir: str, grace: float, first) -> int | None
     deadline = time.monotonic() + grace
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
-    errors = {}
+    errors, tracebacks = {}, {}
     while True:
         try:
-            rank, status, payload, _ = q.get(timeout=0.05)
+            rank, status, payload, tb = q.get(timeout=0.05)
         except (queue.Empty, OSError, EOFError):
             break
         if status != "ok":
-            errors[rank] = payload
+            errors[rank], tracebacks[rank] = payload, tb
     if isinstance(first, WorkerError):
         errors.setdefault(first.rank, first.message)
-    ranks = [{"rank": r, "exitcode": p.exitcode, "error": errors.get(r)} for r, p in enumerate(procs)]
+        tracebacks.setdefault(first.rank, first.traceback)
+    ranks = [{"rank": r, "exitcode": p.exitcode, "error": errors.get(r),
+              "state": _process_state(p), "traceback": tracebacks.get(r) or None}
+             for r, p in enumerate(procs)]
     with open(os.path.join(run_dir, "launcher.json"), "w") as f:
-        json.dump({"first_failure": str(first).splitlines()[0], "ranks": ranks}, f, indent=1)
+        json.dump({"first_failure": str(first).splitlines()[0], "job": job, "ranks": ranks}, f,
+                  indent=1)
     hung = [r for r, p in enumerate(procs) if p.exitcode == HANG_EXIT]
     if not hung:
         return None
     try:
-        with open(os.path.join(run_dir, ABORT_MARKER)) as f:
+        with open(abort_marker(run_dir, job)) as f:
             by = json.load(f).get("by")
         return by if isinstance(by, int) else hung[0]
     except (OSError, ValueError):
@@ -305,12 +344,19 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     backend, device_type = choose_device(device, world_size, backend)
     if run_dir is not None:
         _clear_run_dir(run_dir)
+    import uuid
+
+    job = uuid.uuid4().hex[:12]
+    env = {**(env or {}), JOB_ENV: job}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, name=f"mini3d-rank{r}", daemon=True,
-                         args=(r, world_size, port, backend, device_type, threads, fn, args, q, env,
-                               timeout))
+    rdzv = _rendezvous_dir()
+    store_path = os.path.join(rdzv, "store")
+    from ._boot import run as boot  # the spawn target: arms die-with-parent before importing torch
+
+    procs = [ctx.Process(target=boot, name=f"mini3d-rank{r}", daemon=True,
+                         args=(os.getpid(), pickle.dumps((r, world_size, store_path, backend, device_type,
+                                                          threads, fn, args, env, timeout)), q))
              for r in range(world_size)]
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout
@@ -345,11 +391,12 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     except (WorkerError, LaunchTimeout) as e:
         if run_dir is None:
             raise
-        hung = _abort_and_record(procs, q, run_dir, grace, e)
+        hung = _abort_and_record(procs, q, run_dir, grace, e, job)
         if hung is not None:
             raise HangDetected(hung, run_dir) from e
         raise
     finally:
         _stop(procs)
         q.close()
+        shutil.rmtree(rdzv, ignore_errors=True)
     return [results[r] for r in range(world_size)]

@@ -28,7 +28,7 @@ from .grid import Grid, build_topology
 import torch.nn as nn
 
 from .checkpoint import (CheckpointWriter, gather_full_state, read_meta, read_states,
-                         restore_full_state)
+                         restore_full_state, restore_rng)
 from .dp import make_dp, model_state_ledger
 from .launch import current_device, device_memory
 from .pp.partition import build_stages
@@ -140,17 +140,19 @@ class Trainer:
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, root: str, step: int, meta: dict):
-        """Collective: gather the full named state per pipeline stage and write it atomically."""
-        weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo)
+        """Collective: gather the full named state per pipeline stage and write it atomically
+        (only the stage's writer, tp_rank 0 and dp_rank 0, keeps the full state)."""
+        is_writer = self.topo.tp.index == 0 and self.topo.dp.index == 0
+        weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo,
+                                                       keep=is_writer)
         world = self.topo.axes["world"]
         writer = CheckpointWriter(root, step)
         if self.topo.rank == 0:
             writer.begin()
         comm.barrier(world)
-        if self.topo.tp.index == 0 and self.topo.dp.index == 0:
-            part = {"model": weights, "optim": moments, "optim_step": opt_step}
-            if self.topo.pp.index == 0:
-                part["rng"] = torch.get_rng_state()
+        if is_writer:
+            part = {"model": weights, "optim": moments, "optim_step": opt_step,
+                    "rng": torch.get_rng_state()}
             writer.write(f"stage{self.topo.pp.index}.pt", part)
         comm.barrier(world)
         if self.topo.rank == 0:
@@ -160,18 +162,12 @@ class Trainer:
     def load(self, ckpt: str) -> int:
         """Restore from a checkpoint written by any layout; returns the step to continue from."""
         meta = read_meta(ckpt)
-        states = read_states(ckpt)
-        opt_step = max((int(torch.load(f"{ckpt}/{n}", weights_only=True).get("optim_step", 0))
-                        for n in _stage_files(ckpt)), default=0)
+        mine = [n for chunk in self.chunks for n, _ in chunk.named_parameters()]
+        states = read_states(ckpt, mine)  # only the files holding this rank's tensors, once, mmap
         restore_full_state(self.chunks, self.optimizer, self.topo, states["model"], states["optim"],
-                           opt_step)
+                           states["optim_step"])
+        restore_rng(states["rng"])
         return int(meta["step"])
-
-
-def _stage_files(ckpt: str) -> list[str]:
-    import os
-
-    return sorted(n for n in os.listdir(ckpt) if n.startswith("stage") and n.endswith(".pt"))
 
 
 def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory):
