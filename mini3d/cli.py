@@ -116,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args) -> int:
-    from .data import check_data_path
     from .launch import LaunchError, LaunchTimeout, WorkerError, choose_device, in_torchrun
 
     try:
@@ -126,27 +125,19 @@ def cmd_train(args) -> int:
     plan = plan_from_args(args)
     torchrun = in_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or plan.world_size)
-    problems = plan.problems(cfg, world)
-    if args.steps < 1:
-        problems.append(f"steps={args.steps} must be >= 1")
-    if args.grad_clip < 0:
-        problems.append(f"grad_clip={args.grad_clip} must be >= 0 (0 turns clipping off)")
-    data_problem = check_data_path(args.data)
-    if data_problem:
-        problems.append(data_problem)
-    if cfg.vocab_size < 256:
-        problems.append(f"vocab_size={cfg.vocab_size} is smaller than the byte vocabulary (256)")
     from .diagnose.cli import diagnose_problems, diagnose_spec
 
+    spec = run_from_args(args, cfg, plan, diagnose_spec(args))
+    problems = spec.problems(world)
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
     if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
         from .diagnose.dryrun import dry_run
 
         return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node)
-    resume = None
     if args.resume:
         resume, resume_problems = check_resume(args.resume, cfg, args.steps)
         problems += resume_problems
+        spec = spec.replace(resume=resume)
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         choose_device(args.device, local)
@@ -155,18 +146,13 @@ def cmd_train(args) -> int:
     if problems:
         return bad_input(problems)
 
-    from .train import make_spec, reporter_records, summary_line, train_worker
+    from .train import reporter_records, summary_line, train_worker
 
-    spec = make_spec(cfg, plan, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
-                     grad_clip=args.grad_clip,
-                     log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
-                     save_every=args.save_every, resume=resume,
-                     **diagnose_spec(args))  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
     if torchrun:
         from .diagnose.watchdog import nccl_env
         from .launch import init_from_env
 
-        os.environ.update(nccl_env(spec["hang_timeout"], spec["run_dir"]))
+        os.environ.update(nccl_env(spec.hang_timeout, spec.run_dir))
         init_from_env(args.device)
         result = train_worker(spec)
         if result["reporter"]:
@@ -178,7 +164,7 @@ def cmd_train(args) -> int:
         if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
             print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
             return EXIT_OOM
-        print(f"mini3d train: {e}\n(per-rank state: mini3d explain-hang {spec['run_dir']})",
+        print(f"mini3d train: {e}\n(per-rank state: mini3d explain-hang {spec.run_dir})",
               file=sys.stderr)
         return EXIT_FAILED
     except LaunchTimeout as e:
@@ -186,6 +172,16 @@ def cmd_train(args) -> int:
         return EXIT_HUNG
     print(summary_line(reporter_records(results), plan), flush=True)
     return EXIT_OK
+
+
+def run_from_args(args, cfg: ModelConfig, plan: Plan, diagnose: dict):
+    """The RunConfig that `mini3d train`'s flags ask for (not validated yet: see cmd_train)."""
+    from .run_config import RunConfig
+
+    return RunConfig(model=cfg, plan=plan, steps=args.steps, lr=args.lr, seed=args.seed,
+                     grad_clip=args.grad_clip, data=args.data, log_jsonl=args.log_jsonl,
+                     progress=not args.no_progress, save=args.save, save_every=args.save_every,
+                     **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
 
 
 def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:
@@ -208,13 +204,14 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
     return ckpt, out
 
 
-def launch_train(spec: dict, world: int, device: str = "auto", timeout: float = 3600):
+def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
+    """Spawn `world` local processes running `train_worker(spec)` (a RunConfig)."""
     from .diagnose.watchdog import nccl_env
     from .launch import launch
     from .train import train_worker
 
-    run_dir = spec.get("run_dir")
-    env = nccl_env(spec["hang_timeout"], run_dir) if run_dir else None
+    run_dir = spec.run_dir
+    env = nccl_env(spec.hang_timeout, run_dir) if run_dir else None
     return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
 
 

@@ -1,8 +1,9 @@
 """The training loop every rank runs: build the topology, the (parallelised) model, then step.
 
-`train_worker(spec)` is what `mini3d train` runs in each process, whether the processes were spawned by
-`mini3d.launch.launch` or by torchrun. `spec` is a plain dict (picklable, JSON-able) holding the model
-config, the plan and the run options, so the same function serves the CLI, the tests and the course.
+`train_worker(run)` is what `mini3d train` runs in each process, whether the processes were spawned by
+`mini3d.launch.launch` or by torchrun. `run` is a `RunConfig` (mini3d.run_config: frozen, picklable)
+holding the model config, the plan and the run options, so the same function serves the CLI, the
+tests and the course (all build it with `make_spec`).
 
 The reporting rank (the one that computes the loss: last pipeline stage, tp_rank 0, dp_rank 0) shows a
 progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and returns the step records.
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
+from .config import ModelConfig, Plan
 from .data import Batches, load_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
@@ -36,19 +37,9 @@ from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
+from .run_config import RunConfig, make_spec  # noqa: F401  (make_spec: re-exported for callers)
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
                  sum_replicated_grads)
-
-
-def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
-              data: str | None = None, log_jsonl: str | None = None, progress: bool = False,
-              weight_decay: float = 0.0, grad_clip: float = 0.0, **extra) -> dict:
-    """Everything a worker needs, as a plain dict."""
-    import dataclasses
-
-    return dict(model=dataclasses.asdict(cfg), plan=plan.to_dict(), steps=steps, lr=lr, seed=seed,
-                data=data, log_jsonl=log_jsonl, progress=progress, weight_decay=weight_decay,
-                grad_clip=grad_clip, **extra)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -194,38 +185,36 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     return stages, net, optimizer
 
 
-def train_worker(spec: dict) -> dict:
-    """Run optimizer steps until step `spec["steps"]` on this rank; return what this rank saw."""
-    cfg, plan = model_from_dict(spec["model"]), plan_from_dict(spec["plan"])
+def train_worker(run: RunConfig) -> dict:
+    """Run optimizer steps until step `run.steps` on this rank; return what this rank saw."""
+    cfg, plan = run.model, run.plan
     rank = dist.get_rank()
     topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
-    torch.manual_seed(spec["seed"])
-    tokens = load_tokens(spec.get("data"))
-    batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
-    trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0),
-                      spec.get("grad_clip", 0.0))
-    start = trainer.load(spec["resume"]) if spec.get("resume") else 0
-    diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
+    torch.manual_seed(run.seed)
+    tokens = load_tokens(run.data)
+    batches = Batches(tokens, plan.seq_len, plan.global_batch, run.seed)
+    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip)
+    start = trainer.load(run.resume) if run.resume else 0
+    diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
-    log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
+    log_file = open(run.log_jsonl, "a" if start else "w") if (reporter and run.log_jsonl) else None
     bar = None
-    if reporter and spec.get("progress"):
+    if reporter and run.progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=spec["steps"], initial=start, desc=f"train {describe_plan(plan)}",
+        bar = tqdm(total=run.steps, initial=start, desc=f"train {describe_plan(plan)}",
                    unit="step", disable=None)  # None: only on a terminal
     records = []
     tokens_per_step = plan.global_batch * plan.seq_len
-    save_every = spec.get("save_every") or 0
-    collect, extra = set(spec.get("collect") or ()), {}
-    budget = parse_size(spec["memory_budget"]) if spec.get("memory_budget") else None
-    for step in range(start, spec["steps"]):
+    collect, extra = set(run.collect), {}
+    budget = parse_size(run.memory_budget) if run.memory_budget else None
+    for step in range(start, run.steps):
         topo.log.context = {"step": step}
         diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
         t0 = time.perf_counter()
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
         measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
-        loss, acts = run_step(trainer, mbs, step, measure, spec.get("run_dir"))
+        loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)
         if acts is not None and "activations" in collect:
             extra["activations"] = acts
         if budget and step == start:  # --memory-budget: the measured ledgers against the budget
@@ -245,9 +234,10 @@ def train_worker(spec: dict) -> dict:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
         done = step + 1
-        if spec.get("save") and (done == spec["steps"] or (save_every and done % save_every == 0)):
-            trainer.save(spec["save"], done, {"step": done, "model": spec["model"], "plan": spec["plan"],
-                                              "seed": spec["seed"], "data_position": done})
+        if run.save and (done == run.steps or (run.save_every and done % run.save_every == 0)):
+            trainer.save(run.save, done, {"step": done, "model": run.model_dict(),
+                                          "plan": plan.to_dict(), "seed": run.seed,
+                                          "data_position": done})
     if bar:
         bar.close()
     if log_file:
@@ -293,7 +283,7 @@ def memory_by_category(trainer: Trainer, activations: float = 0) -> dict:
 
 
 def collected(trainer: Trainer, what: set) -> dict:
-    """Optional measurements a caller (tests, the course) asks for with spec["collect"]:
+    """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
     micro-batch by module, measured during the first step; one model chunk only)."""
