@@ -17,7 +17,8 @@ from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
-SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.grading")
+SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.grading",
+                      "mini3d.prepare", "mini3d.sample")
 
 
 def bad_input(problems: list[str], command: str = "train") -> int:
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
                    help="clip the global gradient norm to NORM (0: off; 1.0 is usual)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--data", help="a text file to train on (default: the embedded corpus)")
+    r.add_argument("--data", help="a text file, or a `mini3d prepare` shard directory (default: the "
+                                  "embedded corpus)")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda")
     r.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per optimizer step")
     r.add_argument("--save", metavar="DIR", help="write checkpoints under DIR (at the end, and "
@@ -101,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     from .diagnose.cli import add_train_args
+    from .run_cli import add_run_args
 
+    add_run_args(t)  # tokenizer, validation, lr schedule, metrics, long runs
     add_train_args(t)  # mini3d.diagnose: --hang-timeout --run-dir --inject-fault --memory-budget ...
     t.set_defaults(func=cmd_train)
     for name in SUBCOMMAND_MODULES:
@@ -127,8 +131,11 @@ def cmd_train(args) -> int:
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or plan.world_size)
     from .diagnose.cli import diagnose_problems, diagnose_spec
 
-    spec = run_from_args(args, cfg, plan, diagnose_spec(args))
-    problems = spec.problems(world)
+    from .run_cli import run_options
+
+    cfg, options, problems = run_options(args, cfg)  # tokenizer, eval, schedule, metrics
+    spec = run_from_args(args, cfg, plan, {**diagnose_spec(args), **options})
+    problems = spec.problems(world) + problems
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
     if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
         from .diagnose.dryrun import dry_run
@@ -146,7 +153,7 @@ def cmd_train(args) -> int:
     if problems:
         return bad_input(problems)
 
-    from .train import reporter_records, summary_line, train_worker
+    from .train import summary_line, train_worker
 
     if torchrun:
         from .diagnose.watchdog import nccl_env
@@ -156,7 +163,7 @@ def cmd_train(args) -> int:
         init_from_env(args.device)
         result = train_worker(spec)
         if result["reporter"]:
-            print(summary_line(result["records"], plan), flush=True)
+            print(summary_line(result["records"], plan, result["device"]), flush=True)
         return EXIT_OK
     try:
         results = launch_train(spec, world, args.device, args.timeout)
@@ -170,7 +177,8 @@ def cmd_train(args) -> int:
     except LaunchTimeout as e:
         print(f"mini3d train: {e}", file=sys.stderr)
         return EXIT_HUNG
-    print(summary_line(reporter_records(results), plan), flush=True)
+    reporter = next(r for r in results if r["reporter"])
+    print(summary_line(reporter["records"], plan, reporter["device"]), flush=True)
     return EXIT_OK
 
 

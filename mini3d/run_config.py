@@ -31,7 +31,19 @@ class RunConfig:
     seed: int = 0  # seeds the weights and the batches (batches are a function of (seed, step))
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 0.0  # clip the global gradient norm to this (0: off)
-    data: str | None = None  # a text file (byte tokens); None: the embedded corpus
+    data: str | None = None  # a text file, a `mini3d prepare` shard directory; None: embedded corpus
+    tokenizer: str = "bytes"  # bytes, gpt2, or a tokenizer file's path (mini3d.tokenizer)
+    eval_every: int = 0  # validation loss every N steps and at the end (0: never)
+    eval_batches: int = 4  # global batches of the validation split per evaluation
+    lr_schedule: str = "constant"  # constant, cosine or linear decay after the warmup
+    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
+    min_lr: float = 0.0  # where cosine / linear decay ends
+    decay_steps: int = 0  # the step at which the decay reaches min_lr (0: steps)
+    decay_embeddings: bool = False  # weight decay on the embeddings too (matrices always, 1-d never)
+    sample_every: int = 0  # print a short sample every N steps on the reporting rank (0: never)
+    tensorboard: str | None = None  # a directory for TensorBoard event files (reporting rank)
+    keep_last: int = 0  # keep only the newest N checkpoints under `save` (0: keep all)
+    log_every: int = 10  # plain progress line every N steps when stderr is not a terminal
     log_jsonl: str | None = None  # file for one JSON object per optimizer step (reporting rank)
     progress: bool = False  # show a progress bar on the reporting rank
     save: str | None = None  # checkpoint root directory (saved at the end and every save_every)
@@ -68,8 +80,43 @@ class RunConfig:
         data_problem = check_data_path(self.data)
         if data_problem:
             out.append(data_problem)
-        if self.model.vocab_size < 256:
-            out.append(f"vocab_size={self.model.vocab_size} is smaller than the byte vocabulary (256)")
+        out += self._tokenizer_problems(data_problem is None)
+        out += self._run_problems()
+        return out
+
+    def _tokenizer_problems(self, data_ok: bool) -> list[str]:
+        from .data import has_validation_split, shard_tokenizer
+        from .tokenizer import TokenizerError, get_tokenizer, vocab_problems
+
+        try:
+            tok = get_tokenizer(self.tokenizer)
+        except TokenizerError as e:
+            return [str(e)]
+        out = vocab_problems(self.model.vocab_size, tok)
+        if data_ok and self.data is not None:
+            made_with = shard_tokenizer(self.data)
+            if made_with is not None and made_with != tok.name:
+                out.append(f"--data {self.data!r} was tokenised with {made_with!r}, not "
+                           f"--tokenizer {self.tokenizer!r} (leave --tokenizer out)")
+        if data_ok and self.eval_every and not has_validation_split(self.data):
+            out.append(f"eval_every={self.eval_every} needs a validation split, and --data "
+                       f"{self.data!r} has none (make one with mini3d prepare --val-fraction F)")
+        return out
+
+    def _run_problems(self) -> list[str]:
+        from .optim import SCHEDULES
+
+        out = []
+        for name in ("eval_every", "warmup_steps", "decay_steps", "sample_every", "keep_last",
+                     "log_every"):
+            if getattr(self, name) < 0:
+                out.append(f"{name}={getattr(self, name)} must be >= 0")
+        if self.eval_batches < 1:
+            out.append(f"eval_batches={self.eval_batches} must be >= 1")
+        if self.lr_schedule not in SCHEDULES:
+            out.append(f"lr_schedule={self.lr_schedule!r} is unknown (choose {', '.join(SCHEDULES)})")
+        if not 0 <= self.min_lr <= self.lr:
+            out.append(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
         return out
 
     def validate(self, world_size: int | None = None) -> "RunConfig":
@@ -80,6 +127,13 @@ class RunConfig:
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
+
+    def schedule(self):
+        """The learning-rate schedule of this run (mini3d.optim.LRSchedule)."""
+        from .optim import LRSchedule
+
+        return LRSchedule(self.lr_schedule, self.lr, self.warmup_steps,
+                          self.decay_steps or self.steps, self.min_lr)
 
     def model_dict(self) -> dict:
         return dataclasses.asdict(self.model)

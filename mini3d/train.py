@@ -12,7 +12,6 @@ progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and retu
 from __future__ import annotations
 
 import contextlib
-import json
 import resource
 import time
 
@@ -21,15 +20,19 @@ import torch.distributed as dist
 
 from . import comm
 from .config import ModelConfig, Plan
-from .data import Batches, load_tokens
+from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
 from .grid import Grid, build_topology
 import torch.nn as nn
 
-from .checkpoint import (CheckpointWriter, gather_full_state, read_meta, read_states,
-                         restore_full_state)
+from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
+                         read_states, restore_full_state)
+from .evaluate import evaluate
+from .optim import LRSchedule, WeightDecay, set_lr
+from .report import RunReport
+from .tokenizer import get_tokenizer
 from .dp import make_dp, model_state_ledger
 from .launch import current_device, device_memory
 from .pp.partition import build_stages
@@ -37,7 +40,7 @@ from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
-from .run_config import RunConfig, make_spec  # noqa: F401  (make_spec: re-exported for callers)
+from .run_config import RunConfig, make_spec
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
                  sum_replicated_grads)
 
@@ -63,11 +66,13 @@ class Trainer:
     Parallelising is an ordered series of transforms (see `parallelize`)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, topo, seed: int, lr: float,
-                 weight_decay: float = 0.0, grad_clip: float = 0.0):
+                 weight_decay: float = 0.0, grad_clip: float = 0.0, decay_embeddings: bool = False):
         self.cfg, self.plan, self.topo = cfg, plan, topo
         self.stages, self.net, self.optimizer = parallelize(
-            cfg, plan, topo, seed,
-            lambda params: adamw(params, lr, weight_decay, topo.device))
+            cfg, plan, topo, seed, lambda params: adamw(params, lr, 0.0, topo.device))
+        # weight decay on the matrices only (mini3d.optim), applied by hand before each update
+        decay = WeightDecay(self.optimizer, self.net.module, weight_decay, decay_embeddings)
+        self.optimizer.grad_hooks.append(lambda local: decay.apply(self.optimizer.param_groups[0]["lr"]))
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
         self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
@@ -191,19 +196,17 @@ def train_worker(run: RunConfig) -> dict:
     rank = dist.get_rank()
     topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
     torch.manual_seed(run.seed)
-    tokens = load_tokens(run.data)
-    batches = Batches(tokens, plan.seq_len, plan.global_batch, run.seed)
-    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip)
+    tok = get_tokenizer(run.tokenizer)
+    batches = Batches(open_tokens(run.data, tok), plan.seq_len, plan.global_batch, run.seed)
+    val = open_tokens(run.data, tok, "val") if run.eval_every else None
+    val_batches = Batches(val, plan.seq_len, plan.global_batch, run.seed, stream=1) if val else None
+    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip,
+                      run.decay_embeddings)
     start = trainer.load(run.resume) if run.resume else 0
+    schedule = resumed_schedule(run)  # the checkpoint's schedule continues exactly
     diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
-    log_file = open(run.log_jsonl, "a" if start else "w") if (reporter and run.log_jsonl) else None
-    bar = None
-    if reporter and run.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=run.steps, initial=start, desc=f"train {describe_plan(plan)}",
-                   unit="step", disable=None)  # None: only on a terminal
+    report = RunReport(run, reporter, start, f"train {describe_plan(plan)}")
     records = []
     tokens_per_step = plan.global_batch * plan.seq_len
     collect, extra = set(run.collect), {}
@@ -212,6 +215,7 @@ def train_worker(run: RunConfig) -> dict:
         topo.log.context = {"step": step}
         diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
         t0 = time.perf_counter()
+        set_lr(trainer.optimizer, schedule.at(step))
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
         measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
         loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)
@@ -223,31 +227,52 @@ def train_worker(run: RunConfig) -> dict:
         loss = trainer.mean_loss_over_dp(loss)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "peak_mem_bytes": peak_memory_bytes(topo.device)}
+               "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": schedule.at(step)}
         if trainer.last_grad_norm is not None:
             rec["grad_norm"] = trainer.last_grad_norm  # before clipping
-        records.append(rec)
-        if log_file:
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-        if bar:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
         done = step + 1
+        rec.update(periodic(trainer, run, done, val_batches, tok, report))
+        records.append(rec)
+        report.step(rec)
         if run.save and (done == run.steps or (run.save_every and done % run.save_every == 0)):
-            trainer.save(run.save, done, {"step": done, "model": run.model_dict(),
-                                          "plan": plan.to_dict(), "seed": run.seed,
-                                          "data_position": done})
-    if bar:
-        bar.close()
-    if log_file:
-        log_file.close()
+            trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok))
+            if run.keep_last and topo.rank == 0:
+                prune_checkpoints(run.save, run.keep_last)
+    report.close()
     diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
+            "device": topo.device.type,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
             **collected(trainer, collect), **extra}
+
+
+def periodic(trainer: Trainer, run: RunConfig, done: int, val_batches, tok, report) -> dict:
+    """What happens every N steps besides training: the validation loss (all ranks, collective)
+    and a sample of the model's text (--sample-every: collective over tp and dp, pp = 1)."""
+    out = {}
+    if val_batches is not None and (done % run.eval_every == 0 or done == run.steps):
+        out["val_loss"] = evaluate(trainer, val_batches, run.eval_batches)
+    if run.sample_every and done % run.sample_every == 0:
+        from .sample import sample_during_training
+
+        report.text(done, sample_during_training(trainer, tok, run.seed))
+    return out
+
+
+def resumed_schedule(run: RunConfig):
+    """The lr schedule to follow: the resumed checkpoint's (so it continues exactly), else the run's."""
+    if run.resume:
+        saved = read_meta(run.resume).get("lr_schedule")
+        if saved:
+            return LRSchedule(**saved)
+    return run.schedule()
+
+
+def checkpoint_meta(run: RunConfig, done: int, schedule, tok) -> dict:
+    return {"step": done, "model": run.model_dict(), "plan": run.plan.to_dict(), "seed": run.seed,
+            "data_position": done, "lr_schedule": schedule.as_dict(), "tokenizer": tok.name}
 
 
 def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | None = None):
@@ -308,14 +333,22 @@ def describe_plan(plan: Plan) -> str:
     return s
 
 
-def summary_line(records: list[dict], plan: Plan) -> str:
+def summary_line(records: list[dict], plan: Plan, device_type: str = "cpu") -> str:
     first, last = records[0], records[-1]
     n = len(records)
     mean_tps = sum(r["tokens_per_s"] for r in records[1:] or records) / max(1, len(records[1:] or records))
-    return (f"done: {n} steps on {describe_plan(plan)} ({plan.world_size} processes): loss "
-            f"{first['loss']:.4f} -> {last['loss']:.4f}, {mean_tps:,.0f} tokens/s, peak memory "
-            f"{max(r['peak_mem_bytes'] for r in records) / 2**20:,.0f} MiB per rank")
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    val_text = f", val loss {val[0]:.4f} -> {val[-1]:.4f}" if len(val) > 1 else (
+        f", val loss {val[0]:.4f}" if val else "")
+    what = "peak memory" if device_type == "cuda" else "peak memory (process RSS, not model bytes)"
+    return (f"done: {n} steps on {describe_plan(plan)} ({plan.world_size} processes, {plan.dtype}): "
+            f"loss {first['loss']:.4f} -> {last['loss']:.4f}{val_text}, {mean_tps:,.0f} tokens/s, "
+            f"{what} {max(r['peak_mem_bytes'] for r in records) / 2**20:,.0f} MiB per rank")
 
 
 def reporter_records(results: list[dict]) -> list[dict]:
     return next(r["records"] for r in results if r["reporter"])
+
+
+__all__ = ["Trainer", "parallelize", "train_worker", "make_spec", "summary_line", "reporter_records",
+           "describe_plan", "peak_memory_bytes"]
