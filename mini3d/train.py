@@ -71,8 +71,9 @@ class Trainer:
         self.stages, self.net, self.optimizer = parallelize(
             cfg, plan, topo, seed, lambda params: adamw(params, lr, 0.0, topo.device))
         # weight decay on the matrices only (mini3d.optim), applied by hand before each update
-        decay = WeightDecay(self.optimizer, self.net.module, weight_decay, decay_embeddings)
-        self.optimizer.grad_hooks.append(lambda local: decay.apply(self.optimizer.param_groups[0]["lr"]))
+        self.decay = WeightDecay(self.optimizer, self.net.module, weight_decay, decay_embeddings)
+        self.optimizer.grad_hooks.append(
+            lambda local: self.decay.apply(self.optimizer.param_groups[0]["lr"]))
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
         self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
