@@ -33,6 +33,32 @@ def tensorboard_problem(path: str | None) -> str | None:
     return None
 
 
+def peak_flops_per_rank(device, dtype: str) -> float | None:
+    """The hardware peak of this rank's device when mini3d knows it (its cost/hardware presets,
+    matched by CUDA device name), else None (CPUs, unknown GPUs): MFU is then left out."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    from .cost.hardware import PRESETS
+
+    name = torch.cuda.get_device_name(device).upper()
+    for key, hw in PRESETS.items():
+        model, mem = key.split("-")
+        if model in name and (mem.rstrip("GB") in name or model != "A100"):
+            return hw.flops(dtype)
+    return None
+
+
+def model_flops_utilisation(cfg, plan, step_time_s: float, peak: float | None) -> float | None:
+    """Useful model FLOPs of one step (mini3d.cost.model.model_flops) over what the ranks could do."""
+    if not peak:
+        return None
+    from .cost.model import model_flops
+
+    return model_flops(cfg, plan) / step_time_s / (peak * plan.world_size)
+
+
 class RunReport:
     def __init__(self, run, active: bool, start: int, desc: str):
         self.run, self.active = run, active

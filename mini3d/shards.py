@@ -110,7 +110,7 @@ def write_shards(files: list[str], out: str, tok, tokenizer_ref: str, val_fracti
             progress(len(text))
         if i < state["docs"]:
             continue  # consumed by a previous, interrupted prepare
-        ids = np.asarray(tok.encode(text), dtype=np.int64)
+        ids = _encode(tok, text)
         n_val = int(round(len(ids) * val_fraction))
         bufs["train"].append(ids[:len(ids) - n_val])
         bufs["val"].append(ids[len(ids) - n_val:])
@@ -127,6 +127,12 @@ def write_shards(files: list[str], out: str, tok, tokenizer_ref: str, val_fracti
     _write_json(os.path.join(out, HEADER), header)
     os.remove(state_path)
     return header
+
+
+def _encode(tok, text: str) -> np.ndarray:
+    if tok.name == "bytes":  # the same ids as ByteTokenizer.encode, without a Python list
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    return np.asarray(tok.encode(text), dtype=np.int64)
 
 
 def read_header(path: str) -> dict:

@@ -31,7 +31,7 @@ from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints,
                          read_states, restore_full_state)
 from .evaluate import evaluate
 from .optim import LRSchedule, WeightDecay, set_lr
-from .report import RunReport
+from .report import RunReport, model_flops_utilisation, peak_flops_per_rank
 from .tokenizer import get_tokenizer
 from .dp import make_dp, model_state_ledger
 from .launch import current_device, device_memory
@@ -208,6 +208,7 @@ def train_worker(run: RunConfig) -> dict:
     diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
     report = RunReport(run, reporter, start, f"train {describe_plan(plan)}")
+    peak = peak_flops_per_rank(topo.device, plan.dtype)  # None on CPU: no MFU
     records = []
     tokens_per_step = plan.global_batch * plan.seq_len
     collect, extra = set(run.collect), {}
@@ -231,6 +232,8 @@ def train_worker(run: RunConfig) -> dict:
                "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": schedule.at(step)}
         if trainer.last_grad_norm is not None:
             rec["grad_norm"] = trainer.last_grad_norm  # before clipping
+        if peak:
+            rec["mfu"] = model_flops_utilisation(cfg, plan, dt, peak)
         done = step + 1
         rec.update(periodic(trainer, run, done, val_batches, tok, report))
         records.append(rec)

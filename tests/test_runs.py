@@ -9,10 +9,8 @@ import base64
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -94,36 +92,50 @@ def test_lr_schedule_values_equal_the_closed_form():
 
 
 # ---- prepare, shards, train --data DIR ------------------------------------------------------------
-def test_interrupted_prepare_leaves_nothing_train_accepts_and_resumes_to_the_same_shards(tmp_path):
-    src = corpus(tmp_path / "corpus.txt", 6_000_000)
+def test_interrupted_prepare_leaves_nothing_train_accepts_and_resumes_to_the_same_shards(
+        tmp_path, monkeypatch, capsys):
+    """Prepare is killed in the middle of writing its 4th shard file (the write is cut short and
+    the process dies): no header, train refuses the directory (exit 2), the .part file is not a
+    shard; prepare run again resumes and produces exactly the shards of an uninterrupted run."""
+    from mini3d import shards
+
+    src = corpus(tmp_path / "corpus.txt", 3_000_000)
     out, fresh = tmp_path / "shards", tmp_path / "fresh"
-    args = ["prepare", src, "--tokenizer", "bytes", "--val-fraction", "0.1", "--shard-tokens", "200000"]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, "-m", "mini3d", *args, "--out", str(out)], env=env, cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (out / "train-00001.bin").exists() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    assert not (out / "header.json").exists(), "prepare finished before it could be interrupted"
-    r = run_cli("train", "--data", str(out), "--steps", "1")
-    assert r.returncode == 2 and "without header.json" in r.stderr and str(out) in r.stderr, r.stderr
-    r = run_cli(*args, "--out", str(out))
-    assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
-    assert run_cli(*args, "--out", str(fresh)).returncode == 0
+    args = ["prepare", src, "--tokenizer", "bytes", "--val-fraction", "0.1", "--shard-tokens",
+            "200000", "--no-progress"]
+    real_write, calls = shards._write_atomic, []
+
+    def killed_mid_write(path, data):
+        calls.append(path)
+        if len(calls) == 7:  # train-00000, val-00000, progress, train-00001, val, progress, train-00002
+            with open(path + ".part", "wb") as f:
+                f.write(data[:len(data) // 2])
+            raise KeyboardInterrupt  # the process dies here
+        real_write(path, data)
+
+    monkeypatch.setattr(shards, "_write_atomic", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main([*args, "--out", str(out)])
+    monkeypatch.setattr(shards, "_write_atomic", real_write)
+    assert (out / "train-00002.bin.part").exists() and not (out / "header.json").exists()
+    assert cli.main(["train", "--data", str(out), "--steps", "1"]) == 2
+    assert "without header.json" in capsys.readouterr().err
+    assert cli.main([*args, "--out", str(out)]) == 0
+    assert "resuming" in capsys.readouterr().err
+    assert cli.main([*args, "--out", str(fresh)]) == 0
     header = json.loads((out / "header.json").read_text())
     assert header == json.loads((fresh / "header.json").read_text())
     for s in header["train"]["shards"] + header["val"]["shards"]:
         assert (out / s["file"]).read_bytes() == (fresh / s["file"]).read_bytes(), s
+    assert len(header["train"]["shards"]) > 3
     assert header["train"]["tokens"] + header["val"]["tokens"] == os.path.getsize(src)  # bytes
     assert header["val"]["tokens"] == pytest.approx(0.1 * os.path.getsize(src), rel=0.01)
     assert not (out / "progress.json").exists()
     # a shard cut short after the header was written is refused too
     with open(out / header["train"]["shards"][0]["file"], "r+b") as f:
         f.truncate(10)
-    r = run_cli("train", "--data", str(out), "--steps", "1")
-    assert r.returncode == 2 and "rerun mini3d prepare" in r.stderr
+    assert cli.main(["train", "--data", str(out), "--steps", "1"]) == 2
+    assert "rerun mini3d prepare" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)
@@ -137,8 +149,16 @@ def test_prepare_bpe_then_train_eval_save_and_sample(tmp_path):
     assert header["tokenizer"] == "tokenizer.json" and (out / "tokenizer.json").exists()
     r = run_cli("train", "--data", str(out), "--steps", "12", "--eval-every", "6", "--eval-batches", "2",
                 "--lr-schedule", "cosine", "--warmup-steps", "3", "--weight-decay", "0.1",
-                "--save", str(ck), "--save-every", "4", "--keep-last", "2", "--log-jsonl", str(log))
+                "--save", str(ck), "--save-every", "4", "--keep-last", "2", "--log-jsonl", str(log),
+                "--grad-clip", "1.0", "--tensorboard", str(tmp_path / "tb"))
     assert r.returncode == 0, r.stderr
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    assert {"train/loss", "val/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+            "perf/peak_mem_bytes"} <= set(tb.Tags()["scalars"])
+    assert [e.step for e in tb.Scalars("val/loss")] == [6, 12]
     assert "float32" in r.stdout and "val loss" in r.stdout and "process RSS" in r.stdout, r.stdout
     recs = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in recs if "val_loss" in x] == [6, 12]
@@ -188,6 +208,24 @@ def test_rank_memory_does_not_grow_with_the_shard(tmp_path):
     (growth, size), = launch(_train_on_big_shard, 1, str(tmp_path), device="cpu", timeout=100)
     assert size == 2 * n
     assert growth < size / 8, (growth / 2**20, size / 2**20)
+
+
+def test_mfu_uses_the_known_peak_of_the_gpu(monkeypatch):
+    import torch
+
+    from mini3d.config import PRESETS, Plan
+    from mini3d.cost.model import model_flops
+    from mini3d.report import model_flops_utilisation, peak_flops_per_rank
+
+    assert peak_flops_per_rank(torch.device("cpu"), "bf16") is None  # no MFU on CPU
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops_per_rank(torch.device("cuda", 0), "bf16") == 989e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-40GB")
+    assert peak_flops_per_rank(torch.device("cuda", 0), "float32") == 19.5e12
+    plan = Plan(tp=2, dp=4, global_batch=32, seq_len=1024)
+    cfg = PRESETS["gpt2-small"]
+    assert model_flops_utilisation(cfg, plan, 0.5, 989e12) == pytest.approx(
+        model_flops(cfg, plan) / 0.5 / (8 * 989e12))
 
 
 # ---- bad input ------------------------------------------------------------------------------------
