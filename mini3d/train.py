@@ -29,8 +29,8 @@ import torch.nn as nn
 
 from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
                          read_states, restore_full_state)
-from .evaluate import evaluate
-from .optim import LRSchedule, WeightDecay, set_lr
+from .optim import WeightDecay, set_lr
+from .periodic import checkpoint_meta, periodic, resumed_schedule
 from .report import RunReport, model_flops_utilisation, peak_flops_per_rank
 from .tokenizer import get_tokenizer
 from .dp import make_dp, model_state_ledger
@@ -250,33 +250,6 @@ def train_worker(run: RunConfig) -> dict:
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
             **collected(trainer, collect), **extra}
-
-
-def periodic(trainer: Trainer, run: RunConfig, done: int, val_batches, tok, report) -> dict:
-    """What happens every N steps besides training: the validation loss (all ranks, collective)
-    and a sample of the model's text (--sample-every: collective over tp and dp, pp = 1)."""
-    out = {}
-    if val_batches is not None and (done % run.eval_every == 0 or done == run.steps):
-        out["val_loss"] = evaluate(trainer, val_batches, run.eval_batches)
-    if run.sample_every and done % run.sample_every == 0:
-        from .sample import sample_during_training
-
-        report.text(done, sample_during_training(trainer, tok, run.seed))
-    return out
-
-
-def resumed_schedule(run: RunConfig):
-    """The lr schedule to follow: the resumed checkpoint's (so it continues exactly), else the run's."""
-    if run.resume:
-        saved = read_meta(run.resume).get("lr_schedule")
-        if saved:
-            return LRSchedule(**saved)
-    return run.schedule()
-
-
-def checkpoint_meta(run: RunConfig, done: int, schedule, tok) -> dict:
-    return {"step": done, "model": run.model_dict(), "plan": run.plan.to_dict(), "seed": run.seed,
-            "data_position": done, "lr_schedule": schedule.as_dict(), "tokenizer": tok.name}
 
 
 def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | None = None):

@@ -150,7 +150,7 @@ def test_prepare_bpe_then_train_eval_save_and_sample(tmp_path):
     r = run_cli("train", "--data", str(out), "--steps", "12", "--eval-every", "6", "--eval-batches", "2",
                 "--lr-schedule", "cosine", "--warmup-steps", "3", "--weight-decay", "0.1",
                 "--save", str(ck), "--save-every", "4", "--keep-last", "2", "--log-jsonl", str(log),
-                "--grad-clip", "1.0", "--tensorboard", str(tmp_path / "tb"))
+                "--grad-clip", "1.0", "--tensorboard", str(tmp_path / "tb"), "--sample-every", "6")
     assert r.returncode == 0, r.stderr
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -164,6 +164,7 @@ def test_prepare_bpe_then_train_eval_save_and_sample(tmp_path):
     assert [x["step"] for x in recs if "val_loss" in x] == [6, 12]
     assert all("lr" in x for x in recs) and recs[0]["lr"] == pytest.approx(3e-3 / 3)
     assert "step 10/12" in r.stderr  # plain progress lines: stderr is not a terminal here
+    assert "sample at step 6: " in r.stderr and "sample at step 12: " in r.stderr
     assert sorted(os.listdir(ck)) == ["latest", "step-000008", "step-000012"]  # --keep-last 2
     meta = json.loads((ck / "step-000012" / "meta.json").read_text())
     assert meta["model"]["vocab_size"] == 400  # the vocabulary followed the tokenizer
