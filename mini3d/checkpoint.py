@@ -195,6 +195,19 @@ def latest_dir(root: str) -> str | None:
     return None
 
 
+def prune_checkpoints(root: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints under `root` (never the one `latest`
+    names); returns the deleted directories. Leader only, after a commit."""
+    newest = latest_dir(root)
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step-")
+                   and os.path.isfile(os.path.join(root, n, "meta.json")))
+    doomed = [os.path.join(root, n) for n in steps[:max(0, len(steps) - keep)]]
+    doomed = [d for d in doomed if newest is None or os.path.abspath(d) != os.path.abspath(newest)]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
+
+
 def read_meta(ckpt: str) -> dict:
     with open(os.path.join(ckpt, "meta.json")) as f:
         return json.load(f)

@@ -17,7 +17,8 @@ from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
-SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli")
+SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
+                      "mini3d.sample")
 
 
 def bad_input(problems: list[str], command: str = "train") -> int:
@@ -92,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
                    help="clip the global gradient norm to NORM (0: off; 1.0 is usual)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--data", help="a text file to train on (default: the embedded corpus)")
+    r.add_argument("--data", help="a text file, or a `mini3d prepare` shard directory (default: the "
+                                  "embedded corpus)")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda")
     r.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per optimizer step")
     r.add_argument("--save", metavar="DIR", help="write checkpoints under DIR (at the end, and "
@@ -104,7 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     from .diagnose.cli import add_train_args
+    from .run_cli import add_run_args
 
+    add_run_args(t)  # tokenizer, validation, lr schedule, metrics, long runs
     add_train_args(t)  # mini3d.diagnose: --hang-timeout --run-dir --inject-fault --memory-budget ...
     t.set_defaults(func=cmd_train)
     for name in SUBCOMMAND_MODULES:
@@ -129,7 +133,6 @@ def add_grade_command(sub):
 
 
 def cmd_train(args) -> int:
-    from .data import check_data_path
     from .launch import LaunchError, LaunchTimeout, WorkerError, choose_device, in_torchrun
 
     try:
@@ -139,27 +142,22 @@ def cmd_train(args) -> int:
     plan = plan_from_args(args)
     torchrun = in_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or plan.world_size)
-    problems = plan.problems(cfg, world)
-    if args.steps < 1:
-        problems.append(f"steps={args.steps} must be >= 1")
-    if args.grad_clip < 0:
-        problems.append(f"grad_clip={args.grad_clip} must be >= 0 (0 turns clipping off)")
-    data_problem = check_data_path(args.data)
-    if data_problem:
-        problems.append(data_problem)
-    if cfg.vocab_size < 256:
-        problems.append(f"vocab_size={cfg.vocab_size} is smaller than the byte vocabulary (256)")
     from .diagnose.cli import diagnose_problems, diagnose_spec
 
+    from .run_cli import run_options
+
+    cfg, options, problems = run_options(args, cfg)  # tokenizer, eval, schedule, metrics
+    spec = run_from_args(args, cfg, plan, {**diagnose_spec(args), **options})
+    problems = spec.problems(world) + problems
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
     if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
         from .diagnose.dryrun import dry_run
 
         return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node)
-    resume = None
     if args.resume:
         resume, resume_problems = check_resume(args.resume, cfg, args.steps)
         problems += resume_problems
+        spec = spec.replace(resume=resume)
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         choose_device(args.device, local, per_process=torchrun)
@@ -168,22 +166,17 @@ def cmd_train(args) -> int:
     if problems:
         return bad_input(problems)
 
-    from .train import make_spec, reporter_records, summary_line, train_worker
+    from .train import summary_line, train_worker
 
-    spec = make_spec(cfg, plan, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
-                     grad_clip=args.grad_clip,
-                     log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
-                     save_every=args.save_every, resume=resume,
-                     **diagnose_spec(args))  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
     if torchrun:
         from .diagnose.watchdog import nccl_env
         from .launch import init_from_env
 
-        os.environ.update(nccl_env(spec["hang_timeout"], spec["run_dir"]))
+        os.environ.update(nccl_env(spec.hang_timeout, spec.run_dir))
         init_from_env(args.device)
         result = train_worker(spec)
         if result["reporter"]:
-            print(summary_line(result["records"], plan), flush=True)
+            print(summary_line(result["records"], plan, result["device"]), flush=True)
         return EXIT_OK
     try:
         results = launch_train(spec, world, args.device, args.timeout)
@@ -191,14 +184,15 @@ def cmd_train(args) -> int:
         if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
             print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
             return EXIT_OOM
-        return report_failure(e, spec["run_dir"], EXIT_FAILED)
+        return report_failure(e, spec.run_dir, EXIT_FAILED)
     except LaunchTimeout as e:
-        return report_failure(e, spec["run_dir"], EXIT_HUNG)
-    print(summary_line(reporter_records(results), plan), flush=True)
+        return report_failure(e, spec.run_dir, EXIT_HUNG)
+    reporter = next(r for r in results if r["reporter"])
+    print(summary_line(reporter["records"], plan, reporter["device"]), flush=True)
     if not args.run_dir:  # the default (temporary) run directory served its purpose
         import shutil
 
-        shutil.rmtree(spec["run_dir"], ignore_errors=True)
+        shutil.rmtree(spec.run_dir, ignore_errors=True)
     return EXIT_OK
 
 
@@ -211,6 +205,16 @@ def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
         lines = [str(exc)] + ([f"(per-rank state: mini3d explain-hang {run_dir})"] if run_dir else [])
     print("mini3d train: " + "\n".join(lines), file=sys.stderr, flush=True)
     return code
+
+
+def run_from_args(args, cfg: ModelConfig, plan: Plan, diagnose: dict):
+    """The RunConfig that `mini3d train`'s flags ask for (not validated yet: see cmd_train)."""
+    from .run_config import RunConfig
+
+    return RunConfig(model=cfg, plan=plan, steps=args.steps, lr=args.lr, seed=args.seed,
+                     grad_clip=args.grad_clip, data=args.data, log_jsonl=args.log_jsonl,
+                     progress=not args.no_progress, save=args.save, save_every=args.save_every,
+                     **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
 
 
 def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:
@@ -236,13 +240,14 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
     return ckpt, out
 
 
-def launch_train(spec: dict, world: int, device: str = "auto", timeout: float = 3600):
+def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
+    """Spawn `world` local processes running `train_worker(spec)` (a RunConfig)."""
     from .diagnose.watchdog import nccl_env
     from .launch import launch
     from .train import train_worker
 
-    run_dir = spec.get("run_dir")
-    env = nccl_env(spec["hang_timeout"], run_dir) if run_dir else None
+    run_dir = spec.run_dir
+    env = nccl_env(spec.hang_timeout, run_dir) if run_dir else None
     return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
 
 

@@ -1,8 +1,9 @@
 """The training loop every rank runs: build the topology, the (parallelised) model, then step.
 
-`train_worker(spec)` is what `mini3d train` runs in each process, whether the processes were spawned by
-`mini3d.launch.launch` or by torchrun. `spec` is a plain dict (picklable, JSON-able) holding the model
-config, the plan and the run options, so the same function serves the CLI, the tests and the course.
+`train_worker(run)` is what `mini3d train` runs in each process, whether the processes were spawned by
+`mini3d.launch.launch` or by torchrun. `run` is a `RunConfig` (mini3d.run_config: frozen, picklable)
+holding the model config, the plan and the run options, so the same function serves the CLI, the
+tests and the course (all build it with `make_spec`).
 
 The reporting rank (the one that computes the loss: last pipeline stage, tp_rank 0, dp_rank 0) shows a
 progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and returns the step records.
@@ -11,7 +12,6 @@ progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and retu
 from __future__ import annotations
 
 import contextlib
-import json
 import resource
 import time
 
@@ -19,16 +19,20 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
-from .data import Batches, load_tokens
+from .config import ModelConfig, Plan
+from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
 from .grid import Grid, build_topology
 import torch.nn as nn
 
-from .checkpoint import (CheckpointWriter, gather_full_state, read_meta, read_states,
-                         restore_full_state, restore_rng)
+from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
+                         read_states, restore_full_state, restore_rng)
+from .optim import WeightDecay, set_lr
+from .periodic import checkpoint_meta, periodic, resumed_schedule
+from .report import RunReport, model_flops_utilisation, peak_flops_per_rank
+from .tokenizer import get_tokenizer
 from .dp import make_dp, model_state_ledger
 from .launch import current_device, device_memory
 from .pp.partition import build_stages
@@ -36,19 +40,9 @@ from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
+from .run_config import RunConfig, make_spec
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
                  sum_replicated_grads)
-
-
-def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
-              data: str | None = None, log_jsonl: str | None = None, progress: bool = False,
-              weight_decay: float = 0.0, grad_clip: float = 0.0, **extra) -> dict:
-    """Everything a worker needs, as a plain dict."""
-    import dataclasses
-
-    return dict(model=dataclasses.asdict(cfg), plan=plan.to_dict(), steps=steps, lr=lr, seed=seed,
-                data=data, log_jsonl=log_jsonl, progress=progress, weight_decay=weight_decay,
-                grad_clip=grad_clip, **extra)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -72,11 +66,14 @@ class Trainer:
     Parallelising is an ordered series of transforms (see `parallelize`)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, topo, seed: int, lr: float,
-                 weight_decay: float = 0.0, grad_clip: float = 0.0):
+                 weight_decay: float = 0.0, grad_clip: float = 0.0, decay_embeddings: bool = False):
         self.cfg, self.plan, self.topo = cfg, plan, topo
         self.stages, self.net, self.optimizer = parallelize(
-            cfg, plan, topo, seed,
-            lambda params: adamw(params, lr, weight_decay, topo.device))
+            cfg, plan, topo, seed, lambda params: adamw(params, lr, 0.0, topo.device))
+        # weight decay on the matrices only (mini3d.optim), applied by hand before each update
+        self.decay = WeightDecay(self.optimizer, self.net.module, weight_decay, decay_embeddings)
+        self.optimizer.grad_hooks.append(
+            lambda local: self.decay.apply(self.optimizer.param_groups[0]["lr"]))
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
         self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
@@ -194,38 +191,36 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     return stages, net, optimizer
 
 
-def train_worker(spec: dict) -> dict:
-    """Run optimizer steps until step `spec["steps"]` on this rank; return what this rank saw."""
-    cfg, plan = model_from_dict(spec["model"]), plan_from_dict(spec["plan"])
+def train_worker(run: RunConfig) -> dict:
+    """Run optimizer steps until step `run.steps` on this rank; return what this rank saw."""
+    cfg, plan = run.model, run.plan
     rank = dist.get_rank()
     topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
-    torch.manual_seed(spec["seed"])
-    tokens = load_tokens(spec.get("data"))
-    batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
-    trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0),
-                      spec.get("grad_clip", 0.0))
-    start = trainer.load(spec["resume"]) if spec.get("resume") else 0
-    diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
+    torch.manual_seed(run.seed)
+    tok = get_tokenizer(run.tokenizer)
+    batches = Batches(open_tokens(run.data, tok), plan.seq_len, plan.global_batch, run.seed)
+    val = open_tokens(run.data, tok, "val") if run.eval_every else None
+    val_batches = Batches(val, plan.seq_len, plan.global_batch, run.seed, stream=1) if val else None
+    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip,
+                      run.decay_embeddings)
+    start = trainer.load(run.resume) if run.resume else 0
+    schedule = resumed_schedule(run)  # the checkpoint's schedule continues exactly
+    diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
-    log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
-    bar = None
-    if reporter and spec.get("progress"):
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=spec["steps"], initial=start, desc=f"train {describe_plan(plan)}",
-                   unit="step", disable=None)  # None: only on a terminal
+    report = RunReport(run, reporter, start, f"train {describe_plan(plan)}")
+    peak = peak_flops_per_rank(topo.device, plan.dtype)  # None on CPU: no MFU
     records = []
     tokens_per_step = plan.global_batch * plan.seq_len
-    save_every = spec.get("save_every") or 0
-    collect, extra = set(spec.get("collect") or ()), {}
-    budget = parse_size(spec["memory_budget"]) if spec.get("memory_budget") else None
-    for step in range(start, spec["steps"]):
+    collect, extra = set(run.collect), {}
+    budget = parse_size(run.memory_budget) if run.memory_budget else None
+    for step in range(start, run.steps):
         topo.log.context = {"step": step}
         diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
         t0 = time.perf_counter()
+        set_lr(trainer.optimizer, schedule.at(step))
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
         measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
-        loss, acts = run_step(trainer, mbs, step, measure, spec.get("run_dir"))
+        loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)
         if acts is not None and "activations" in collect:
             extra["activations"] = acts
         if budget and step == start:  # --memory-budget: the measured ledgers against the budget
@@ -234,27 +229,24 @@ def train_worker(spec: dict) -> dict:
         loss = trainer.mean_loss_over_dp(loss)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "peak_mem_bytes": peak_memory_bytes(topo.device),
+               "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": schedule.at(step),
                "peak_grad_bytes": trainer.last_peak_grad_bytes}
         if trainer.last_grad_norm is not None:
             rec["grad_norm"] = trainer.last_grad_norm  # before clipping
-        records.append(rec)
-        if log_file:
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-        if bar:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
+        if peak:
+            rec["mfu"] = model_flops_utilisation(cfg, plan, dt, peak)
         done = step + 1
-        if spec.get("save") and (done == spec["steps"] or (save_every and done % save_every == 0)):
-            trainer.save(spec["save"], done, {"step": done, "model": spec["model"], "plan": spec["plan"],
-                                              "seed": spec["seed"], "data_position": done})
-    if bar:
-        bar.close()
-    if log_file:
-        log_file.close()
+        rec.update(periodic(trainer, run, done, val_batches, tok, report))
+        records.append(rec)
+        report.step(rec)
+        if run.save and (done == run.steps or (run.save_every and done % run.save_every == 0)):
+            trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok))
+            if run.keep_last and topo.rank == 0:
+                prune_checkpoints(run.save, run.keep_last)
+    report.close()
     diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
+            "device": topo.device.type,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
@@ -294,7 +286,7 @@ def memory_by_category(trainer: Trainer, activations: float = 0) -> dict:
 
 
 def collected(trainer: Trainer, what: set) -> dict:
-    """Optional measurements a caller (tests, the course) asks for with spec["collect"]:
+    """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
     micro-batch by module, measured during the first step; one model chunk only)."""
@@ -319,14 +311,22 @@ def describe_plan(plan: Plan) -> str:
     return s
 
 
-def summary_line(records: list[dict], plan: Plan) -> str:
+def summary_line(records: list[dict], plan: Plan, device_type: str = "cpu") -> str:
     first, last = records[0], records[-1]
     n = len(records)
     mean_tps = sum(r["tokens_per_s"] for r in records[1:] or records) / max(1, len(records[1:] or records))
-    return (f"done: {n} steps on {describe_plan(plan)} ({plan.world_size} processes): loss "
-            f"{first['loss']:.4f} -> {last['loss']:.4f}, {mean_tps:,.0f} tokens/s, peak memory "
-            f"{max(r['peak_mem_bytes'] for r in records) / 2**20:,.0f} MiB per rank")
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    val_text = f", val loss {val[0]:.4f} -> {val[-1]:.4f}" if len(val) > 1 else (
+        f", val loss {val[0]:.4f}" if val else "")
+    what = "peak memory" if device_type == "cuda" else "peak memory (process RSS, not model bytes)"
+    return (f"done: {n} steps on {describe_plan(plan)} ({plan.world_size} processes, {plan.dtype}): "
+            f"loss {first['loss']:.4f} -> {last['loss']:.4f}{val_text}, {mean_tps:,.0f} tokens/s, "
+            f"{what} {max(r['peak_mem_bytes'] for r in records) / 2**20:,.0f} MiB per rank")
 
 
 def reporter_records(results: list[dict]) -> list[dict]:
     return next(r["records"] for r in results if r["reporter"])
+
+
+__all__ = ["Trainer", "parallelize", "train_worker", "make_spec", "summary_line", "reporter_records",
+           "describe_plan", "peak_memory_bytes"]
