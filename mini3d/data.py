@@ -71,12 +71,12 @@ class Batches:
         if sum(self.starts) < 1:
             raise ValueError(f"the data has {max(self.source.lengths, default=0)} tokens in its "
                              f"largest piece, fewer than seq_len+2={seq_len + 2}")
-        self.cum = torch.tensor([0] + self.starts).cumsum(0)
+        self.cum = torch.tensor([0] + self.starts, device="cpu").cumsum(0)  # host-side index
         self.seq_len, self.global_batch, self.seed, self.stream = seq_len, global_batch, seed, stream
 
     def _starts(self, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + self.stream * 7_919_000_017)
-        return torch.randint(0, int(self.cum[-1]), (self.global_batch,), generator=g)
+        return torch.randint(0, int(self.cum[-1]), (self.global_batch,), generator=g, device="cpu")
 
     def _windows(self, starts: torch.Tensor):
         rows = []
@@ -110,7 +110,7 @@ def open_tokens(data: str | None, tokenizer, split: str = "train"):
     if tokenizer is None or tokenizer.name == "bytes":
         return load_tokens(data)
     text = embedded_corpus().decode("utf-8") if data is None else open(data, encoding="utf-8").read()
-    return torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    return torch.tensor(tokenizer.encode(text), dtype=torch.long, device="cpu")
 
 
 def shard_tokenizer(data: str | None) -> str | None:
