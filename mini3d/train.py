@@ -34,6 +34,7 @@ from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
+from .pp.tied import tie_across_stages
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
@@ -77,6 +78,7 @@ class Trainer:
         self.stages, self.net, self.optimizer = parallelize(
             cfg, plan, topo, seed,
             lambda params: adamw(params, lr, weight_decay, topo.device))
+        tie_across_stages(self.stages, cfg, plan, topo, self.optimizer)  # a tied head on another stage
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
         self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
@@ -205,6 +207,10 @@ def train_worker(spec: dict) -> dict:
     trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0),
                       spec.get("grad_clip", 0.0))
     start = trainer.load(spec["resume"]) if spec.get("resume") else 0
+    if spec.get("init_from_hf") and not spec.get("resume"):
+        from .hf import init_from_hf
+
+        init_from_hf(trainer, spec["init_from_hf"])  # each rank slices its share of the HF weights
     diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
     log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
