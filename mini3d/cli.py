@@ -12,13 +12,13 @@ import importlib
 import os
 import sys
 
-from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
+from .config import FAMILIES, PRESETS, ModelConfig, Plan, PlanError, model_from_preset
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
 SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
-                      "mini3d.sample")
+                      "mini3d.sample", "mini3d.hf")
 
 
 def bad_input(problems: list[str], command: str = "train") -> int:
@@ -35,12 +35,39 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--heads", type=int, help="attention heads")
     g.add_argument("--vocab", type=int, help="vocabulary size")
     g.add_argument("--ffn", type=int, help="MLP width (default 4 x hidden)")
+    add_family_args(g)
+
+
+def add_family_args(g):
+    """--family --kv-heads --rope-base --tie-embeddings: the model family's fields (shared by
+    every command that describes a model: train, estimate, plan)."""
+    g.add_argument("--family", choices=FAMILIES, help="gpt2 (LayerNorm, GELU, learned positions) "
+                   "or llama (RMSNorm, SwiGLU, rotary positions, grouped-query attention)")
+    g.add_argument("--kv-heads", type=int, help="key/value heads (llama; default: --heads)")
+    g.add_argument("--rope-base", type=float, help="rotary position base theta (llama)")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the token embedding with the output head")
+
+
+def family_overrides(args) -> dict:
+    """The ModelConfig fields the family flags set (only those given)."""
+    over = {k: v for k, v in (("family", args.family), ("n_kv_heads", args.kv_heads),
+                              ("rope_base", args.rope_base),
+                              ("tie_embeddings", args.tie_embeddings)) if v is not None}
+    if "family" in over:  # the family's own activation, and full attention unless --kv-heads
+        over["activation"] = ""
+        over.setdefault("n_kv_heads", 0)
+    return over
 
 
 def model_from_args(args) -> ModelConfig:
     over = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.hidden),
                               ("n_heads", args.heads), ("vocab_size", args.vocab),
                               ("d_ff", args.ffn)) if v is not None}
+    over.update(family_overrides(args))
+    if "n_heads" in over and "n_kv_heads" not in over and PRESETS.get(args.model) and \
+            PRESETS[args.model].n_kv_heads == PRESETS[args.model].n_heads:
+        over["n_kv_heads"] = 0  # still one key/value head per query head
     if "d_model" in over and "d_ff" not in over:
         over["d_ff"] = 4 * over["d_model"]
     if over:
@@ -102,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
     r.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint under DIR "
                                                    "(any layout); --steps is the total to reach")
+    r.add_argument("--init-from-hf", metavar="HF_DIR", help="start from a local Hugging Face GPT-2 / "
+                   "Llama directory (its config.json sets the model; see mini3d import-hf)")
     r.add_argument("--world-size", type=int, help="number of processes (default tp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -139,6 +168,16 @@ def cmd_train(args) -> int:
         cfg = model_from_args(args)
     except PlanError as e:
         return bad_input(e.problems)
+    if args.init_from_hf:  # the HF directory's config.json is the model
+        from .hf import HFError, hf_config
+
+        try:
+            cfg = hf_config(args.init_from_hf)
+        except HFError as e:
+            return bad_input([f"--init-from-hf: {e}"])
+        if args.resume:
+            return bad_input(["--init-from-hf and --resume both say where the weights come from "
+                              "(give one)"])
     plan = plan_from_args(args)
     torchrun = in_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or plan.world_size)
@@ -214,7 +253,7 @@ def run_from_args(args, cfg: ModelConfig, plan: Plan, diagnose: dict):
     return RunConfig(model=cfg, plan=plan, steps=args.steps, lr=args.lr, seed=args.seed,
                      grad_clip=args.grad_clip, data=args.data, log_jsonl=args.log_jsonl,
                      progress=not args.no_progress, save=args.save, save_every=args.save_every,
-                     **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
+                     init_from_hf=args.init_from_hf, **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
 
 
 def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:

@@ -49,6 +49,7 @@ class RunConfig:
     save: str | None = None  # checkpoint root directory (saved at the end and every save_every)
     save_every: int = 0  # also save every N steps (0: only at the end)
     resume: str | None = None  # a checkpoint directory to continue from (any layout)
+    init_from_hf: str | None = None  # a local Hugging Face checkpoint directory to start from
     collect: tuple = ()  # extra measurements to return: events, timeline, ledger, activations
     run_dir: str | None = None  # where ranks dump diagnostics (hangs, faults)
     hang_timeout: float = 300.0  # seconds an op may pend before it counts as a hang

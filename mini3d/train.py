@@ -38,6 +38,7 @@ from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
+from .pp.tied import tie_across_stages
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
 from .run_config import RunConfig, make_spec
@@ -74,6 +75,7 @@ class Trainer:
         self.decay = WeightDecay(self.optimizer, self.net.module, weight_decay, decay_embeddings)
         self.optimizer.grad_hooks.append(
             lambda local: self.decay.apply(self.optimizer.param_groups[0]["lr"]))
+        tie_across_stages(self.stages, cfg, plan, topo, self.optimizer)  # a tied head on another stage
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
         self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
@@ -204,6 +206,10 @@ def train_worker(run: RunConfig) -> dict:
     trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip,
                       run.decay_embeddings)
     start = trainer.load(run.resume) if run.resume else 0
+    if run.init_from_hf and not run.resume:
+        from .hf import init_from_hf
+
+        init_from_hf(trainer, run.init_from_hf)  # each rank slices its share of the HF weights
     schedule = resumed_schedule(run)  # the checkpoint's schedule continues exactly
     diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0

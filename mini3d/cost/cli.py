@@ -35,6 +35,9 @@ def _model_args(p):
     g.add_argument("--vocab", type=int)
     g.add_argument("--ffn", type=int, help="MLP width d_ff (default 4 * hidden)")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
+    from ..cli import add_family_args
+
+    add_family_args(g)
 
 
 def _hw_args(p):
@@ -64,6 +67,9 @@ def model_from_args(args) -> ModelConfig:
     fields = {"n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
               "vocab_size": args.vocab, "d_ff": args.ffn}
     given = {k: v for k, v in fields.items() if v is not None}
+    from ..cli import family_overrides
+
+    given.update(family_overrides(args))
     if args.model:
         if args.model not in PRESETS:
             raise BadInput(f"--model {args.model!r} is not a preset (choose from {', '.join(PRESETS)})")
@@ -123,7 +129,8 @@ def cmd_estimate(args) -> int:
         out["explanation"] = why_not(est)
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{cfg.name} on {plan.world_size} x {hw.name}: {describe(plan)}")
+    print(f"{cfg.name} ({cfg.family}, {cfg.n_params() / 1e9:.1f}B parameters) on "
+          f"{plan.world_size} x {hw.name}: {describe(plan)}")
     for s in stages:
         print("  " + s.summary())
     print("  " + why_not(est))

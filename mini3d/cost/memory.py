@@ -4,13 +4,16 @@
 `optimizer`, `activations` and `comm_buffers` bytes for one rank of pipeline stage `stage`
 (default: the stage that needs the most memory), its `total` and `fits(capacity_bytes)`.
 
-Parameters are counted exactly from the layout of `mini3d.model.GPT`: the embedding (token table,
-vocabulary padded to a multiple of tp and split over tp; position table replicated) lives on the
-first stage, the head (final LayerNorm and an untied, bias-free output matrix, vocabulary-parallel)
-on the last. Column-parallel layers (qkv, MLP fc) split weight and bias over tp; row-parallel ones
-(attention proj, MLP proj) split the weight and replicate the bias; LayerNorms are replicated.
-Layers are split over the pp * virtual_stages model chunks by `mini3d.pp.partition_layers` (the
-split the pipeline builds); chunk c lives on pipeline rank c % pp. The vocabulary is padded by
+Parameters are counted exactly from the layout of `mini3d.model.GPT` (either family, through
+`ModelConfig.layer_param_count`): the embedding (token table, vocabulary padded to a multiple of tp
+and split over tp; gpt2's position table replicated) lives on the first stage, the head (final norm
+and a bias-free output matrix, vocabulary-parallel; a tied one shares the embedding unless it sits
+on another stage) on the last. Column-parallel layers (qkv with its smaller K/V under grouped-query
+attention, MLP fc and llama's gate) split weight and bias over tp; row-parallel ones (attention proj,
+MLP proj) split the weight and replicate the bias; norms are replicated.
+Layers are split over the pp * virtual_stages model chunks as evenly as possible, the first chunks
+taking one extra layer when the split is uneven (`mini3d.pp.partition_layers`, the split the
+pipeline builds); chunk c lives on pipeline rank c % pp. The vocabulary is padded by
 `mini3d.tp.layers.padded_size`, micro-batches in flight come from
 `mini3d.pp.schedules.in_flight_bound`: the functions the engine itself runs.
 
@@ -82,21 +85,20 @@ def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
 
 
 def layer_params(cfg: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer block on one tp rank."""
-    h, f = cfg.d_model, cfg.d_ff
-    column = (3 * h * h + 3 * h + h * f + f) // tp  # qkv and MLP fc: weight and bias split
-    row = (h * h + f * h) // tp + 2 * h  # attention and MLP proj: weight split, bias replicated
-    return column + row + 4 * h  # + two replicated LayerNorms
+    """Parameters of one transformer block on one tp rank (`ModelConfig.layer_param_count`)."""
+    return cfg.layer_param_count(tp)
 
 
 def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
-    """Exact parameters on one tp rank of pipeline stage `stage` (before ZeRO sharding)."""
+    """Exact parameters on one tp rank of pipeline stage `stage` (before ZeRO sharding). A tied
+    head shares the embedding when one rank holds both; with pp > 1 the last stage keeps a copy."""
     h, t = cfg.d_model, plan.tp
     n = len(stage_layers(cfg, plan, stage)) * layer_params(cfg, t)
+    table = padded_size(cfg.vocab_size, t) * h // t
     if stage == 0:
-        n += padded_size(cfg.vocab_size, t) * h // t + cfg.max_seq_len * h
+        n += table + cfg.position_params()
     if stage == plan.pp - 1:
-        n += 2 * h + padded_size(cfg.vocab_size, t) * h // t
+        n += cfg.norm_params() + (0 if cfg.tie_embeddings and plan.pp == 1 else table)
     return n
 
 
@@ -155,9 +157,13 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     if fused_attention is None:
         fused_attention = plan.attention == "sdpa"
     sbh = s * b * h * e
-    rep = 4 * sbh / (t if plan.sequence_parallel else 1)
+    if cfg.family == "llama":
+        rep, qkv, mlp = _llama_terms(cfg, fused_attention)
+    else:
+        rep, qkv, mlp = 4, 3 * h, 2 * f
+    rep = rep * sbh / (t if plan.sequence_parallel else 1)
     core = 4 * a * s * b / t if fused_attention else a * s * s * b * e / t
-    split = (3 * sbh + sbh + 2 * s * b * f * e) / t
+    split = (qkv * s * b * e + sbh + mlp * s * b * e) / t
     full = rep + split + core
     recompute = plan.recompute if recompute is None else recompute
     if recompute == "full":
@@ -167,6 +173,18 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     else:
         stored = full
     return {"stored": stored, "full": full}
+
+
+def _llama_terms(cfg: ModelConfig, fused_attention: bool) -> tuple[int, int, int]:
+    """The llama family's counts in `layer_activation_bytes`, measured with the saved-tensor
+    ledger (tests/test_memory.py): (replicated tensors in units of sbh*e, saved q/k/v width,
+    saved MLP width). Each RMSNorm keeps its input, the normalised x and (for the next matmul) its
+    output: 3 sbh each, 6 for two (LayerNorm's fused kernel keeps 2). The explicit core keeps
+    contiguous q, k, v, (h + 2 kv) wide with kv = n_kv_heads * head_dim (grouped-query attention:
+    the smaller K/V); the fused one keeps the rotated q and k (h + kv) and, through v, the whole
+    qkv output (h + 2 kv). SwiGLU keeps gate, up, silu(gate) and their product: 4 f."""
+    h, kv = cfg.d_model, cfg.kv_dim
+    return 6, (2 * h + 3 * kv) if fused_attention else (h + 2 * kv), 4 * cfg.d_ff
 
 
 def inflight_microbatches(plan: Plan, stage: int) -> float:
@@ -186,6 +204,8 @@ def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     s, b, h, t = plan.seq_len, plan.micro_batch_size, cfg.d_model, plan.tp
     e = ELEMENT_BYTES[plan.dtype]
     ln = s * b * h * e / (t if plan.sequence_parallel else 1)
+    if cfg.family == "llama":
+        ln *= 2  # RMSNorm keeps its input and the normalised x (see _llama_terms)
     return ln + s * b * h * e + s * b * padded_size(cfg.vocab_size, t) // t * 4
 
 

@@ -4,9 +4,11 @@ FLOPs (per token, forward; Megatron's convention, so MFU compares with published
 
     layer  = 2 * (3h^2 + h^2 + 2hf)   qkv, attention projection, MLP fc and proj matmuls
            + 4sh                      QK^T and attention-times-V over the full s x s square
+             (llama: qkv is h(h + 2kv) with kv = n_kv_heads * head_dim, the MLP 3hf; the
+             weights of `ModelConfig.layer_weights`)
     head   = 2hV                      output projection (embedding lookups cost no FLOPs)
 
-LayerNorm, GELU, softmax and bias FLOPs are left out (well under 1% for these shapes). Model FLOPs
+Norm, GELU / SiLU, rotary, softmax and bias FLOPs are left out (well under 1% for these shapes). Model FLOPs
 are 3 * (L*layer + head) per token (backward = 2 x forward); hardware FLOPs add what recompute runs
 again: the whole layer forward under full recompute, the 4sh attention core under selective.
 
@@ -119,7 +121,8 @@ class CostEstimate:
         mem = {k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations",
                                                     "comm_buffers")}
         mem.update(total=self.memory.total, stage=self.memory.stage)
-        return {"model": self.model.name, "plan": self.plan.to_dict(), "hardware": self.hardware,
+        return {"model": self.model.name, "params": self.model.n_params(),
+                "family": self.model.family, "plan": self.plan.to_dict(), "hardware": self.hardware,
                 "n_gpus": self.n_gpus, "memory_per_rank_bytes": mem,
                 "capacity_bytes": self.capacity_bytes, "fits": self.fits,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -131,10 +134,10 @@ class CostEstimate:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     """Forward FLOPs per token: one layer's matmuls + attention, its attention core, the head."""
-    h, f = cfg.d_model, cfg.d_ff
+    h = cfg.d_model
     attn = 4 * seq_len * h
-    return {"layer": 2 * (4 * h * h + 2 * h * f) + attn, "attention": attn,
-            "head": 2 * h * cfg.vocab_size}
+    matmuls = sum(cfg.layer_weights().values())  # GQA's narrower K/V; SwiGLU's three matrices
+    return {"layer": 2 * matmuls + attn, "attention": attn, "head": 2 * h * cfg.vocab_size}
 
 
 def model_flops(cfg: ModelConfig, plan: Plan) -> float:

@@ -1,6 +1,6 @@
 """Planner: search the valid layouts of a model on n GPUs, drop those that do not fit, rank the rest.
 
-The search walks tp (dividing n_heads and d_ff), pp (at most n_layers), dp = n / (tp * pp) (dividing
+The search walks tp (dividing n_heads, n_kv_heads and d_ff), pp (at most n_layers), dp = n / (tp * pp) (dividing
 the global batch), micro-batch size and count, schedule (1F1B; GPipe; interleaved with 2..8 virtual
 stages), ZeRO stage (0-2, and 3 without pipelining) and recompute (none, selective, full), with
 sequence parallelism whenever tp > 1 (it only saves memory in this model). Every layout passes
@@ -44,7 +44,7 @@ def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: i
     selective recompute has nothing to save and is left out."""
     policies = ("none", "full") if attention == "sdpa" else ("none", "selective", "full")
     for tp in _divisors(n_gpus):
-        if cfg.n_heads % tp or cfg.d_ff % tp:
+        if cfg.n_heads % tp or cfg.d_ff % tp or cfg.n_kv_heads % tp:
             continue
         for pp in _divisors(n_gpus // tp):
             dp = n_gpus // (tp * pp)

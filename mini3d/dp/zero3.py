@@ -59,6 +59,24 @@ def find_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
+def tied_units(units: list[nn.Module]) -> list[list[nn.Module]]:
+    """The units as groups gathered together: a unit sharing a parameter with an earlier one (a
+    head tied to the embedding) joins that unit's group, so the shared tensor has one shard and one
+    gradient; the group is gathered for each of its modules' forwards and stays gathered in
+    backward until the shared gradient (complete after the earlier module's backward) arrives."""
+    groups: list[list[nn.Module]] = []
+    owner: dict = {}
+    for unit in units:
+        found = next((owner[p] for p in unit.parameters() if p in owner), None)
+        if found is None:
+            found = len(groups)
+            groups.append([])
+        groups[found].append(unit)
+        for p in unit.parameters():
+            owner.setdefault(p, found)
+    return groups
+
+
 class FullyShardedDP(GradSyncWrapper):
     """ZeRO-3 over `dp_axis`: each rank stores 1/dp of every unit's parameters and gradients."""
 
@@ -68,15 +86,16 @@ class FullyShardedDP(GradSyncWrapper):
                  grad_dtype: torch.dtype | None = None):
         super().__init__()
         self.module, self.axis = module, dp_axis
-        self.units = find_units(module)
+        self.units = tied_units(find_units(module))
         first = next(module.parameters())
         self.param_dtype = param_dtype or first.dtype
         self.grad_dtype = grad_dtype or self.param_dtype
         self.meter = GradMeter()
         self.groups, self._group_of = [], {}
         n, idx = dp_axis.size, dp_axis.index
-        for i, unit in enumerate(self.units):
-            g = FlatGroup(i, [p for p in unit.parameters() if p.requires_grad], n, idx)
+        for i, mods in enumerate(self.units):
+            params = {p: None for m in mods for p in m.parameters() if p.requires_grad}  # once each
+            g = FlatGroup(i, list(params), n, idx)
             fp32 = g.flatten(torch.float32, first.device)
             g.master_init = None if self.param_dtype == torch.float32 else fp32[g.lo:g.hi].clone()
             g.shard = fp32[g.lo:g.hi].to(self.param_dtype).clone()
@@ -91,8 +110,9 @@ class FullyShardedDP(GradSyncWrapper):
             for p in g.params:
                 self._group_of[p] = g
                 p.register_post_accumulate_grad_hook(self._on_grad)
-            unit.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g))
-            unit.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
+            for unit in mods:
+                unit.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g))
+                unit.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
         self.require_sync = True
         self._works: list = []
 
