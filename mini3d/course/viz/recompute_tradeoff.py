@@ -97,9 +97,11 @@ def recompute_explorer(models=("gpt-7b", "gpt-22b", "gpt-175b"), model: str = "g
                         f"micro-batch per GPU ({view['saved_fraction']:.0%} less than none), "
                         f"{view['extra_compute']:+.1%} compute per step")
 
-    for ctrl in controls.values():
-        ctrl.observe(lambda change: update(), names="value")
+    from .widgets import wire
+
+    wire(controls, status, update)
     box = W.VBox([W.HBox(list(controls.values())[:3]), W.HBox(list(controls.values())[3:]), status, fig])
+    box.add_class("mini3d-explorer")
     box.controls, box.figure, box.status, box.refresh = controls, fig, status, update
     update()
     return box
