@@ -12,19 +12,14 @@ import importlib
 import os
 import sys
 
-from .config import FAMILIES, PRESETS, ModelConfig, Plan, PlanError, model_from_preset
+from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
+from .model_args import add_family_args, family_overrides
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
+from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_OOM, bad_input  # noqa: F401
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
 SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
                       "mini3d.sample", "mini3d.hf")
-
-
-def bad_input(problems: list[str], command: str = "train") -> int:
-    print(f"mini3d {command}: bad input: " + "; ".join(problems) + ". Nothing was started.",
-          file=sys.stderr)
-    return EXIT_BAD_INPUT
 
 
 def add_model_args(p: argparse.ArgumentParser):
@@ -36,28 +31,6 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--vocab", type=int, help="vocabulary size")
     g.add_argument("--ffn", type=int, help="MLP width (default 4 x hidden)")
     add_family_args(g)
-
-
-def add_family_args(g):
-    """--family --kv-heads --rope-base --tie-embeddings: the model family's fields (shared by
-    every command that describes a model: train, estimate, plan)."""
-    g.add_argument("--family", choices=FAMILIES, help="gpt2 (LayerNorm, GELU, learned positions) "
-                   "or llama (RMSNorm, SwiGLU, rotary positions, grouped-query attention)")
-    g.add_argument("--kv-heads", type=int, help="key/value heads (llama; default: --heads)")
-    g.add_argument("--rope-base", type=float, help="rotary position base theta (llama)")
-    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
-                   help="share the token embedding with the output head")
-
-
-def family_overrides(args) -> dict:
-    """The ModelConfig fields the family flags set (only those given)."""
-    over = {k: v for k, v in (("family", args.family), ("n_kv_heads", args.kv_heads),
-                              ("rope_base", args.rope_base),
-                              ("tie_embeddings", args.tie_embeddings)) if v is not None}
-    if "family" in over:  # the family's own activation, and full attention unless --kv-heads
-        over["activation"] = ""
-        over.setdefault("n_kv_heads", 0)
-    return over
 
 
 def model_from_args(args) -> ModelConfig:

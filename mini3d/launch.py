@@ -23,7 +23,6 @@ import os
 import pickle
 import queue
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -355,8 +354,9 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     from ._boot import run as boot  # the spawn target: arms die-with-parent before importing torch
 
     procs = [ctx.Process(target=boot, name=f"mini3d-rank{r}", daemon=True,
-                         args=(os.getpid(), pickle.dumps((r, world_size, store_path, backend, device_type,
-                                                          threads, fn, args, env, timeout)), q))
+                         args=(os.getpid(), pickle.dumps((_worker, r, world_size, store_path, backend,
+                                                          device_type, threads, fn, args, env,
+                                                          timeout)), q))
              for r in range(world_size)]
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout

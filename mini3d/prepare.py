@@ -57,7 +57,7 @@ def _settings(args, files) -> dict:
 
 
 def cmd_prepare(args) -> int:
-    from .cli import bad_input
+    from .exits import bad_input
     from .tokenizer import TokenizerError, get_tokenizer, train_bpe
 
     files = input_files(args.inputs) if all(os.path.exists(p) for p in args.inputs) else []

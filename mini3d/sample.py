@@ -73,7 +73,7 @@ def sample_problems(args) -> list[str]:
 
 def cmd_sample(args) -> int:
     from .checkpoint import latest_dir
-    from .cli import bad_input
+    from .exits import bad_input
     from .tokenizer import TokenizerError, get_tokenizer
 
     problems = sample_problems(args)

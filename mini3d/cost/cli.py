@@ -35,7 +35,7 @@ def _model_args(p):
     g.add_argument("--vocab", type=int)
     g.add_argument("--ffn", type=int, help="MLP width d_ff (default 4 * hidden)")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
-    from ..cli import add_family_args
+    from ..model_args import add_family_args
 
     add_family_args(g)
 
@@ -67,7 +67,7 @@ def model_from_args(args) -> ModelConfig:
     fields = {"n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
               "vocab_size": args.vocab, "d_ff": args.ffn}
     given = {k: v for k, v in fields.items() if v is not None}
-    from ..cli import family_overrides
+    from ..model_args import family_overrides
 
     given.update(family_overrides(args))
     if args.model:
