@@ -159,7 +159,7 @@ def gather_full_state(chunks, optimizer, topo) -> tuple[dict, dict, int]:
             full = shard
             if sharded:
                 full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-                comm.all_gather(full, shard.contiguous(), topo.dp)
+                comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
             for p, local in group.views(full):
                 value = unshard_like(p, local.float(), topo).cpu()
                 if key == "weight":

@@ -52,6 +52,8 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention over "
+                                                    "2*cp zig-zag chunks of each sequence)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
@@ -72,7 +74,7 @@ def plan_from_args(args) -> Plan:
                 micro_batches=args.micro_batches, virtual_stages=args.virtual_stages,
                 recompute=args.recompute, dtype=args.dtype, global_batch=args.global_batch,
                 seq_len=args.seq_len, sequence_parallel=args.sequence_parallel,
-                bucket_mb=args.bucket_mb, attention=args.attention)
+                bucket_mb=args.bucket_mb, attention=args.attention, cp=args.cp)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,7 +48,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.core = attention_core
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
+        # positions: (T,) global positions of x's tokens (a cp rank's chunk); learned positions are
+        # added by the embedding, so this attention does not read them (rotary attention would)
         qkv = self.qkv(x)  # (B, T, 3C); T is the whole sequence even when x is a sequence shard
         B, T, _ = qkv.shape
         q, k, v = qkv.split(self.n_local_heads * self.head_dim, dim=-1)
@@ -108,8 +110,8 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, positions=None):
+        x = x + self.attn(self.ln1(x), positions)
         return x + self.mlp(self.ln2(x))
 
 
@@ -121,9 +123,10 @@ class Embedding(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
 
-    def forward(self, idx):
-        T = idx.shape[1]
-        return self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
+    def forward(self, idx, positions=None):
+        """positions: (T,) global positions of the tokens (default 0..T-1)."""
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
+        return self.wte(idx) + self.wpe(pos)  # (B, T, C)
 
 
 def cross_entropy(logits, targets):
@@ -150,7 +153,12 @@ class GPT(nn.Module):
 
     `layers` picks which blocks this module holds (global indices, default all); `first` adds the
     embedding (input: token ids), `last` adds the head (output: the loss when targets are given).
-    A middle stage maps hidden states (B, T, C) to hidden states."""
+    A middle stage maps hidden states (B, T, C) to hidden states. `positions` (T,) are the global
+    positions of the T tokens (under context parallelism a rank holds a zig-zag chunk of each
+    sequence); when not given, those set on the module (`self.positions`, see mini3d.cp), else 0..T-1.
+    """
+
+    positions = None  # (T,) default positions of this rank's tokens; None: 0..T-1
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, layers=None, first: bool = True,
                  last: bool = True, init: bool = True):
@@ -169,11 +177,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(reference_init(name, tuple(p.shape), seed, self.cfg))
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, positions=None):
+        positions = self.positions if positions is None else positions
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, positions)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, positions)
         if self.head is not None:
             return self.head(x, targets)
         return x

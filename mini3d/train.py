@@ -34,6 +34,7 @@ from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
+from .cp import apply_cp, chunk_batch, set_positions
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
@@ -103,7 +104,9 @@ class Trainer:
         """Forward + backward over every micro-batch, then one optimizer step; returns the mean loss
         (on every rank: the pipeline broadcasts it from the last stage)."""
         dev = self.topo.device
-        micro_batches = [(x.to(dev), y.to(dev)) for x, y in micro_batches]
+        if micro_batches and len(micro_batches[0]) == 3:  # (x, y, positions): a cp rank's chunks
+            set_positions(self.chunks, micro_batches[0][2].to(dev))
+        micro_batches = [(mb[0].to(dev), mb[1].to(dev)) for mb in micro_batches]
         # The dp gradient sync overlaps the last backward of each model chunk (interleaved
         # pipelines too: the later chunks finish first, and their buckets come first).
         if self.runtime is None:
@@ -128,10 +131,11 @@ class Trainer:
         return float(total)
 
     def mean_loss_over_dp(self, loss: float) -> float:
-        if self.topo.dp.size == 1:
+        """The mean over the replicas (and the cp ranks' equal chunks) of their mean losses."""
+        if self.topo.dp_cp.size == 1:
             return loss
-        t = torch.tensor([loss], dtype=torch.float64)
-        comm.all_reduce(t, self.topo.dp, op="avg")
+        t = torch.tensor([loss], dtype=torch.float64, device=self.topo.device)
+        comm.all_reduce(t, self.topo.dp_cp, op="avg")
         return float(t.item())
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -143,7 +147,7 @@ class Trainer:
         if self.topo.rank == 0:
             writer.begin()
         comm.barrier(world)
-        if self.topo.tp.index == 0 and self.topo.dp.index == 0:
+        if self.topo.tp.index == 0 and self.topo.dp.index == 0 and self.topo.cp.index == 0:
             part = {"model": weights, "optim": moments, "optim_step": opt_step}
             if self.topo.pp.index == 0:
                 part["rng"] = torch.get_rng_state()
@@ -178,8 +182,10 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     2. tensor parallelism: slice each stage's matrices for this tp rank (still shapes), then give
        each slice its value on this rank's device: the slice of the same parameter of the full
        reference model (one full parameter in host memory at a time, never the unsliced stage);
-    3. the attention core (written out, or torch's fused sdpa) and the recomputation policy;
-    4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
+    3. the attention core (written out, or torch's fused sdpa; ring attention over cp when cp > 1)
+       and the recomputation policy;
+    4. data parallelism / ZeRO over the cp x dp ranks (the dp axis when cp = 1), which also builds
+       the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
     stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta")
@@ -187,10 +193,11 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
         apply_tp(module, topo, plan)
         materialize_reference(module, topo, seed, topo.device)
         set_attention(module, plan.attention)
+        apply_cp(module, topo, plan.attention)
         apply_recompute(module, plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    net, optimizer = make_dp(root, topo.dp, plan, optimizer_factory)
+    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)
     return stages, net, optimizer
 
 
@@ -198,7 +205,7 @@ def train_worker(spec: dict) -> dict:
     """Run optimizer steps until step `spec["steps"]` on this rank; return what this rank saw."""
     cfg, plan = model_from_dict(spec["model"]), plan_from_dict(spec["plan"])
     rank = dist.get_rank()
-    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
+    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), rank, current_device())
     torch.manual_seed(spec["seed"])
     tokens = load_tokens(spec.get("data"))
     batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
@@ -206,7 +213,7 @@ def train_worker(spec: dict) -> dict:
                       spec.get("grad_clip", 0.0))
     start = trainer.load(spec["resume"]) if spec.get("resume") else 0
     diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
-    reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
+    reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0
     log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
     bar = None
     if reporter and spec.get("progress"):
@@ -224,6 +231,8 @@ def train_worker(spec: dict) -> dict:
         diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
         t0 = time.perf_counter()
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
+        if plan.cp > 1:  # this cp rank's zig-zag chunks of every sequence, and their positions
+            mbs = [chunk_batch(x, y, plan.cp, topo.cp.index) for x, y in mbs]
         measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
         loss, acts = run_step(trainer, mbs, step, measure, spec.get("run_dir"))
         if acts is not None and "activations" in collect:
@@ -309,6 +318,8 @@ def collected(trainer: Trainer, what: set) -> dict:
 
 def describe_plan(plan: Plan) -> str:
     s = f"tp{plan.tp} x pp{plan.pp} x dp{plan.dp}"
+    if plan.cp > 1:
+        s = f"tp{plan.tp} x cp{plan.cp} x pp{plan.pp} x dp{plan.dp}"
     if plan.zero:
         s += f" zero{plan.zero}"
     if plan.pp > 1:

@@ -33,3 +33,54 @@ def ring_cases(cases: list[dict]) -> list[dict]:
                     "dq": q.grad, "dk": k.grad, "dv": v.grad,
                     "sends": topo.log.count("cp", "send"), "bytes": topo.log.bytes_by_axis["cp"]})
     return out
+
+
+def _groups_only(grid: Grid):
+    """On a rank outside `grid` (a case smaller than the job): take part in creating its groups
+    (torch's new_group is collective over the whole job), in build_topology's order."""
+    names = ("tp", "cp", "pp", "dp", "mp", "embedding") + (("dp_cp",) if grid.sizes["cp"] > 1 else ())
+    for name in names:
+        for g in grid.groups(name):
+            if len(g) > 1:
+                dist.new_group(g)
+
+
+def run_cp_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> list[dict]:
+    """tests/threed_workers.run_layouts for layouts with a cp axis: each case ({"name", "plan"})
+    trains a Trainer on its plan.world_size ranks (the others only help build the groups), feeding
+    each cp rank its zig-zag chunks; returns from every dp_rank-0, cp_rank-0 rank the losses, every
+    step's full gradients and the final parameters (gathered over cp x dp, tp)."""
+    from mini3d import comm
+    from mini3d.checkpoint import gather_full_state
+    from mini3d.config import ModelConfig, Plan
+    from mini3d.cp import chunk_batch
+    from mini3d.data import Batches, load_tokens
+    from mini3d.train import Trainer
+    from tests.threed_workers import LR, WEIGHT_DECAY, _capture_grads, full_grads
+
+    cfg, rank, out = ModelConfig(**cfg_dict), dist.get_rank(), []
+    tokens = load_tokens()
+    for case in cases:
+        plan = Plan(**case["plan"])
+        grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+        if rank >= plan.world_size:
+            _groups_only(grid)
+            dist.barrier()
+            continue
+        topo = build_topology(grid, rank)
+        trainer = Trainer(cfg, plan, topo, seed, LR, WEIGHT_DECAY)
+        seen = _capture_grads(trainer)
+        batches = Batches(tokens, plan.seq_len, plan.global_batch, seed)
+        losses = []
+        for step in range(steps):
+            mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
+            mbs = [chunk_batch(x, y, plan.cp, topo.cp.index) for x, y in mbs]
+            losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
+        grads = [full_grads(trainer, s) for s in seen]
+        weights, _, opt_step = gather_full_state(trainer.chunks, trainer.optimizer, topo)
+        if topo.dp.index == 0 and topo.cp.index == 0:
+            out.append({"name": case["name"], "coords": topo.coords, "losses": losses,
+                        "grads": grads, "weights": weights, "opt_step": opt_step,
+                        "cp_sends": topo.log.count("cp", "send")})
+        comm.barrier(topo.axes["world"])
+    return out

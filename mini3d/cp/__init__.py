@@ -4,10 +4,12 @@ layout.py  the zig-zag assignment of sequence chunks to cp ranks, and each block
 blocks.py  attention of one query block against one key/value block with its log-sum-exp, the
            combination rule, and the flash-style block backward
 ring.py    the ring: K/V blocks (and in backward their dK/dV accumulators) travel the cp axis
+apply.py   the transform: ring attention in every block, the chunk's positions on the model
 """
 
-from .layout import zigzag_chunks, zigzag_merge, zigzag_positions, zigzag_split
+from .apply import apply_cp, set_positions
+from .layout import chunk_batch, zigzag_chunks, zigzag_merge, zigzag_positions, zigzag_split
 from .ring import RingCore, ring_attention
 
-__all__ = ["RingCore", "ring_attention", "zigzag_chunks", "zigzag_merge", "zigzag_positions",
+__all__ = ["RingCore", "apply_cp", "chunk_batch", "ring_attention", "set_positions", "zigzag_chunks", "zigzag_merge", "zigzag_positions",
            "zigzag_split"]

@@ -56,3 +56,10 @@ def block_kind(q_chunk: int, k_chunk: int) -> bool | None:
     if k_chunk < q_chunk:
         return False
     return True if k_chunk == q_chunk else None
+
+
+def chunk_batch(x: torch.Tensor, y: torch.Tensor, cp: int, cp_rank: int):
+    """This cp rank's share of a micro-batch: (inputs, targets, positions), the zig-zag chunks of
+    every sequence of (b, s) token ids x and targets y, and the (2c,) global positions of them."""
+    return (zigzag_split(x, cp, cp_rank), zigzag_split(y, cp, cp_rank),
+            zigzag_positions(x.shape[1], cp, cp_rank, device=x.device))
