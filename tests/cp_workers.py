@@ -84,3 +84,16 @@ def run_cp_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> 
                         "cp_sends": topo.log.count("cp", "send")})
         comm.barrier(topo.axes["world"])
     return out
+
+
+def measured_ring(spec: dict) -> dict:
+    """`mini3d.train.train_worker` on `spec`, reduced to what tests/test_cp_costs.py compares: this
+    rank's activation bytes of layer 0 per micro-batch, and its cp sends of step 1 (count, bytes)."""
+    from mini3d.train import train_worker
+
+    r = train_worker(spec)
+    sends = [e for e in r["events"] if e["axis"] == "cp" and e["op"] == "send"
+             and e["context"].get("step") == 1]
+    return {"coords": r["coords"], "layer0": sum(v for k, v in r["activations"].items()
+                                                 if k.startswith("layer0.")),
+            "sends": len(sends), "send_bytes": sum(e["bytes"] for e in sends)}
