@@ -2,8 +2,8 @@
 every gradient over several AdamW steps, float32), and Plan's cp checks.
 
 One 4-process gloo job runs every layout (tests/cp_workers.run_cp_layouts): cp=2 and cp=4 alone,
-tp2 x cp2 (with sequence parallelism), cp2 x pp2 (1F1B, sdpa block math, full recompute) and
-cp2 x dp2 with ZeRO-1. The reference and the tolerances are those of tests/test_3d.py (same model,
+tp2 x cp2 (with sequence parallelism), cp2 x pp2 (1F1B, sdpa block math, full recompute; and
+interleaved), cp2 x dp2 with ZeRO-1, ZeRO-3, and ZeRO-2 in bf16 (test_3d's bf16 tolerances). The reference and the tolerances are those of tests/test_3d.py (same model,
 seed, batches): the layouts differ from it only in summation order (ring hops and the log-sum-exp
 combination add ~1e-7 relative per op; see test_cp.py).
 """
@@ -17,7 +17,7 @@ import pytest
 from mini3d.config import Plan
 from mini3d.launch import launch
 from tests.cp_workers import run_cp_layouts
-from tests.test_3d import BASE, CFG, F32, SEED, STEPS, check_float32, reference
+from tests.test_3d import BF16, BASE, CFG, F32, SEED, STEPS, check_bf16, check_float32, reference
 
 CASES = [
     ("cp2", Plan(cp=2, micro_batches=2, **BASE)),
@@ -26,6 +26,10 @@ CASES = [
     ("cp2-pp2-1f1b-sdpa-full", Plan(cp=2, pp=2, micro_batches=2, attention="sdpa",
                                     recompute="full", **BASE)),
     ("cp2-dp2-zero1", Plan(cp=2, dp=2, zero=1, micro_batches=2, **BASE)),
+    ("cp2-pp2-interleaved-v2", Plan(cp=2, pp=2, schedule="interleaved", virtual_stages=2,
+                                          micro_batches=2, **BASE)),
+    ("cp2-dp2-zero3", Plan(cp=2, dp=2, zero=3, micro_batches=2, **BASE)),
+    ("cp2-dp2-zero2-bf16", Plan(cp=2, dp=2, zero=2, micro_batches=2, dtype="bf16", **BASE)),
 ]
 
 
@@ -40,8 +44,9 @@ def test_cp_layouts_equal_the_reference():
         assert mine, name
         losses = {tuple(r["losses"]) for r in mine}
         assert len(losses) == 1, (name, losses)
-        assert list(losses.pop()) == pytest.approx(ref[0], abs=F32["loss"]), name
-        check_float32(name, plan, results, ref)
+        tol = F32["loss"] if plan.dtype == "float32" else BF16["loss"]
+        assert list(losses.pop()) == pytest.approx(ref[0], abs=tol), name
+        (check_float32 if plan.dtype == "float32" else check_bf16)(name, plan, results, ref)
         # the ring really ran: per layer and micro-batch 3cp-2 sends (see test_cp.py)
         layers = CFG.n_layers // plan.pp
         want = (3 * plan.cp - 2) * layers * plan.micro_batches * STEPS * (2 if plan.recompute == "full" else 1)
