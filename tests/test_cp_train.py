@@ -96,3 +96,26 @@ def test_train_cli_refuses_a_cp_that_does_not_split_the_sequence(capsys):
     err = capsys.readouterr().err
     assert "cp=3 needs seq_len=128 to split into 2*cp = 6 equal chunks" in err
     assert "Nothing was started" in err
+
+
+@pytest.mark.timeout(240)
+def test_cp_checkpoints_save_and_resume_in_any_layout(tmp_path):
+    """One 4-process job: cp2 x dp2 ZeRO-1 saves at steps 2 and 4 (the ZeRO shards are gathered over
+    cp x dp; one cp rank writes), then resumes step 2 in the same layout (bitwise the same losses)
+    and as cp=4 (float32 summation order only: 1e-5, as tests/test_checkpoint.py)."""
+    import os
+
+    from mini3d.train import make_spec, reporter_records
+    from tests.threed_workers import run_specs
+
+    root = str(tmp_path / "run")
+    step2 = os.path.join(root, "step-000002")
+    mk = lambda plan, **kw: make_spec(CFG, plan, steps=4, seed=SEED, **kw)  # noqa: E731
+    saver = Plan(cp=2, dp=2, zero=1, micro_batches=2, **BASE)
+    out = launch(run_specs, 4, [mk(saver, save=root, save_every=2), mk(saver, resume=step2),
+                                mk(Plan(cp=4, **BASE), resume=step2)], device="cpu", timeout=200)
+    losses = [[r["loss"] for r in reporter_records([x[i] for x in out])] for i in range(3)]
+    full, same, cp4 = losses
+    assert len(full) == 4 and same == full[2:]
+    assert cp4 == pytest.approx(full[2:], abs=1e-5) and abs(full[2] - full[3]) > 1e-3
+    assert sorted(os.listdir(step2)) == ["meta.json", "stage0.pt"]
