@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a GPT with tp x pp x dp processes",
                        description="Train on the embedded corpus (or --data). Run plainly it spawns "
-                                   "tp*pp*dp local processes; under torchrun it uses the environment.")
+                                   "tp*cp*pp*dp local processes; under torchrun it uses the environment.")
     add_model_args(t)
     add_plan_args(t)
     r = t.add_argument_group("run")
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
     r.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint under DIR "
                                                    "(any layout); --steps is the total to reach")
-    r.add_argument("--world-size", type=int, help="number of processes (default tp*pp*dp)")
+    r.add_argument("--world-size", type=int, help="number of processes (default tp*cp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     from .diagnose.cli import add_train_args
