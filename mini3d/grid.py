@@ -70,11 +70,12 @@ class Grid:
         self.ranks = torch.arange(self.world_size).view(*(self.sizes[a] for a in slow_to_fast))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'tp': i, 'cp': c, 'pp': j, 'dp': k} of a world rank."""
+        """{'tp': i, 'pp': j, 'dp': k} of a world rank, and 'cp': c when cp > 1 (so layouts without
+        context parallelism report the coordinates they always did)."""
         idx = (self.ranks == rank).nonzero()
         if idx.numel() == 0:
             raise ValueError(f"rank {rank} is outside a grid of {self.world_size} ranks")
-        return {a: int(i) for a, i in zip(self._dims, idx[0])}
+        return {a: int(i) for a, i in zip(self._dims, idx[0]) if a != "cp" or self.sizes["cp"] > 1}
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         c = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
