@@ -364,7 +364,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
             full = shard
             if sharded:
                 full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-                comm.all_gather(full, shard.contiguous(), topo.dp)
+                comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
             for p, local in group.views(full):
                 value = unshard_like(p, local.float(), topo)
                 if not keep:

@@ -53,6 +53,8 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention over "
+                                                    "2*cp zig-zag chunks of each sequence)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
@@ -76,7 +78,8 @@ def plan_from_args(args) -> Plan:
                 micro_batches=args.micro_batches, virtual_stages=args.virtual_stages,
                 recompute=args.recompute, dtype=args.dtype, global_batch=args.global_batch,
                 seq_len=args.seq_len, sequence_parallel=args.sequence_parallel,
-                bucket_mb=args.bucket_mb, attention=args.attention, grad_dtype=args.grad_dtype)
+                bucket_mb=args.bucket_mb, attention=args.attention, grad_dtype=args.grad_dtype,
+                cp=args.cp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a GPT with tp x pp x dp processes",
                        description="Train on the embedded corpus (or --data). Run plainly it spawns "
-                                   "tp*pp*dp local processes; under torchrun it uses the environment.")
+                                   "tp*cp*pp*dp local processes; under torchrun it uses the environment.")
     add_model_args(t)
     add_plan_args(t)
     r = t.add_argument_group("run")
@@ -104,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(any layout); --steps is the total to reach")
     r.add_argument("--init-from-hf", metavar="HF_DIR", help="start from a local Hugging Face GPT-2 / "
                    "Llama directory (its config.json sets the model; see mini3d import-hf)")
-    r.add_argument("--world-size", type=int, help="number of processes (default tp*pp*dp)")
+    r.add_argument("--world-size", type=int, help="number of processes (default tp*cp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     from .diagnose.cli import add_train_args

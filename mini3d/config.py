@@ -180,7 +180,7 @@ def model_from_preset(preset: str, **overrides) -> ModelConfig:
 
 @dataclass(frozen=True)
 class Plan:
-    """How one training step is split across tp * pp * dp processes."""
+    """How one training step is split across tp * cp * pp * dp processes."""
 
     tp: int = 1  # tensor-parallel degree (splits each layer's matrices; wants NVLink)
     pp: int = 1  # pipeline-parallel degree (splits the layers into stages)
@@ -199,10 +199,11 @@ class Plan:
     # bf16 runs: gradients accumulated and dp-reduced in float32 (Megatron / FSDP default), or in
     # bf16: half the gradient memory and dp traffic, but rounded at every sum (see mini3d/dp/ddp.py)
     grad_dtype: str = "float32"
+    cp: int = 1  # context-parallel degree (splits each sequence; attention by ring attention)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def micro_batch_size(self) -> int:
@@ -212,14 +213,18 @@ class Plan:
     def problems(self, model: ModelConfig, world_size: int | None = None) -> list[str]:
         """Every reason this plan cannot run `model`, each naming the values and what would fit."""
         out = list(model.problems())
-        ints = ("tp", "pp", "dp", "micro_batches", "virtual_stages", "global_batch", "seq_len")
+        ints = ("tp", "cp", "pp", "dp", "micro_batches", "virtual_stages", "global_batch", "seq_len")
         bad_int = [n for n in ints if not isinstance(getattr(self, n), int) or getattr(self, n) < 1]
         out += [f"{n}={getattr(self, n)} must be a positive integer" for n in bad_int]
         if bad_int:
             return out
-        if world_size is not None and world_size != self.world_size:
+        if world_size is not None and world_size != self.world_size and self.cp > 1:
+            out.append(f"world size {world_size} != tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*"
+                       f"{self.dp} = {self.world_size} (choose degrees whose product is {world_size})")
+        elif world_size is not None and world_size != self.world_size:
             out.append(f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = "
                        f"{self.world_size} (choose degrees whose product is {world_size})")
+        out += self._cp_problems()
         if self.zero not in (0, 1, 2, 3):
             out.append(f"zero={self.zero} is not a ZeRO stage (choose 0, 1, 2 or 3)")
         if self.schedule not in SCHEDULES:
@@ -278,8 +283,9 @@ class Plan:
                        f"(got schedule={self.schedule!r})")
         if self.seq_len > model.max_seq_len:
             out.append(f"seq_len={self.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
-        if self.sequence_parallel and self.seq_len % self.tp:
-            out.append(f"sequence parallelism needs tp={self.tp} to divide seq_len={self.seq_len}")
+        if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
+            out.append(f"sequence parallelism needs tp={self.tp} to divide seq_len={self.seq_len}"
+                       + (f" / cp={self.cp} = {self.seq_len // self.cp}" if self.cp > 1 else ""))
         if self.zero == 3 and self.pp > 1:
             out.append(f"zero=3 with pp={self.pp} is refused: every micro-batch would all-gather "
                        f"each stage's parameters again in forward and backward "
@@ -287,6 +293,21 @@ class Plan:
                        f"use --zero 1 (or 2) with pipeline parallelism")
         if self.bucket_mb <= 0:
             out.append(f"bucket_mb={self.bucket_mb} must be > 0")
+        return out
+
+    def _cp_problems(self) -> list[str]:
+        """Context parallelism: 2*cp equal zig-zag chunks per sequence (see mini3d.cp.layout)."""
+        if self.cp == 1:
+            return []
+        out = []
+        if self.seq_len % (2 * self.cp):
+            fits = [n for n in range(2 * self.cp, 2 * self.cp * 5, 2 * self.cp)]
+            ok = [c for c in range(1, self.seq_len // 2 + 1) if self.seq_len % (2 * c) == 0][:8]
+            out.append(f"cp={self.cp} needs seq_len={self.seq_len} to split into 2*cp = "
+                       f"{2 * self.cp} equal chunks (choose seq_len in {fits}..., or cp in {ok})")
+        if self.recompute == "selective":
+            out.append("recompute='selective' recomputes the s x s attention matrix, which ring "
+                       "attention (cp > 1) never stores: use --recompute none or full with --cp")
         return out
 
     def validate(self, model: ModelConfig, world_size: int | None = None) -> "Plan":

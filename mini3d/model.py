@@ -64,13 +64,15 @@ def norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
-def rotary(x: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary position embedding of q or k, (B, n, T, hd), position t = 0..T-1: each pair of
+def rotary(x: torch.Tensor, base: float, positions=None) -> torch.Tensor:
+    """Rotary position embedding of q or k, (B, n, T, hd), at `positions` (T,) (default
+    t = 0..T-1; a context-parallel rank passes its chunk's global positions): each pair of
     features (i, i + hd/2) is rotated by the angle t * base^(-2i/hd) (the "rotate half" layout of
     Hugging Face's Llama, whose checkpoints mini3d reads). Angles in float32."""
     T, hd = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
-    freqs = torch.outer(torch.arange(T, device=x.device).float(), inv_freq)  # (T, hd/2)
+    pos = torch.arange(T, device=x.device) if positions is None else positions
+    freqs = torch.outer(pos.float(), inv_freq)  # (T, hd/2)
     angles = torch.cat([freqs, freqs], dim=-1)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
@@ -93,7 +95,9 @@ class Attention(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.core = attention_core
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
+        # positions: (T,) global positions of x's tokens (a cp rank's chunk; default 0..T-1):
+        # rotary attention rotates by them; learned positions were added by the embedding
         qkv = self.qkv(x)  # (B, T, q + 2kv); T is the whole sequence even when x is a sequence shard
         B, T, _ = qkv.shape
         hd, nq, nkv = self.head_dim, self.n_local_heads, self.n_local_kv_heads
@@ -101,7 +105,7 @@ class Attention(nn.Module):
         q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
         k, v = (t.view(B, T, nkv, hd).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hd)
         if self.rope_base is not None:
-            q, k = rotary(q, self.rope_base), rotary(k, self.rope_base)
+            q, k = rotary(q, self.rope_base, positions), rotary(k, self.rope_base, positions)
         y = self.core(q, k, v)  # (B, nq, T, hd)
         y = y.transpose(1, 2).reshape(B, T, nq * hd)
         return self.drop(self.proj(y))
@@ -176,8 +180,8 @@ class Block(nn.Module):
         self.ln2 = norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, positions=None):
+        x = x + self.attn(self.ln1(x), positions)
         return x + self.mlp(self.ln2(x))
 
 
@@ -190,10 +194,12 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx):
+    def forward(self, idx, positions=None):
+        """positions: (T,) global positions of the tokens (default 0..T-1)."""
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
+            x = x + self.wpe(pos)
         return self.drop(x)
 
 
@@ -230,7 +236,12 @@ class GPT(nn.Module):
 
     `layers` picks which blocks this module holds (global indices, default all); `first` adds the
     embedding (input: token ids), `last` adds the head (output: the loss when targets are given).
-    A middle stage maps hidden states (B, T, C) to hidden states."""
+    A middle stage maps hidden states (B, T, C) to hidden states. `positions` (T,) are the global
+    positions of the T tokens (under context parallelism a rank holds a zig-zag chunk of each
+    sequence); when not given, those set on the module (`self.positions`, see mini3d.cp), else 0..T-1.
+    """
+
+    positions = None  # (T,) default positions of this rank's tokens; None: 0..T-1
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, layers=None, first: bool = True,
                  last: bool = True, init: bool = True):
@@ -250,11 +261,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(reference_init(name, tuple(p.shape), seed, self.cfg))
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, positions=None):
+        positions = self.positions if positions is None else positions
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, positions)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, positions)
         if self.head is not None:
             return self.head(x, targets)
         return x

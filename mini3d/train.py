@@ -39,6 +39,7 @@ from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule
 from .pp.tied import tie_across_stages
+from .cp import apply_cp, chunk_batch, set_positions
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
 from .run_config import RunConfig, make_spec
@@ -103,7 +104,9 @@ class Trainer:
         """Forward + backward over every micro-batch, then one optimizer step; returns the mean loss
         (on every rank: the pipeline broadcasts it from the last stage)."""
         dev = self.topo.device
-        micro_batches = [(x.to(dev), y.to(dev)) for x, y in micro_batches]
+        if micro_batches and len(micro_batches[0]) == 3:  # (x, y, positions): a cp rank's chunks
+            set_positions(self.chunks, micro_batches[0][2].to(dev))
+        micro_batches = [(mb[0].to(dev), mb[1].to(dev)) for mb in micro_batches]
         self.net.meter.reset()  # peak gradient bytes of this step (see dp.ledger.GradMeter)
         # The dp gradient sync overlaps the last backward of each model chunk (interleaved
         # pipelines too: the later chunks finish first, and their buckets come first).
@@ -130,18 +133,18 @@ class Trainer:
         return float(total)
 
     def mean_loss_over_dp(self, loss: float) -> float:
-        if self.topo.dp.size == 1:
+        """The mean over the replicas (and the cp ranks' equal chunks) of their mean losses."""
+        if self.topo.dp_cp.size == 1:
             return loss
-        # on the rank's device: an NCCL group rejects CPU tensors
         t = torch.tensor([loss], dtype=torch.float64, device=self.topo.device)
-        comm.all_reduce(t, self.topo.dp, op="avg")
+        comm.all_reduce(t, self.topo.dp_cp, op="avg")
         return float(t.item())
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, root: str, step: int, meta: dict):
         """Collective: gather the full named state per pipeline stage and write it atomically
         (only the stage's writer, tp_rank 0 and dp_rank 0, keeps the full state)."""
-        is_writer = self.topo.tp.index == 0 and self.topo.dp.index == 0
+        is_writer = self.topo.tp.index == 0 and self.topo.dp.index == 0 and self.topo.cp.index == 0
         weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo,
                                                        keep=is_writer)
         world = self.topo.axes["world"]
@@ -177,8 +180,10 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     2. tensor parallelism: slice each stage's matrices for this tp rank (still shapes), then give
        each slice its value on this rank's device: the slice of the same parameter of the full
        reference model (one full parameter in host memory at a time, never the unsliced stage);
-    3. the attention core (written out, or torch's fused sdpa) and the recomputation policy;
-    4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
+    3. the attention core (written out, or torch's fused sdpa; ring attention over cp when cp > 1)
+       and the recomputation policy;
+    4. data parallelism / ZeRO over the cp x dp ranks (the dp axis when cp = 1), which also builds
+       the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
     stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta")
@@ -186,10 +191,11 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
         apply_tp(module, topo, plan)
         materialize_reference(module, topo, seed, topo.device)
         set_attention(module, plan.attention)
+        apply_cp(module, topo, plan.attention)
         apply_recompute(module, plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    net, optimizer = make_dp(root, topo.dp, plan, optimizer_factory)
+    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)
     return stages, net, optimizer
 
 
@@ -197,7 +203,7 @@ def train_worker(run: RunConfig) -> dict:
     """Run optimizer steps until step `run.steps` on this rank; return what this rank saw."""
     cfg, plan = run.model, run.plan
     rank = dist.get_rank()
-    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
+    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), rank, current_device())
     torch.manual_seed(run.seed)
     tok = get_tokenizer(run.tokenizer)
     batches = Batches(open_tokens(run.data, tok), plan.seq_len, plan.global_batch, run.seed)
@@ -212,7 +218,7 @@ def train_worker(run: RunConfig) -> dict:
         init_from_hf(trainer, run.init_from_hf)  # each rank slices its share of the HF weights
     schedule = resumed_schedule(run)  # the checkpoint's schedule continues exactly
     diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
-    reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
+    reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0
     report = RunReport(run, reporter, start, f"train {describe_plan(plan)}")
     peak = peak_flops_per_rank(topo.device, plan.dtype)  # None on CPU: no MFU
     records = []
@@ -225,6 +231,8 @@ def train_worker(run: RunConfig) -> dict:
         t0 = time.perf_counter()
         set_lr(trainer.optimizer, schedule.at(step))
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
+        if plan.cp > 1:  # this cp rank's zig-zag chunks of every sequence, and their positions
+            mbs = [chunk_batch(x, y, plan.cp, topo.cp.index) for x, y in mbs]
         measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
         loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)
         if acts is not None and "activations" in collect:
@@ -308,6 +316,8 @@ def collected(trainer: Trainer, what: set) -> dict:
 
 def describe_plan(plan: Plan) -> str:
     s = f"tp{plan.tp} x pp{plan.pp} x dp{plan.dp}"
+    if plan.cp > 1:
+        s = f"tp{plan.tp} x cp{plan.cp} x pp{plan.pp} x dp{plan.dp}"
     if plan.zero:
         s += f" zero{plan.zero}"
     if plan.pp > 1:

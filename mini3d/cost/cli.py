@@ -54,7 +54,8 @@ def _plan_args(p):
     g = p.add_argument_group("plan")
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
-    g.add_argument("--dp", type=int, help="default: gpus / (tp * pp), or 1")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention)")
+    g.add_argument("--dp", type=int, help="default: gpus / (tp * cp * pp), or 1")
     g.add_argument("--zero", type=int, default=0)
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
@@ -96,18 +97,18 @@ def _hardware(args):
 
 
 def plan_from_args(args, cfg: ModelConfig) -> Plan:
-    dp = args.dp
+    dp, model_parallel = args.dp, args.tp * args.pp * args.cp
     if dp is None:
-        if args.gpus and args.gpus % (args.tp * args.pp):
-            raise BadInput(f"--gpus {args.gpus} is not a multiple of tp*pp = {args.tp}*{args.pp} "
-                           f"= {args.tp * args.pp}")
-        dp = args.gpus // (args.tp * args.pp) if args.gpus else 1
+        if args.gpus and args.gpus % model_parallel:
+            raise BadInput(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {args.tp}*{args.pp}"
+                           f"*{args.cp} = {model_parallel}")
+        dp = args.gpus // model_parallel if args.gpus else 1
     plan = Plan(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, schedule=args.schedule,
                 virtual_stages=args.virtual_stages, micro_batches=args.micro_batches,
                 recompute=args.recompute, dtype=args.dtype,
                 global_batch=args.global_batch or dp * args.micro_batches,
                 seq_len=args.seq_len or cfg.max_seq_len, sequence_parallel=args.sequence_parallel,
-                attention=args.attention)
+                attention=args.attention, cp=args.cp)
     problems = plan.problems(cfg, args.gpus)
     if problems:
         raise BadInput("inconsistent plan: " + "; ".join(problems))

@@ -19,9 +19,14 @@ pipeline builds); chunk c lives on pipeline rank c % pp. The vocabulary is padde
 
 Model states (bytes per parameter, ZeRO paper accounting): float32 keeps params 4, grads 4 and
 Adam moments 8; bf16 keeps bf16 params 2, bf16 grads 2, and 12 in `optimizer` (fp32 master copy 4
-+ Adam moments 8). ZeRO-1 divides `optimizer` by dp, ZeRO-2 also `grads`, ZeRO-3 also `params`.
++ Adam moments 8). ZeRO-1 divides `optimizer` by dp, ZeRO-2 also `grads`, ZeRO-3 also `params`;
+under context parallelism the cp ranks hold the same weights and ZeRO shards over cp x dp.
 Gradients are charged in the dtype they are really held in: `plan.grad_dtype` (float32 by default,
 so 4 bytes per gradient under bf16 too; 2 with grad_dtype="bf16", the ZeRO paper's accounting).
+
+Context parallelism (cp > 1) splits each sequence: every per-token activation is that of the rank's
+s/cp tokens (`local_seq_len`), and ring attention keeps no s x s matrix (`layer_activation_bytes`);
+the K/V blocks travelling the ring are counted in `comm_buffer_bytes` (`ring_block_bytes`).
 """
 
 from __future__ import annotations
@@ -102,6 +107,11 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     return n
 
 
+def sharding_degree(plan: Plan) -> int:
+    """Ranks that hold the same parameters and share ZeRO's shards: cp x dp."""
+    return plan.dp * plan.cp
+
+
 def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int,
                       grad_dtype: str | None = None) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per rank for `n_params` parameters under ZeRO-`zero`;
@@ -114,6 +124,19 @@ def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int,
 
 
 # ----------------------------------------------------------------------------- activations
+
+def local_seq_len(plan: Plan) -> int:
+    """Tokens of each sequence one rank holds: s, or s / cp under context parallelism."""
+    return plan.seq_len // plan.cp
+
+
+def ring_block_bytes(cfg: ModelConfig, plan: Plan, element_bytes: int | None = None) -> float:
+    """One message of ring attention (mini3d.cp.ring), per layer and micro-batch on one tp rank:
+    the K and V of a rank's chunks, 2 * (s/cp) * b * h * e / tp bytes. The backward's dK/dV
+    accumulators have this shape in float32 (`element_bytes=4`)."""
+    e = ELEMENT_BYTES[plan.dtype] if element_bytes is None else element_bytes
+    return 2 * local_seq_len(plan) * plan.micro_batch_size * cfg.d_model * e / plan.tp
+
 
 def paper_layer_activation_bytes(s, b, h, a, tp=1, sp=False, recompute="none") -> float:
     """Korthikanti et al. 2022, eqs. 1-6: one layer, one micro-batch, 16-bit, with dropout."""
@@ -146,13 +169,16 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     * attention and MLP dropout masks (sbh each): absent (no dropout).
     * GELU input 8sbh and MLP projection input 8sbh -> 2 * sbf*e / t (Korthikanti has f = 4h).
 
+    * ring attention (cp > 1, either block math): its float32 output and log-sum-exp,
+      4*s*b*h/t + 4*a*s*b/t with s the local s/cp tokens (the output is laid out (b, a, s, h/a), so
+      the projection's input is a second tensor); q, k, v are views of the qkv output above.
     Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
     keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
     With e = 2, f = 4h, a math kernel and dropout masks added back, the sum is the paper's
     formula (tested). Returns {"stored": bytes kept per layer per micro-batch, "full": bytes
     the block keeps without recompute (the transient peak while one block is recomputed)}.
     """
-    s, b, h, a, f = plan.seq_len, plan.micro_batch_size, cfg.d_model, cfg.n_heads, cfg.d_ff
+    s, b, h, a, f = local_seq_len(plan), plan.micro_batch_size, cfg.d_model, cfg.n_heads, cfg.d_ff
     t, e = plan.tp, ELEMENT_BYTES[plan.dtype]
     if fused_attention is None:
         fused_attention = plan.attention == "sdpa"
@@ -163,6 +189,8 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
         rep, qkv, mlp = 4, 3 * h, 2 * f
     rep = rep * sbh / (t if plan.sequence_parallel else 1)
     core = 4 * a * s * b / t if fused_attention else a * s * s * b * e / t
+    if plan.cp > 1:
+        core = (4 * s * b * h + 4 * a * s * b) / t
     split = (qkv * s * b * e + sbh + mlp * s * b * e) / t
     full = rep + split + core
     recompute = plan.recompute if recompute is None else recompute
@@ -201,7 +229,7 @@ def inflight_microbatches(plan: Plan, stage: int) -> float:
 def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     """Last stage, one micro-batch: ln_f input, output-projection input and the fp32 log-softmax
     over the tp-local vocabulary slice that cross-entropy keeps for backward."""
-    s, b, h, t = plan.seq_len, plan.micro_batch_size, cfg.d_model, plan.tp
+    s, b, h, t = local_seq_len(plan), plan.micro_batch_size, cfg.d_model, plan.tp
     e = ELEMENT_BYTES[plan.dtype]
     ln = s * b * h * e / (t if plan.sequence_parallel else 1)
     if cfg.family == "llama":
@@ -215,16 +243,21 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
     (`mini3d.dp.buckets.transient_grad_bytes`: ZeRO-2 buckets of bucket_mb, ZeRO-3 one block's
     gradients, each with its reduce-scatter output); ZeRO-3: one block's gathered
     parameters plus the prefetched next; pp: a send and a receive activation buffer;
-    sequence parallel: one all-gathered (s, b, h) input."""
+    sequence parallel: one all-gathered (s, b, h) input; cp: ring attention's backward, the peak
+    (the K/V block held and the one arriving, and three float32 dK/dV accumulators: the one being
+    summed, the one arriving, the one leaving)."""
     e = ELEMENT_BYTES[plan.dtype]
-    sbh = plan.seq_len * plan.micro_batch_size * cfg.d_model * e
-    out = {"dp": 0.0, "zero3": 0.0, "pp": 0.0, "tp": 0.0}
-    if plan.dp > 1:
+    sbh = local_seq_len(plan) * plan.micro_batch_size * cfg.d_model * e
+    out = {"dp": 0.0, "zero3": 0.0, "pp": 0.0, "tp": 0.0, "cp": 0.0}
+    d = sharding_degree(plan)
+    if d > 1:
         g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e
         # buckets close at bucket_mb of parameter bytes; their gradients take g bytes an element
         bucket = layer_params(cfg, plan.tp) * g if plan.zero == 3 else plan.bucket_mb * 2**20 * g / e
-        out["dp"] = transient_grad_bytes(bucket, plan.dp, plan.zero)
-    if plan.dp > 1 and plan.zero == 3:
+        out["dp"] = transient_grad_bytes(bucket, d, plan.zero)
+    if plan.cp > 1:
+        out["cp"] = 2 * ring_block_bytes(cfg, plan) + 3 * ring_block_bytes(cfg, plan, 4)
+    if d > 1 and plan.zero == 3:
         out["zero3"] = 2 * layer_params(cfg, plan.tp) * e
     if plan.pp > 1:
         out["pp"] = 2 * sbh / (plan.tp if plan.sequence_parallel else 1)
@@ -241,7 +274,7 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage} is outside pp={plan.pp} stages (choose 0..{plan.pp - 1})")
     n = stage_param_count(cfg, plan, stage)
-    params, grads, optimizer = model_state_bytes(n, plan.dtype, plan.dp, plan.zero,
+    params, grads, optimizer = model_state_bytes(n, plan.dtype, sharding_degree(plan), plan.zero,
                                                  plan.grad_dtype if plan.dtype == "bf16" else None)
     layers = len(stage_layers(cfg, plan, stage))
     per_layer = layer_activation_bytes(cfg, plan, fused_attention)
@@ -275,4 +308,4 @@ def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
 __all__ = ["MemoryEstimate", "CATEGORIES", "estimate_memory", "estimate_stage", "estimate_all_stages",
            "model_state_bytes", "stage_param_count", "stage_layers", "layer_params",
            "layer_activation_bytes", "paper_layer_activation_bytes",
-           "inflight_microbatches"]
+           "inflight_microbatches", "local_seq_len", "ring_block_bytes", "sharding_degree"]

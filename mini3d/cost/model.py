@@ -31,8 +31,16 @@ Step time, on the busiest pipeline rank:
 * shared host (mini3d's own CPU runs, `Hardware.shared_host`): with more ranks than cores, compute,
   the per-layer overhead, the optimizer AND communication (there it is CPU work: copies, gloo
   threads, Python) run world / cores times slower; GPU presets are not shared hosts.
+* context parallelism (cp > 1): every per-token cost is that of the rank's s/cp tokens (attention
+  FLOPs per token still cover the full s); ring attention sends, per layer and micro-batch, cp-1
+  K/V blocks forward and cp-1 backward plus cp float32 dK/dV accumulators (`ring_block_bytes`;
+  forward again under full recompute). Each hop overlaps the attention of the block in hand (1/cp
+  of the layer's attention core, twice that in backward): only max(0, transfer - compute) per hop
+  is exposed, plus the last accumulator hop home. The cp groups sit inside a node while
+  tp*cp <= gpus_per_node (order tp-cp-dp-pp).
 * data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter + parameter all-gather
-  (ZeRO-1/2) moving 2(d-1)/d * the stage's gradient bytes; the gradient part overlaps with the
+  (ZeRO-1/2) moving 2(d-1)/d * the stage's gradient bytes over the d = cp x dp ranks that hold
+  the same weights; the gradient part overlaps with the
   last micro-batch's backward (exposed: what does not fit, at least one bucket), the parameter
   all-gather after the optimizer step is exposed. ZeRO-3 gathers parameters twice per micro-batch,
   overlapped with all compute.
@@ -61,7 +69,8 @@ from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
 from ..tp.course import comm_per_layer
 from .hardware import Hardware
-from .memory import ELEMENT_BYTES, MemoryEstimate, estimate_memory, stage_layers, stage_param_count
+from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, local_seq_len, ring_block_bytes,
+                     sharding_degree, stage_layers, stage_param_count)
 
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
 
@@ -164,10 +173,12 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.
 
 def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
     """Per-axis bandwidth: an axis whose groups span nodes runs at the inter-node speed.
-    Rank order is tp fastest, then dp, then pp (mini3d.grid), so a tp group stays in a node
-    while tp <= gpus_per_node, a dp group while tp*dp <= gpus_per_node, pp while the world does."""
+    Rank order is tp fastest, then cp, dp, pp (mini3d.grid), so a tp group stays in a node
+    while tp <= gpus_per_node, a cp group while tp*cp <= gpus_per_node, a dp (cp x dp) group
+    while tp*cp*dp <= gpus_per_node, pp while the world does."""
     g = hw.gpus_per_node
-    span = {"tp": plan.tp, "dp": plan.tp * plan.dp, "pp": plan.world_size}
+    span = {"tp": plan.tp, "cp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.dp,
+            "pp": plan.world_size}
     crosses = {a: n > g or (g % n != 0 and n > 1) for a, n in span.items()}
     return {a: (hw.internode_bw if crosses[a] else hw.nvlink_bw) for a in span}
 
@@ -184,11 +195,11 @@ def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
 def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch on
     pipeline rank `stage` (the first holds the embedding, the last the head and the loss)."""
-    t, sb = plan.tp, plan.seq_len * plan.micro_batch_size
+    t, sb = plan.tp, local_seq_len(plan) * plan.micro_batch_size
     if t == 1:
         return 0.0, 0.0, 0.0
     first, last = stage == 0, stage == plan.pp - 1
-    c = comm_per_layer(t, plan.micro_batch_size, plan.seq_len, cfg.d_model, plan.sequence_parallel,
+    c = comm_per_layer(t, plan.micro_batch_size, local_seq_len(plan), cfg.d_model, plan.sequence_parallel,
                        ELEMENT_BYTES[plan.dtype])
 
     def seconds(ops):
@@ -208,7 +219,7 @@ def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, f
 
 def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
     """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step."""
-    d = plan.dp
+    d = sharding_degree(plan)
     if d == 1:
         return 0.0, 0.0, 0.0
     grads = params = float(n_params * ELEMENT_BYTES[plan.dtype])
@@ -230,6 +241,23 @@ def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, floa
     return t_grad + t_param, exposed, g_wire + p_wire
 
 
+def _cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
+    """Ring attention per micro-batch: exposed forward / backward seconds, all transfer seconds and
+    wire bytes, given `attn_block_s`, the forward seconds of one block's attention (see above)."""
+    cp = plan.cp
+    if cp == 1:
+        return {"fwd": 0.0, "bwd": 0.0, "total": 0.0, "wire": 0.0}
+    kv, acc = ring_block_bytes(cfg, plan), ring_block_bytes(cfg, plan, 4)
+    hop = lambda nbytes: nbytes / bw + hw.latency_s  # noqa: E731
+    fwd_passes = 2 if plan.recompute == "full" else 1
+    fwd = fwd_passes * (cp - 1) * max(0.0, hop(kv) - attn_block_s)
+    bwd = (cp - 1) * max(0.0, hop(kv + acc) - 2 * attn_block_s) + hop(acc)
+    total = (fwd_passes * (cp - 1) + cp - 1) * hop(kv) + cp * hop(acc)
+    wire = (fwd_passes * (cp - 1) + cp - 1) * kv + cp * acc
+    return {"fwd": layers * fwd, "bwd": layers * bwd, "total": layers * total,
+            "wire": layers * wire}
+
+
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
                   eff: Efficiency | None = None) -> CostEstimate:
     """Step time, throughput, utilisation, communication and memory of `plan` (validated first)."""
@@ -239,7 +267,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     e, t, m, v, p = ELEMENT_BYTES[plan.dtype], plan.tp, plan.micro_batches, plan.virtual_stages, plan.pp
     stage, layers = _busiest_rank(cfg, plan)
     f = flops_per_token(cfg, plan.seq_len)
-    tokens_mb = plan.micro_batch_size * plan.seq_len
+    tokens_mb = plan.micro_batch_size * local_seq_len(plan)  # this rank's tokens
     fwd = (layers * f["layer"] + (f["head"] if stage == p - 1 else 0)) * tokens_mb / t
     extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
     width = min(cfg.d_model / t, tokens_mb)
@@ -253,7 +281,8 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
         hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
     tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"], stage)
-    t_fwd, t_bwd = c_fwd + tp_fwd, c_bwd + tp_bwd
+    ring = _cp_time(cfg, plan, hw, layers, bw["cp"], f["attention"] * tokens_mb / t / plan.cp / rate)
+    t_fwd, t_bwd = c_fwd + tp_fwd + ring["fwd"], c_bwd + tp_bwd + ring["bwd"]
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
     msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
@@ -262,18 +291,20 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     n_params = stage_param_count(cfg, plan, stage)
     dp_total, dp_exposed, dp_wire = _dp_time(cfg, plan, hw, n_params, bw["dp"], t_bwd,
                                              m * (t_fwd + t_bwd))
-    local = n_params / (plan.dp if plan.zero >= 1 else 1)
+    local = n_params / (sharding_degree(plan) if plan.zero >= 1 else 1)
     opt_s = ADAM_BYTES_PER_PARAM * local / hw.memory_bw * slowdown
     step = pipeline + pp_s + dp_exposed + opt_s
     mf, hf = model_flops(cfg, plan), hardware_flops(cfg, plan)
     peak = hw.flops(plan.dtype)
     breakdown = {"compute": m * (c_fwd + c_bwd), "tp_comm": m * (tp_fwd + tp_bwd),
                  "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
-                 "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(width)}
+                 "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(width),
+                 "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"]}
     return CostEstimate(cfg, plan, hw.name, n, step, plan.global_batch * plan.seq_len / step, mf, hf,
                         mf / step / n / 1e12, hf / step / n / 1e12, mf / step / n / peak,
                         hf / step / n / peak, bubble,
-                        {"tp": m * tp_wire, "pp": pp_wire, "dp": dp_wire}, breakdown,
+                        {"tp": m * tp_wire, "pp": pp_wire, "dp": dp_wire,
+                         **({"cp": m * ring["wire"]} if plan.cp > 1 else {})}, breakdown,
                         estimate_memory(cfg, plan), hw.memory_bytes)
 
 

@@ -136,9 +136,10 @@ def bubble_line(plan) -> str:
 
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print) -> int:
     """Print the map, the deadlock proof, memory and bubble for a validated plan; returns 0 or 1."""
-    grid = Grid(plan.tp, plan.pp, plan.dp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    cp = f"cp={plan.cp} " if plan.cp > 1 else ""
     out(f"dry run: {cfg.name} ({cfg.n_params() / 1e6:,.1f} M parameters) on tp={plan.tp} "
-        f"pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks); plan is valid")
+        f"{cp}pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks); plan is valid")
     out(grid.describe(gpus_per_node))
     actions, note = pipeline_actions(plan)
     out(note)

@@ -72,7 +72,7 @@ def load_run(run_dir: str) -> Run:
     run = Run(dumps, launcher, stacks)
     if dumps:
         g = next(iter(dumps.values()))["grid"]
-        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"))
+        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1))
         run.world = run.grid.world_size
     return run
 

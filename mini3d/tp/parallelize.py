@@ -49,11 +49,11 @@ class ParallelEmbedding(nn.Module):
         self.wpe = ref.wpe  # replicated (None: rotary positions, applied in attention)
         self.drop = ref.drop
 
-    def forward(self, idx):
+    def forward(self, idx, positions=None):
         x = self.wte(idx)  # (B, T, C) or (B, T/tp, C)
         if self.wpe is None:
             return self.drop(x)
-        pos = torch.arange(idx.shape[1], device=idx.device)
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         if self.sequence_parallel and self.axis.size > 1:
             pos = pos.chunk(self.axis.size)[self.axis.index]
         return self.drop(x + self.wpe(pos))
@@ -164,7 +164,7 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     comm.all_reduce(sq, topo.tp)
     total = (sq[0] / topo.tp.size + sq[1]).reshape(1)
     if sharded_over_dp:
-        comm.all_reduce(total, topo.dp)
+        comm.all_reduce(total, topo.dp_cp)  # ZeRO shards over cp x dp (the dp axis when cp=1)
     comm.all_reduce(total, topo.pp)
     norm = float(total.sqrt())
     coef = max_norm / (norm + 1e-6)
@@ -287,7 +287,8 @@ def gather_logits(logits: torch.Tensor, topo, vocab_size: int) -> torch.Tensor:
 def boundary_shape(plan, micro_batch_size: int, cfg) -> tuple[int, int, int]:
     """Per-rank activation shape sent between pipeline stages: (b, s, h), or (b, s/tp, h) under
     sequence parallelism (each tp rank sends only its sequence shard)."""
-    s = plan.seq_len // plan.tp if plan.sequence_parallel else plan.seq_len
+    s = plan.seq_len // plan.cp  # a cp rank's chunk of the sequence
+    s = s // plan.tp if plan.sequence_parallel else s
     return (micro_batch_size, s, cfg.d_model)
 
 

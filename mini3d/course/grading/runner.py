@@ -10,8 +10,8 @@ import os
 import random
 import traceback
 
-from . import (data_parallel, grad_norm, hangs, memory, pipeline, plan_search, rank_grid, recompute,
-               tensor_parallel)
+from . import (data_parallel, grad_norm, hangs, long_sequences, memory, pipeline, plan_search,
+               rank_grid, recompute, tensor_parallel)
 from .core import Check, CheckFailed, Context, Exercise, Outcome, load_impl
 from .scenario import run_scenario
 
@@ -118,7 +118,7 @@ def run_check(ex: Exercise, check: Check, impl_name: str, seed: int, shortcut: b
 def all_exercises() -> list[Exercise]:
     exs = (memory.EXERCISES + pipeline.EXERCISES + rank_grid.EXERCISES + recompute.EXERCISES
            + hangs.EXERCISES + data_parallel.EXERCISES + tensor_parallel.EXERCISES
-           + plan_search.EXERCISES + grad_norm.EXERCISES)
+           + plan_search.EXERCISES + grad_norm.EXERCISES + long_sequences.EXERCISES)
     return sorted(exs, key=lambda e: e.chapter)  # stable: course order
 
 
