@@ -15,7 +15,7 @@ SHAPE = (2, 3, 16, 8)  # (B, nh, s, hd): s = 16 splits into 2*cp chunks for cp =
 def full_inputs(seed: int = 0):
     """The same full-sequence q, k, v and upstream gradient on every rank (and in the test)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(SHAPE, generator=g) for _ in range(4)]
+    return [torch.randn(SHAPE, generator=g, device="cpu") for _ in range(4)]
 
 
 def ring_cases(cases: list[dict]) -> list[dict]:
