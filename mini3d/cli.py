@@ -149,10 +149,11 @@ def cmd_train(args) -> int:
     from .diagnose.cli import diagnose_problems, diagnose_spec
 
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
-    if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
-        from .diagnose.dryrun import dry_run
+    if args.dry_run:  # validate, map, the recorded step's comm verdict, memory; starts nothing
+        from .dryrun import dry_run
 
-        return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node)
+        return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node,
+                                                            grad_clip=args.grad_clip)
     resume = None
     if args.resume:
         resume, resume_problems = check_resume(args.resume, cfg, args.steps)
