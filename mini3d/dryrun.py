@@ -28,12 +28,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .comm import CommLog
+from .comm import COLLECTIVES, CommLog
 from .grid import Grid, build_topology
 
 CAP = 2  # tp and dp members kept for the recording (see the module docstring)
 RECORD_MAX_PARAMS = 20e6  # larger models are recorded on a narrow copy
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
 
 
 class RecordingLog(CommLog):

@@ -36,7 +36,6 @@ def test_dry_run_of_a_broken_plan_exits_2_with_the_reason(capsys):
 
 
 def test_dry_run_pipeline_with_schedules_module_if_present(capsys):
-    pytest.importorskip("mini3d.pp.schedules")
     rc = main(["train", "--dry-run", "--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "4"])
     out = capsys.readouterr().out
     assert rc == 0 and "check passed" in out and "deadlock-free" in out
