@@ -1,6 +1,6 @@
 """`mini3d train | estimate | plan | calibrate | schedule | explain-hang | grade`.
 
-Exit codes (a contract, see DESIGN.md): 0 success; 2 bad input, reported before any process starts
+Exit codes (a contract, see docs/ARCHITECTURE.md): 0 success; 2 bad input, reported before any process starts
 with a message naming the offending values; 1 a rank failed; 3 the job timed out or hung (see
 `mini3d explain-hang`); 4 out of memory (the report names rank, stage, category and plans that fit).
 """
@@ -117,13 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(t)  # mini3d.diagnose: --hang-timeout --run-dir --inject-fault --memory-budget ...
     t.set_defaults(func=cmd_train)
     for name in SUBCOMMAND_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name and name.startswith(e.name):
-                continue  # that part of mini3d is not built yet
-            raise
-        mod.register(sub)
+        importlib.import_module(name).register(sub)
     add_grade_command(sub)
     return parser
 
@@ -165,10 +159,11 @@ def cmd_train(args) -> int:
     spec = run_from_args(args, cfg, plan, {**diagnose_spec(args), **options})
     problems = spec.problems(world) + problems
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
-    if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
-        from .diagnose.dryrun import dry_run
+    if args.dry_run:  # validate, map, the recorded step's comm verdict, memory; starts nothing
+        from .dryrun import dry_run
 
-        return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node)
+        return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node,
+                                                            grad_clip=args.grad_clip)
     if args.resume:
         resume, resume_problems = check_resume(args.resume, cfg, args.steps)
         problems += resume_problems

@@ -158,6 +158,9 @@ DONE = _Done()
 SKIP = object()  # returned by a fault hook: do not issue this op at all (see diagnose/faults.py)
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")  # the rest is p2p
+
+
 def ring_steps(op: str, n: int) -> int:
     """Sequential messages one rank sends in op's ring algorithm over n members, each paying one
     link latency: an all-reduce is a reduce-scatter (n-1 steps) then an all-gather (n-1 more), so

@@ -6,7 +6,8 @@ import pytest
 
 from mini3d.cli import main
 from mini3d.config import PRESETS, Plan
-from mini3d.diagnose.dryrun import rank_programs, simulate
+from mini3d.diagnose.rendezvous import simulate
+from mini3d.dryrun import record_programs
 from mini3d.diagnose.faults import Fault, fault_problems, oom_report, parse_fault, parse_size
 from mini3d.grid import Grid
 
@@ -19,7 +20,8 @@ def test_dry_run_of_a_valid_plan_prints_the_map_and_proves_the_step(capsys):
     assert rc == 0
     assert "tp groups: [0, 1] [2, 3]" in out and "dp groups: [0, 2] [1, 3]" in out
     assert "node    0   0   1   1" in out  # --gpus-per-node 2 flags the node of each rank
-    assert "communication: deadlock-free" in out
+    assert "communication: deadlock-free: the real step's" in out
+    assert "no interleaving" not in out  # it says what it checked, under which semantics
     assert "nothing was started" in out
 
 
@@ -34,7 +36,6 @@ def test_dry_run_of_a_broken_plan_exits_2_with_the_reason(capsys):
 
 
 def test_dry_run_pipeline_with_schedules_module_if_present(capsys):
-    pytest.importorskip("mini3d.pp.schedules")
     rc = main(["train", "--dry-run", "--tp", "2", "--pp", "2", "--dp", "2", "--micro-batches", "4"])
     out = capsys.readouterr().out
     assert rc == 0 and "check passed" in out and "deadlock-free" in out
@@ -51,15 +52,26 @@ def test_simulation_finds_a_p2p_order_deadlock_and_passes_the_fixed_order():
     assert simulate(fixed, grid) is None
 
 
+@pytest.mark.timeout(60)
 def test_simulation_finds_a_collective_one_member_never_reaches():
-    grid = Grid(2, 1, 2)  # tp groups [0,1] [2,3], dp groups [0,2] [1,3]
-    cfg, plan = PRESETS["tiny"], Plan(tp=2, dp=2, micro_batches=1, global_batch=2)
-    acts = [[("F", 0, 0, None), ("B", 0, 0, None)]]
-    progs = rank_programs(cfg, plan, grid, acts)
+    cfg, plan = PRESETS["tiny"], Plan(tp=2, dp=2, micro_batches=1, global_batch=2, seq_len=8)
+    progs, grid = record_programs(cfg, plan)  # tp groups [0,1] [2,3], dp groups [0,2] [1,3]
     assert simulate(progs, grid) is None
-    progs[3] = [op for op in progs[3] if op[1][0] != "dp"]  # rank 3 skips its dp collectives
+    progs[3] = [e for e in progs[3] if e[2][1][0] != "dp"]  # rank 3 skips its dp collectives
     hang = simulate(progs, grid)
     assert "rank 1" in hang and "dp group [1, 3]" in hang
+
+
+def test_an_async_op_blocks_only_at_its_wait():
+    """Rank 0 posts its receive asynchronously, sends, then waits: no deadlock; waiting on the
+    receive before sending is one."""
+    grid = Grid(1, 2, 1)
+    recv0, send0 = ("recv", 1, "rB0.0"), ("send", 1, "sF0.0")
+    early = [("issue", 0, recv0), ("issue", 1, send0), ("wait", 1, send0), ("wait", 0, recv0)]
+    peer = [("recv", 0, "rF1.0"), ("send", 0, "sB1.0")]
+    assert simulate([early, peer], grid) is None
+    blocked = [("issue", 0, recv0), ("wait", 0, recv0), ("issue", 1, send0), ("wait", 1, send0)]
+    assert "rank 0" in simulate([blocked, peer], grid)
 
 
 def test_fault_parsing_and_validation():

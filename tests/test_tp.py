@@ -46,8 +46,6 @@ def _check_parity(o, label):
         assert set(diffs) == {n for n, _ in GPT(CFG, 0).named_parameters()}
         for name, (d, scale) in diffs.items():
             assert d <= GRAD_ATOL + GRAD_RTOL * scale, f"{label} step {step}: grad {name} off by {d}"
-    for ours, ref in o["norm_sq"]:  # float32 sums in another order: relative 1e-6
-        assert abs(ours - ref) <= 1e-5 * ref, f"{label}: grad norm^2 {ours} vs {ref}"
     for step, diffs in enumerate(o["param"]):
         for name, (d, _) in diffs.items():
             assert d <= PARAM_ATOL, f"{label} after step {step}: param {name} off by {d}"

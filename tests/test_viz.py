@@ -249,25 +249,16 @@ def test_planner_explorer_directions():
 
 
 def test_pp_adapter():
-    try:
-        import mini3d.pp  # noqa: F401
-        have_pp = True
-    except ImportError:
-        have_pp = False
     sim = pp_simulate_fn()
     for m in (4, 8):
         out = widgets.schedule_view(sim, "gpipe", 4, m, 1, 2.0)
         # With equal per-stage costs and no p2p time, GPipe's simulated bubble is the closed form.
         assert out["bubble_fraction"] == pytest.approx((4 - 1) / (m + 4 - 1))
-    if have_pp:
-        a = widgets.schedule_view(sim, "interleaved", 4, 8, 2, 2.0)["bubble_fraction"]
-        assert a == pytest.approx(3 / (2 * 8 + 3))
-    else:
-        assert sim("1f1b", 4, 8, 1, 2.0)["stand_in"] is True
+    a = widgets.schedule_view(sim, "interleaved", 4, 8, 2, 2.0)["bubble_fraction"]
+    assert a == pytest.approx(3 / (2 * 8 + 3))
 
 
 def test_estimator_adapter():
-    pytest.importorskip("mini3d.cost.memory")
     from mini3d.course.viz.adapters import estimate_fn
 
     fn = estimate_fn(seq_len=2048)

@@ -15,7 +15,7 @@ from mini3d.grid import Grid, build_topology
 from mini3d.model import GPT
 from mini3d.tp import mappings as M
 from mini3d.tp import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
-                       grad_norm_sq, load_full_state_dict, sync_tp_grads)
+                       load_full_state_dict, sync_tp_grads)
 
 BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
 
@@ -56,7 +56,7 @@ def run_parity(topo, cfg: ModelConfig, sp: bool, seed: int = 0) -> dict:
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     out = {"bit_equal_start": bit_equal, "keys_match": sorted(start) == sorted(
-        n for n, _ in ref.named_parameters()), "loss": [], "grad": [], "param": [], "norm_sq": []}
+        n for n, _ in ref.named_parameters()), "loss": [], "grad": [], "param": []}
     for step, (x, y) in enumerate(_batches(cfg, STEPS)):
         log.context = {"run": run, "step": step, "phase": "fwd"}
         loss = model(x, y)
@@ -69,8 +69,6 @@ def run_parity(topo, cfg: ModelConfig, sp: bool, seed: int = 0) -> dict:
         ref_loss.backward()
         out["loss"].append((loss.item(), ref_loss.item()))
         out["grad"].append(_max_diff(full_grads(model, topo), ref, grads=True))
-        ref_sq = sum(float(p.grad.pow(2).sum()) for p in ref.parameters())
-        out["norm_sq"].append((float(grad_norm_sq(model, topo)), ref_sq))
         opt.step(), opt_ref.step()
         opt.zero_grad(), opt_ref.zero_grad()
         out["param"].append(_max_diff(full_state_dict(model, topo), ref, grads=False))

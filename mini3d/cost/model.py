@@ -67,7 +67,7 @@ from ..comm import ring_steps, ring_wire_bytes
 from ..config import ModelConfig, Plan, PlanError
 from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
-from ..tp.course import comm_per_layer
+from ..tp.layout import comm_per_layer
 from .hardware import Hardware
 from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, local_seq_len, ring_block_bytes,
                      sharding_degree, stage_layers, stage_param_count)

@@ -7,8 +7,10 @@ activation on; the backward mirrors it with gradients; after all micro-batches, 
 of the gradients. Every value is a known function of (step, micro-batch, coordinates), so the
 result can be checked exactly: a `slow` fault must leave it unchanged.
 
-It exists because the trainer in this tree runs tp = pp = dp = 1 only; the drill exercises the
-diagnostics (`diagnostics(topo, spec)`) on real multi-rank layouts through `mini3d.comm`.
+It exercises the diagnostics (`diagnostics(topo, spec)`) on real multi-rank layouts through
+`mini3d.comm` without building a model: each drill starts in a second, and its exact values show
+that a fault changed nothing but timing (the trainer's own faults are tested in
+tests/test_faults_trainer.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`explain-hang`: merge every rank's dump and say, in terms of the plan, what went wrong.
 
-Inputs in the run directory: `rank{r}.json` (written by each rank's watchdog, see watchdog.py),
-`launcher.json` (every rank's exit status, written by `launch(run_dir=...)`), and `rank{r}.stack`
-(the Python stack of a rank the communication library aborted).
+Inputs: the run directory as `run_dir.load_run` reads it (every rank's watchdog dump, the
+launcher's exit record, the stacks of aborted ranks).
 
 Method. `Event.seq` counts ops per (axis, op kind) on each rank (per peer for send/recv), so the
 k-th all_reduce on a dp group is the same op on every member. For the op each rank is blocked in,
@@ -16,33 +15,13 @@ seq to find the first one whose step or shape differs between members (where a s
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import re
-import signal
 from dataclasses import dataclass, field
 
-from ..grid import Grid
-from .history import diverging_rank, own_error, process_state
+from ..comm import COLLECTIVES
+from .history import diverged_behind_abort, diverging_rank, own_error, process_state
+from .run_dir import Run, _event, death, doing, entered, load_run, seq_key, who
 from .watchdog import describe_op
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
-
-
-@dataclass
-class Run:
-    """Everything a run directory holds."""
-
-    dumps: dict  # rank -> dump dict
-    launcher: dict | None
-    stacks: dict  # rank -> faulthandler text
-    grid: Grid | None = None
-    world: int = 0
-
-    @property
-    def exits(self) -> dict:
-        return {r["rank"]: r for r in (self.launcher or {}).get("ranks", [])}
 
 
 @dataclass
@@ -52,101 +31,6 @@ class Explanation:
     kind: str = "unknown"  # crash, error, stopped, skip, shape, p2p-order, straggler, oom, finished,
     # unknown
     findings: list = field(default_factory=list)
-
-
-def load_run(run_dir: str) -> Run:
-    dumps = {}
-    for path in glob.glob(os.path.join(run_dir, "rank*.json")):
-        with open(path) as f:
-            d = json.load(f)
-        dumps[int(d["rank"])] = d
-    launcher = None
-    if os.path.exists(os.path.join(run_dir, "launcher.json")):
-        with open(os.path.join(run_dir, "launcher.json")) as f:
-            launcher = json.load(f)
-    stacks = {}
-    for path in glob.glob(os.path.join(run_dir, "rank*.stack")):
-        text = open(path).read()
-        if text.strip():
-            stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
-    run = Run(dumps, launcher, stacks)
-    if dumps:
-        g = next(iter(dumps.values()))["grid"]
-        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1))
-        run.world = run.grid.world_size
-    return run
-
-
-# ----------------------------------------------------------------------------- per-rank facts
-
-def who(run: Run, r: int) -> str:
-    c = run.grid.coords(r)
-    return f"rank {r} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']})"
-
-
-def seq_key(ev: dict) -> str:
-    if ev["op"] == "send":
-        return f"{ev['axis']}/p2p->{ev['peer']}"
-    if ev["op"] == "recv":
-        return f"{ev['axis']}/p2p<-{ev['peer']}"
-    return f"{ev['axis']}/{ev['op']}"
-
-
-def death(run: Run, r: int) -> str:
-    """How a rank without a dump ended, from launcher.json and its stack file."""
-    info = run.exits.get(r, {})
-    code = info.get("exitcode")
-    state = process_state(run, r)
-    if code is None and state == "stopped":
-        s = "stopped responding: its process was frozen (stopped, e.g. by SIGSTOP) and left no dump"
-    elif code is None and state == "running":
-        s = "stopped responding: its process was alive but neither communicated nor dumped"
-    elif code is None:
-        s = "left no dump (its exit status is unknown)"
-    elif code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        s = f"was killed by {name} and left no dump"
-    else:
-        s = f"exited with status {code} without a dump"
-    stack = run.stacks.get(r, "")
-    ops = re.findall(r'comm\.py", line \d+ in (\w+)', stack)
-    public = [o for o in ops if not o.startswith("_")]
-    if public:
-        s += f"; its stack shows it inside {public[0]}"
-        if code == -signal.SIGABRT:
-            s += " (the communication library aborted it: gloo does so on a size mismatch)"
-    return s
-
-
-def doing(run: Run, r: int) -> str:
-    d = run.dumps.get(r)
-    if d is None:
-        return death(run, r)
-    if d["status"] == "finished":
-        return "has finished"
-    if d["status"] == "oom":
-        return f"stopped on OutOfMemory ({', '.join(f'{k} {v}' for k, v in d['context'].items())})"
-    if d.get("blocked"):
-        verb = "failed in" if d["status"] == "error" else "waits in"
-        return f"{verb} {describe_op(d['blocked'])}"
-    return f"is running outside communication ({d['status']}, context {d.get('context')})"
-
-
-def _event(d: dict, key: str, seq: int) -> dict | None:
-    return next((e for e in d["events"] if seq_key(e) == key and e["seq"] == seq), None)
-
-
-def entered(run: Run, m: int, key: str, seq: int) -> bool:
-    """Has rank m issued op #seq of `key`? An op begun but queued behind another blocking op
-    (pending, not the one m is blocked in) has not reached the wire."""
-    d = run.dumps[m]
-    if d["seq"].get(key, 0) < seq:
-        return False
-    ev = _event(d, key, seq)
-    return not (ev is not None and ev["pending"] and not ev["blocked"])
 
 
 def waits_for(run: Run, r: int) -> list[tuple[int, str]]:
@@ -282,14 +166,6 @@ def _p2p_cycle_text(run: Run, cycle: list[int]) -> tuple[int, str]:
     return culprit, text
 
 
-def _diverged_behind_abort(run: Run, dead: int):
-    """A rank the library aborted (SIGABRT: gloo's size check) is a victim when a live rank's step
-    departs from its own previous one (it skipped an op or changed a shape): (rank, kind, text)."""
-    if run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT:
-        return None
-    return diverging_rank(run, sorted(run.dumps))
-
-
 HINTS = {
     "crash": "find why rank {c} died (its stderr, `dmesg` for the OOM killer); all ranks must run "
              "to the end of every step",
@@ -357,7 +233,7 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
         if end not in run.dumps:
             if process_state(run, end) in ("stopped", "running"):
                 return end, "stopped", findings
-            diverged = _diverged_behind_abort(run, end)
+            diverged = diverged_behind_abort(run, end)
             if diverged:
                 return diverged[0], diverged[1], findings + [diverged[2]]
             return end, "crash", findings
@@ -368,8 +244,8 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
     frozen = [r for r in dead if process_state(run, r) in ("stopped", "running")]
     if frozen:
         return frozen[0], "stopped", findings + [f"rank {r} {death(run, r)}" for r in frozen]
-    if dead and _diverged_behind_abort(run, dead[0]):
-        r, kind, text = _diverged_behind_abort(run, dead[0])
+    if dead and diverged_behind_abort(run, dead[0]):
+        r, kind, text = diverged_behind_abort(run, dead[0])
         return r, kind, findings + [text]
     if dead:
         return dead[0], "crash", findings + [f"rank {r} {death(run, r)}" for r in dead]

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import comm
+from ..comm import COLLECTIVES
+from ..cost.memory import CATEGORIES
 
 KINDS = ("crash", "skip", "shape", "p2p-order", "slow", "oom", "freeze", "raise")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
-CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")  # as the estimator's
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
           "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -10,6 +10,7 @@ from *its own* previous step: that comparison needs only the culprit's dump (or 
 from __future__ import annotations
 
 import re
+import signal
 
 # Messages of a rank that failed because a peer did: it lost its connection, or the library
 # noticed the peer's mismatch. A rank whose error is not one of these failed on its own.
@@ -83,4 +84,13 @@ def diverging_rank(run, candidates) -> tuple[int, str, str] | None:
     return None
 
 
-__all__ = ["VICTIM_ERRORS", "own_error", "process_state", "self_divergence", "diverging_rank"]
+def diverged_behind_abort(run, dead: int):
+    """A rank the library aborted (SIGABRT: gloo's size check) is a victim when a live rank's step
+    departs from its own previous one (it skipped an op or changed a shape): (rank, kind, text)."""
+    if run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT:
+        return None
+    return diverging_rank(run, sorted(run.dumps))
+
+
+__all__ = ["VICTIM_ERRORS", "own_error", "process_state", "self_divergence", "diverging_rank",
+           "diverged_behind_abort"]

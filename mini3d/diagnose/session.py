@@ -47,12 +47,10 @@ def diagnostics(topo, spec: dict) -> Diagnostics:
 
 
 def _estimate(spec: dict, stage: int) -> dict | None:
-    """The estimator's bytes per category for this rank's stage (None if it is not in this tree)."""
-    try:
-        from ..config import model_from_dict, plan_from_dict
-        from ..cost.memory import estimate_memory
-    except ImportError:
-        return None
+    """The estimator's bytes per category for this rank's stage."""
+    from ..config import model_from_dict, plan_from_dict
+    from ..cost.memory import estimate_memory
+
     return estimate_memory(model_from_dict(spec["model"]), plan_from_dict(spec["plan"]),
                            stage).as_dict()
 

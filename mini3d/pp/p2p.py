@@ -6,9 +6,10 @@ going forward and its gradient going back (tensor parallelism with sequence para
 no shape handshake: a receive allocates its buffer and posts one recv.
 
 All traffic goes through `mini3d.comm.send/recv` on the pp Axis, so each transfer is logged with
-the runtime's context (step, action, micro-batch). Calls are blocking. Deadlock freedom comes from
-the order of the calls, not from batching: the Schedule lists sends and receives in an order that
-`check()` proves safe under blocking rendezvous semantics. That is exactly gloo's behaviour (its
+the runtime's context (step, action, micro-batch). Receives block; the runtime posts sends without
+blocking by default (`send(async_op=True)`, kept alive by `SendQueue`) and waits for them before
+the step ends. Deadlock freedom comes from the order of the calls, not from batching: the Schedule lists
+sends and receives in an order that `check()` proves safe under blocking rendezvous semantics. That is exactly gloo's behaviour (its
 blocking send waits for the matching receive even for a few KiB; gloo also has no reliable
 batch_isend_irecv) and the strictest reading of NCCL's. For the one pattern where two
 neighbours must each send to the other at the same step, `exchange` fixes the order: the lower pp
@@ -23,7 +24,8 @@ from mini3d import comm
 
 
 class PipeP2P:
-    """Blocking, logged transfers of fixed-shape tensors between pipeline ranks.
+    """Logged transfers of fixed-shape tensors between pipeline ranks (a receive blocks; a send
+    blocks unless `async_op`).
 
     `axis` is the pp Axis of this rank (`topo.pp`); peers are given as pp indices (0 .. p-1)."""
 

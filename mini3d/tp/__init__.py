@@ -5,22 +5,22 @@
     layers.py         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     cross_entropy.py  vocab-parallel cross-entropy (no full logits on any rank)
     parallelize.py    apply_tp(model, topo, plan), sync_tp_grads, full_state_dict, full_grads,
-                      boundary_shape, load_full_state_dict, gather_logits, grad_norm_sq
-    course.py         shard_map, comm_per_layer (data for the course)
+                      boundary_shape, load_full_state_dict, gather_logits
+    layout.py         shard_map, comm_per_layer (what each rank holds and each layer sends, as data)
 """
 
-from .course import comm_per_layer, shard_map
+from .layout import comm_per_layer, shard_map
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
                        reduce_scatter_to_sequence, scatter_to_sequence, scatter_to_tp)
 from .parallelize import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
-                          grad_norm_sq, load_full_state_dict, shard_like, sum_replicated_grads,
+                          load_full_state_dict, shard_like, sum_replicated_grads,
                           sync_tp_grads, unshard_like, materialize_reference, clip_grad_norm_)
 
 __all__ = ["apply_tp", "sync_tp_grads", "sum_replicated_grads", "materialize_reference", "clip_grad_norm_", "full_state_dict", "full_grads",
            "boundary_shape",
-           "load_full_state_dict", "gather_logits", "grad_norm_sq", "shard_like", "unshard_like",
+           "load_full_state_dict", "gather_logits", "shard_like", "unshard_like",
            "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "vocab_parallel_cross_entropy", "copy_to_tp", "reduce_from_tp", "scatter_to_tp",
            "gather_from_tp", "gather_from_sequence", "reduce_scatter_to_sequence",

@@ -174,25 +174,6 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     return norm
 
 
-def grad_norm_sq(model, topo) -> torch.Tensor:
-    """Squared L2 norm of the full model's gradient (for clipping): sharded gradients are summed
-    over tp (one all-reduce of a scalar), replicated ones counted once. Call after `sync_tp_grads`;
-    pipeline stages / dp replicas are the caller's to combine."""
-    sharded = replicated = None
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().float().pow(2).sum()
-        if is_tp_sharded(p):
-            sharded = sq if sharded is None else sharded + sq
-        else:
-            replicated = sq if replicated is None else replicated + sq
-    zero = torch.zeros((), device=next(model.parameters()).device)
-    sharded = zero.clone() if sharded is None else sharded
-    comm.all_reduce(sharded, topo.tp)
-    return sharded + (zero if replicated is None else replicated)
-
-
 def _unshard(t: torch.Tensor, p, axis) -> torch.Tensor:
     """The full tensor of sharded parameter `p` from this rank's shard `t` (its value or grad)."""
     dim = p.tp_dim
@@ -293,5 +274,5 @@ def boundary_shape(plan, micro_batch_size: int, cfg) -> tuple[int, int, int]:
 
 
 __all__ = ["apply_tp", "sync_tp_grads", "full_state_dict", "full_grads", "boundary_shape",
-           "load_full_state_dict", "gather_logits", "grad_norm_sq",
+           "load_full_state_dict", "gather_logits",
            "ParallelEmbedding", "is_tp_sharded"]

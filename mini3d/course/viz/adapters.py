@@ -1,34 +1,16 @@
-"""Glue from mini3d's own engines to the explorers' function contracts (see `widgets.py`).
-
-Imports are lazy, so `mini3d.course.viz` works (and its tests run) before `mini3d.pp` or
-`mini3d.diagnose` exist in a checkout.
-"""
+"""Glue from mini3d's own engines to the explorers' function contracts (see `widgets.py`)."""
 
 from __future__ import annotations
 
-from .pipeline import bubble_from_timeline, gpipe_timeline
+from mini3d.pp.schedules import make_schedule
+from mini3d.pp.simulator import simulate
 
 
-def pp_simulate_fn(allow_stand_in: bool = True):
+def pp_simulate_fn():
     """`simulate_fn(kind, p, m, v, bwd_ratio)` backed by `mini3d.pp` (make_schedule + simulate).
 
     Costs are per model chunk: a forward of one chunk takes 1/v, its backward bwd_ratio/v, so the
-    total work per micro-batch is the same for every v and only the bubble changes. If `mini3d.pp`
-    is missing and `allow_stand_in` is true, every schedule is drawn as the closed-form GPipe
-    timeline (same bubble as 1F1B; interleaving is then not modelled) and `.stand_in` is True."""
-    try:
-        from mini3d.pp.schedules import make_schedule
-        from mini3d.pp.simulator import simulate
-    except ImportError:
-        if not allow_stand_in:
-            raise
-
-        def stand_in(kind, p, m, v=1, bwd_ratio=2.0):
-            tl = gpipe_timeline(p, m, 1.0, float(bwd_ratio))
-            return dict(timeline=tl, bubble_fraction=bubble_from_timeline(tl), stand_in=True)
-
-        return stand_in
-
+    total work per micro-batch is the same for every v and only the bubble changes."""
     def simulate_fn(kind, p, m, v=1, bwd_ratio=2.0):
         v = v if kind == "interleaved" else 1
         return simulate(make_schedule(kind, p, m, v), 1.0 / v, float(bwd_ratio) / v)

@@ -1,4 +1,4 @@
-"""Course hooks for tensor parallelism: plain data (no plotting) for the widgets and exercises.
+"""Tensor parallelism as plain data (no plotting), for the cost model, the course and the tests.
 
 * `shard_map(cfg, tp)`: which rows / columns of each weight matrix live on which tp rank, computed
   by the same index functions `apply_tp` slices with (so the picture cannot disagree with the code).

@@ -1,0 +1,128 @@
+"""A failed run's directory, read back: every rank's dump, the launcher's exit record, stacks.
+
+`load_run(run_dir)` gives a `Run`; the per-rank facts below (`who`, `doing`, `death`, `entered`)
+are what `explain.py` reasons over. The files: `rank{r}.json` (each rank's watchdog, see
+watchdog.py), `launcher.json` (every rank's exit status, from `launch(run_dir=...)`) and
+`rank{r}.stack` (the Python stack of a rank the communication library aborted).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+from ..grid import Grid
+from .history import process_state
+from .watchdog import describe_op
+
+
+@dataclass
+class Run:
+    """Everything a run directory holds."""
+
+    dumps: dict  # rank -> dump dict
+    launcher: dict | None
+    stacks: dict  # rank -> faulthandler text
+    grid: Grid | None = None
+    world: int = 0
+
+    @property
+    def exits(self) -> dict:
+        return {r["rank"]: r for r in (self.launcher or {}).get("ranks", [])}
+
+
+def load_run(run_dir: str) -> Run:
+    dumps = {}
+    for path in glob.glob(os.path.join(run_dir, "rank*.json")):
+        with open(path) as f:
+            d = json.load(f)
+        dumps[int(d["rank"])] = d
+    launcher = None
+    if os.path.exists(os.path.join(run_dir, "launcher.json")):
+        with open(os.path.join(run_dir, "launcher.json")) as f:
+            launcher = json.load(f)
+    stacks = {}
+    for path in glob.glob(os.path.join(run_dir, "rank*.stack")):
+        text = open(path).read()
+        if text.strip():
+            stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
+    run = Run(dumps, launcher, stacks)
+    if dumps:
+        g = next(iter(dumps.values()))["grid"]
+        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1))
+        run.world = run.grid.world_size
+    return run
+
+
+def who(run: Run, r: int) -> str:
+    c = run.grid.coords(r)
+    return f"rank {r} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']})"
+
+
+def seq_key(ev: dict) -> str:
+    if ev["op"] == "send":
+        return f"{ev['axis']}/p2p->{ev['peer']}"
+    if ev["op"] == "recv":
+        return f"{ev['axis']}/p2p<-{ev['peer']}"
+    return f"{ev['axis']}/{ev['op']}"
+
+
+def death(run: Run, r: int) -> str:
+    """How a rank without a dump ended, from launcher.json and its stack file."""
+    info = run.exits.get(r, {})
+    code = info.get("exitcode")
+    state = process_state(run, r)
+    if code is None and state == "stopped":
+        s = "stopped responding: its process was frozen (stopped, e.g. by SIGSTOP) and left no dump"
+    elif code is None and state == "running":
+        s = "stopped responding: its process was alive but neither communicated nor dumped"
+    elif code is None:
+        s = "left no dump (its exit status is unknown)"
+    elif code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        s = f"was killed by {name} and left no dump"
+    else:
+        s = f"exited with status {code} without a dump"
+    stack = run.stacks.get(r, "")
+    ops = re.findall(r'comm\.py", line \d+ in (\w+)', stack)
+    public = [o for o in ops if not o.startswith("_")]
+    if public:
+        s += f"; its stack shows it inside {public[0]}"
+        if code == -signal.SIGABRT:
+            s += " (the communication library aborted it: gloo does so on a size mismatch)"
+    return s
+
+
+def doing(run: Run, r: int) -> str:
+    d = run.dumps.get(r)
+    if d is None:
+        return death(run, r)
+    if d["status"] == "finished":
+        return "has finished"
+    if d["status"] == "oom":
+        return f"stopped on OutOfMemory ({', '.join(f'{k} {v}' for k, v in d['context'].items())})"
+    if d.get("blocked"):
+        verb = "failed in" if d["status"] == "error" else "waits in"
+        return f"{verb} {describe_op(d['blocked'])}"
+    return f"is running outside communication ({d['status']}, context {d.get('context')})"
+
+
+def _event(d: dict, key: str, seq: int) -> dict | None:
+    return next((e for e in d["events"] if seq_key(e) == key and e["seq"] == seq), None)
+
+
+def entered(run: Run, m: int, key: str, seq: int) -> bool:
+    """Has rank m issued op #seq of `key`? An op begun but queued behind another blocking op
+    (pending, not the one m is blocked in) has not reached the wire."""
+    d = run.dumps[m]
+    if d["seq"].get(key, 0) < seq:
+        return False
+    ev = _event(d, key, seq)
+    return not (ev is not None and ev["pending"] and not ev["blocked"])
