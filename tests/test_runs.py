@@ -138,6 +138,22 @@ def test_interrupted_prepare_leaves_nothing_train_accepts_and_resumes_to_the_sam
     assert "rerun mini3d prepare" in capsys.readouterr().err
 
 
+def test_prepare_with_a_tokenizer_file_copies_it_and_the_shards_decode_back(tmp_path):
+    from mini3d.shards import read_header, tokenizer_name
+
+    src = tmp_path / "t.txt"
+    src.write_text(TEXT * 300)
+    vocab = local_tiktoken_file(tmp_path / "gpt2ish.tiktoken")
+    out = tmp_path / "data"
+    assert cli.main(["prepare", str(src), "--out", str(out), "--tokenizer", vocab,
+                     "--val-fraction", "0", "--no-progress"]) == 0
+    header = read_header(str(out))
+    assert header["tokenizer"] == "tokenizer.tiktoken" and header["vocab_size"] == 265
+    tok = get_tokenizer(tokenizer_name(str(out), header))
+    ids = np.fromfile(out / header["train"]["shards"][0]["file"], dtype=header["dtype"])
+    assert tok.decode(ids.tolist()) == TEXT * 300 and header["val"]["tokens"] == 0
+
+
 @pytest.mark.timeout(300)
 def test_prepare_bpe_then_train_eval_save_and_sample(tmp_path):
     src = corpus(tmp_path / "corpus.txt", 2_000_000)
