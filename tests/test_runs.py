@@ -89,6 +89,9 @@ def test_lr_schedule_values_equal_the_closed_form():
     assert lin.at(60) == pytest.approx((lr + lo) / 2) and lin.at(35) == pytest.approx(lr - (lr - lo) / 4)
     assert cos.at(110) == cos.at(500) == pytest.approx(lo) == lin.at(200)
     assert const.at(50) == const.at(500) == lr
+    # a resume warns only when the checkpoint's schedule gives other rates than the flags'
+    assert not const.differs_from(LRSchedule("constant", lr, w, 999, 0.0))
+    assert cos.differs_from(LRSchedule("cosine", lr, w, 999, lo)) and cos.differs_from(lin)
 
 
 # ---- prepare, shards, train --data DIR ------------------------------------------------------------
