@@ -47,6 +47,13 @@ class LRSchedule:
             return self.lr - (self.lr - self.min_lr) * t
         return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
 
+    def differs_from(self, other: "LRSchedule") -> bool:
+        """Whether the two give different learning rates at some step (a constant schedule
+        ignores decay_steps and min_lr)."""
+        if self.kind == other.kind == "constant":
+            return (self.lr, self.warmup_steps) != (other.lr, other.warmup_steps)
+        return self != other
+
     def as_dict(self) -> dict:
         return dict(kind=self.kind, lr=self.lr, warmup_steps=self.warmup_steps,
                     decay_steps=self.decay_steps, min_lr=self.min_lr)

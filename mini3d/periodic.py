@@ -7,6 +7,10 @@
 
 from __future__ import annotations
 
+import sys
+
+import torch.distributed as dist
+
 from .checkpoint import read_meta
 from .evaluate import evaluate
 from .optim import LRSchedule
@@ -31,7 +35,14 @@ def resumed_schedule(run: RunConfig):
     if run.resume:
         saved = read_meta(run.resume).get("lr_schedule")
         if saved:
-            return LRSchedule(**saved)
+            kept = LRSchedule(**saved)
+            asked = run.schedule()
+            if kept.differs_from(asked) and dist.get_rank() == 0:
+                print(f"mini3d train: resuming {run.resume} with its lr schedule {kept.as_dict()}, "
+                      f"not the flags' {asked.as_dict()} (a checkpoint's schedule continues "
+                      f"exactly; to change it, start a new run from its weights)", file=sys.stderr,
+                      flush=True)
+            return kept
     return run.schedule()
 
 

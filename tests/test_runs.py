@@ -89,6 +89,9 @@ def test_lr_schedule_values_equal_the_closed_form():
     assert lin.at(60) == pytest.approx((lr + lo) / 2) and lin.at(35) == pytest.approx(lr - (lr - lo) / 4)
     assert cos.at(110) == cos.at(500) == pytest.approx(lo) == lin.at(200)
     assert const.at(50) == const.at(500) == lr
+    # a resume warns only when the checkpoint's schedule gives other rates than the flags'
+    assert not const.differs_from(LRSchedule("constant", lr, w, 999, 0.0))
+    assert cos.differs_from(LRSchedule("cosine", lr, w, 999, lo)) and cos.differs_from(lin)
 
 
 # ---- prepare, shards, train --data DIR ------------------------------------------------------------
@@ -136,6 +139,22 @@ def test_interrupted_prepare_leaves_nothing_train_accepts_and_resumes_to_the_sam
         f.truncate(10)
     assert cli.main(["train", "--data", str(out), "--steps", "1"]) == 2
     assert "rerun mini3d prepare" in capsys.readouterr().err
+
+
+def test_prepare_with_a_tokenizer_file_copies_it_and_the_shards_decode_back(tmp_path):
+    from mini3d.shards import read_header, tokenizer_name
+
+    src = tmp_path / "t.txt"
+    src.write_text(TEXT * 300)
+    vocab = local_tiktoken_file(tmp_path / "gpt2ish.tiktoken")
+    out = tmp_path / "data"
+    assert cli.main(["prepare", str(src), "--out", str(out), "--tokenizer", vocab,
+                     "--val-fraction", "0", "--no-progress"]) == 0
+    header = read_header(str(out))
+    assert header["tokenizer"] == "tokenizer.tiktoken" and header["vocab_size"] == 265
+    tok = get_tokenizer(tokenizer_name(str(out), header))
+    ids = np.fromfile(out / header["train"]["shards"][0]["file"], dtype=header["dtype"])
+    assert tok.decode(ids.tolist()) == TEXT * 300 and header["val"]["tokens"] == 0
 
 
 @pytest.mark.timeout(300)

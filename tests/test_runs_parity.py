@@ -1,6 +1,7 @@
 """Small real runs across layouts, in two launches (2 ranks, then 1 rank for the reference):
 
-* the validation loss of tp2, pp2 and dp2 equals the single process's (float32 rounding);
+* the validation loss of tp2 (also sequence-parallel), pp2 (also interleaved with full recompute)
+  and dp2 (ZeRO-1 and ZeRO-3) equals the single process's (float32 rounding);
 * a run resumed mid-warmup and mid-cosine continues the lr schedule and the losses bitwise, and a
   resume with other schedule flags still follows the checkpoint's schedule;
 * `sample` from checkpoints written by two layouts gives identical text with the same seed;
@@ -52,20 +53,25 @@ def runs(shards):
                spec(Plan(dp=2, zero=1, **RUN), resume=os.path.join(full, "step-000002")),  # warmup
                spec(Plan(dp=2, zero=1, **RUN), resume=os.path.join(full, "step-000004")),  # cosine
                spec(Plan(dp=2, zero=1, **RUN), resume=os.path.join(full, "step-000004"),
-                    lr_schedule="constant", warmup_steps=0)]  # flags changed: the checkpoint wins
+                    lr_schedule="constant", warmup_steps=0),  # flags changed: the checkpoint wins
+               spec(Plan(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
+                         recompute="full", **RUN)),
+               spec(Plan(dp=2, zero=3, **RUN)),
+               spec(Plan(tp=2, sequence_parallel=True, **RUN))]
     two = launch(run_specs, 2, layouts, device="cpu", timeout=200)
     one = launch(run_specs, 1, [spec(Plan(**RUN), save=os.path.join(root, "one"))], device="cpu",
                  timeout=100)
     recs = lambda results, i: reporter_records([r[i] for r in results])
     return {"tp2": recs(two, 0), "pp2": recs(two, 1), "dp2": recs(two, 2), "warm": recs(two, 3),
-            "cos": recs(two, 4), "flags": recs(two, 5), "one": recs(one, 0), "root": root}
+            "cos": recs(two, 4), "flags": recs(two, 5), "pp2-interleaved-full": recs(two, 6),
+            "dp2-zero3": recs(two, 7), "tp2-sp": recs(two, 8), "one": recs(one, 0), "root": root}
 
 
 @pytest.mark.timeout(320)
 def test_validation_loss_equals_the_single_process_in_every_layout(runs):
     want = [r["val_loss"] for r in runs["one"] if "val_loss" in r]
     assert len(want) == 2 and want[1] < want[0]  # steps 3 and 6; it learns
-    for layout in ("tp2", "pp2", "dp2"):
+    for layout in ("tp2", "pp2", "dp2", "pp2-interleaved-full", "dp2-zero3", "tp2-sp"):
         got = [r["val_loss"] for r in runs[layout] if "val_loss" in r]
         # float32 summation order only (tp all-reduces, dp averaging, micro-batch means): ~1e-6
         assert got == pytest.approx(want, abs=1e-5), layout
