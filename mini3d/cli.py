@@ -155,23 +155,26 @@ def cmd_train(args) -> int:
     if problems:
         return bad_input(problems)
 
-    from .train import make_spec, reporter_records, summary_line, train_worker
+    derived = False
+    if torchrun:  # one run directory for all ranks: --run-dir, or derived from the rendezvous id
+        from .diagnose.torchrun import run_dir_for
+
+        run_dir, problem = run_dir_for(args.run_dir)
+        if problem:
+            return bad_input([problem])
+        derived, args.run_dir = not args.run_dir, run_dir
+
+    from .train import make_spec, reporter_records, summary_line
 
     spec = make_spec(cfg, plan, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
                      grad_clip=args.grad_clip,
                      log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
                      save_every=args.save_every, resume=resume,
                      **diagnose_spec(args))  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
-    if torchrun:
-        from .diagnose.watchdog import nccl_env
-        from .launch import init_from_env
+    if torchrun:  # the local launcher's failure handling, among the ranks (mini3d.diagnose)
+        from .diagnose import torchrun as under_torchrun
 
-        os.environ.update(nccl_env(spec["hang_timeout"], spec["run_dir"]))
-        init_from_env(args.device)
-        result = train_worker(spec)
-        if result["reporter"]:
-            print(summary_line(result["records"], plan), flush=True)
-        return EXIT_OK
+        return under_torchrun.train(spec, args.device, derived)
     try:
         results = launch_train(spec, world, args.device, args.timeout)
     except WorkerError as e:

@@ -38,6 +38,7 @@ class Run:
     launcher: dict | None
     stacks: dict  # rank -> faulthandler text
     grid: Grid | None = None
+    stderr: dict = field(default_factory=dict)  # rank -> what C++ libraries wrote (rank{r}.stderr)
     world: int = 0
 
     @property
@@ -57,6 +58,8 @@ class Explanation:
 def load_run(run_dir: str) -> Run:
     dumps = {}
     for path in glob.glob(os.path.join(run_dir, "rank*.json")):
+        if not re.fullmatch(r"rank\d+\.json", os.path.basename(path)):
+            continue  # rank{r}.exit.json (torchrun's exit records) are read through launcher.json
         with open(path) as f:
             d = json.load(f)
         dumps[int(d["rank"])] = d
@@ -70,6 +73,9 @@ def load_run(run_dir: str) -> Run:
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
     run = Run(dumps, launcher, stacks)
+    for path in glob.glob(os.path.join(run_dir, "rank*.stderr")):
+        with open(path, errors="replace") as f:
+            run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)
     if dumps:
         g = next(iter(dumps.values()))["grid"]
         run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"))
@@ -101,6 +107,8 @@ def death(run: Run, r: int) -> str:
         s = "stopped responding: its process was frozen (stopped, e.g. by SIGSTOP) and left no dump"
     elif code is None and state == "running":
         s = "stopped responding: its process was alive but neither communicated nor dumped"
+    elif code is None and "terminate called" in run.stderr.get(r, ""):
+        s = "was aborted by the communication library (SIGABRT) and left no dump"
     elif code is None:
         s = "left no dump (its exit status is unknown)"
     elif code < 0:
@@ -285,7 +293,8 @@ def _p2p_cycle_text(run: Run, cycle: list[int]) -> tuple[int, str]:
 def _diverged_behind_abort(run: Run, dead: int):
     """A rank the library aborted (SIGABRT: gloo's size check) is a victim when a live rank's step
     departs from its own previous one (it skipped an op or changed a shape): (rank, kind, text)."""
-    if run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT:
+    if (run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT
+            and "terminate called" not in run.stderr.get(dead, "")):
         return None
     return diverging_rank(run, sorted(run.dumps))
 

@@ -66,7 +66,7 @@ def _cause(run, r: int, kind: str) -> str:
         return _killed(code)
     if code:
         return f"exited with status {code} without a Python exception"
-    return "crashed: " + death(run, r)
+    return death(run, r).replace(" and left no dump", "")
 
 
 def _step(run, r: int):
@@ -85,7 +85,7 @@ def _victim(run, r: int) -> str:
     d = run.dumps.get(r)
     if d is None:
         code = run.exits.get(r, {}).get("exitcode")
-        if code == -signal.SIGABRT:
+        if code == -signal.SIGABRT or "terminate called" in run.stderr.get(r, ""):
             return "were aborted by the communication library (a size mismatch)"
         return "left no dump"
     status = d["status"]
