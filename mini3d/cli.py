@@ -139,6 +139,9 @@ def cmd_train(args) -> int:
     from .diagnose.cli import diagnose_problems, diagnose_spec
 
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
+    from .run_checks import run_problems
+
+    problems += run_problems(args, plan, cfg)  # finite numbers, writable paths, flags that pair
     if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
         from .diagnose.dryrun import dry_run
 

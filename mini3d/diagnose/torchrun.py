@@ -156,7 +156,14 @@ def train(spec: dict, device: str, derived: bool) -> int:
     run_dir = spec["run_dir"]
     os.makedirs(run_dir, exist_ok=True)
     os.environ.update(nccl_env(spec["hang_timeout"], run_dir))
-    init_from_env(device)
+    try:
+        init_from_env(device)
+    except (RuntimeError, ValueError) as e:  # e.g. MASTER_PORT taken by another process
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        print(f"mini3d train: bad input: torchrun's rendezvous at MASTER_ADDR:MASTER_PORT={where} "
+              f"failed ({str(e).splitlines()[0][:200]}); choose a free --master-port / "
+              f"--rdzv-endpoint. Nothing was trained.", file=sys.stderr, flush=True)
+        return 2
     agree_on_job(run_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
