@@ -2,7 +2,9 @@
 
 Exit codes (a contract, see DESIGN.md): 0 success; 2 bad input, reported before any process starts
 with a message naming the offending values; 1 a rank failed; 3 the job timed out or hung (see
-`mini3d explain-hang`); 4 out of memory (the report names rank, stage, category and plans that fit).
+`mini3d explain-hang`); 4 out of memory (the report names rank, stage, category and plans that fit);
+5 the loss became nan or inf; 130 / 143 stopped by Ctrl-C / SIGTERM at a step boundary (after a
+checkpoint when --save is given).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
+EXIT_NONFINITE = 5  # the loss became nan or inf (the message names the step and the rank)
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
 SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.grading")
@@ -100,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world-size", type=int, help="number of processes (default tp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--allow-change", action="store_true",
+                   help="resume although --seed, --data or --global-batch differ from the checkpoint's")
     from .diagnose.cli import add_train_args
 
     add_train_args(t)  # mini3d.diagnose: --hang-timeout --run-dir --inject-fault --memory-budget ...
@@ -148,7 +153,7 @@ def cmd_train(args) -> int:
         return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node)
     resume = None
     if args.resume:
-        resume, resume_problems = check_resume(args.resume, cfg, args.steps)
+        resume, resume_problems = check_resume(args.resume, cfg, args.steps, args, plan)
         problems += resume_problems
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
@@ -173,26 +178,51 @@ def cmd_train(args) -> int:
                      grad_clip=args.grad_clip,
                      log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
                      save_every=args.save_every, resume=resume,
+                     stop_on_signal=True,  # Ctrl-C / SIGTERM: stop at a step boundary (mini3d.stop)
                      **diagnose_spec(args))  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
     if torchrun:  # the local launcher's failure handling, among the ranks (mini3d.diagnose)
         from .diagnose import torchrun as under_torchrun
 
         return under_torchrun.train(spec, args.device, derived)
+    from .stop import launcher_signals
+
     try:
-        results = launch_train(spec, world, args.device, args.timeout)
+        with launcher_signals() as got:
+            results = launch_train(spec, world, args.device, args.timeout)
+    except KeyboardInterrupt:  # a second Ctrl-C: the ranks were stopped at once
+        print("mini3d train: interrupted twice: every rank was stopped without a checkpoint",
+              file=sys.stderr)
+        return 130
     except WorkerError as e:
+        if e.message.startswith("NonFiniteLoss: "):
+            print(f"mini3d train: {e.message[len('NonFiniteLoss: '):]}", file=sys.stderr)
+            return EXIT_NONFINITE
         if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
             print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
             return EXIT_OOM
         return report_failure(e, spec["run_dir"], EXIT_FAILED)
     except LaunchTimeout as e:
         return report_failure(e, spec["run_dir"], EXIT_HUNG)
+    stopped = next((r["interrupted"] for r in results if r.get("interrupted")), None)
+    if stopped:
+        return report_interrupt(stopped, got or [stopped["signal"]], args.save)
     print(summary_line(reporter_records(results), plan), flush=True)
     if not args.run_dir:  # the default (temporary) run directory served its purpose
         import shutil
 
         shutil.rmtree(spec["run_dir"], ignore_errors=True)
     return EXIT_OK
+
+
+def report_interrupt(stopped: dict, got: list, save: str | None) -> int:
+    """One line for a job stopped by a signal; 130 (SIGINT) or 143 (SIGTERM)."""
+    from .stop import exit_code, name
+
+    signum = got[0]
+    where = f"; checkpoint {save}/step-{stopped['step']:06d} saved" if stopped["saved"] else ""
+    print(f"mini3d train: stopped by {name(signum)} after step {stopped['step']}{where}",
+          file=sys.stderr, flush=True)
+    return exit_code(signum)
 
 
 def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
@@ -206,8 +236,10 @@ def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
     return code
 
 
-def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:
-    """(checkpoint directory, problems) for --resume ROOT."""
+def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
+                 plan: Plan | None = None) -> tuple[str | None, list[str]]:
+    """(checkpoint directory, problems) for --resume ROOT; with `args` and `plan`, a changed seed,
+    data or global batch too (a warning instead with --allow-change)."""
     import dataclasses
 
     from .checkpoint import latest_dir, read_meta, shape_mismatch, verify_checkpoint
@@ -226,6 +258,15 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
     if meta["step"] >= steps:
         out.append(f"checkpoint {ckpt!r} is at step {meta['step']}, --steps={steps} asks for no more "
                    f"(--steps is the total number of steps to reach)")
+    if args is not None and plan is not None:
+        from .run_checks import resume_changes
+
+        changes = resume_changes(meta, args, plan)
+        if changes and not args.allow_change:
+            out += [f"{c} (the resumed run would not see the batches of an uninterrupted one; "
+                    f"pass --allow-change to resume anyway)" for c in changes]
+        for c in changes if args.allow_change else ():
+            print(f"mini3d train: warning: {c}; resuming anyway (--allow-change)", file=sys.stderr)
     return ckpt, out
 
 

@@ -84,4 +84,22 @@ def run_problems(args, plan, cfg) -> list[str]:
     return out
 
 
-__all__ = ["run_problems"]
+def resume_changes(meta: dict, args, plan) -> list[str]:
+    """What differs between a checkpoint's run and the one asked for, among what decides the
+    batches: the seed, the data file and the global batch (checkpoints that did not record one of
+    them are not compared on it)."""
+    out = []
+    if "seed" in meta and meta["seed"] != args.seed:
+        out.append(f"--seed {args.seed} differs from the checkpoint's seed {meta['seed']}")
+    if "data" in meta:
+        data = os.path.abspath(args.data) if args.data else None
+        if data != meta["data"]:
+            out.append(f"--data {args.data!r} differs from the checkpoint's data "
+                       f"{meta['data'] or 'the embedded corpus'!r}")
+    saved = (meta.get("plan") or {}).get("global_batch")
+    if saved is not None and saved != plan.global_batch:
+        out.append(f"--global-batch {plan.global_batch} differs from the checkpoint's {saved}")
+    return out
+
+
+__all__ = ["run_problems", "resume_changes"]

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 import resource
 import time
 
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, stop
 from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
 from .data import Batches, load_tokens
 from .diagnose.faults import parse_size
@@ -202,6 +204,12 @@ def train_worker(spec: dict) -> dict:
                       spec.get("grad_clip", 0.0))
     start = trainer.load(spec["resume"]) if spec.get("resume") else 0
     diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
+    stops = bool(spec.get("stop_on_signal"))  # Ctrl-C / SIGTERM: stop together (mini3d.stop)
+    if stops:
+        from .launch import in_torchrun
+
+        stop.install(in_torchrun())
+    interrupted = None
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
     log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
     bar = None
@@ -228,6 +236,11 @@ def train_worker(spec: dict) -> dict:
             check_budget(memory_by_category(trainer, peak_activation_bytes(trainer, acts)), budget,
                          rank, topo.coords, cfg, plan)
         loss = trainer.mean_loss_over_dp(loss)
+        if not math.isfinite(loss):  # every rank holds the same value here: all stop at once
+            c = topo.coords
+            raise NonFiniteLoss(f"the loss is {loss} at step {step + 1} (seen on rank {rank}, "
+                                f"tp={c['tp']}, pp={c['pp']}, dp={c['dp']}): training diverged; "
+                                f"lower --lr, set --grad-clip, or check the data")
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                "peak_mem_bytes": peak_memory_bytes(topo.device)}
@@ -241,19 +254,39 @@ def train_worker(spec: dict) -> dict:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
         done = step + 1
-        if spec.get("save") and (done == spec["steps"] or (save_every and done % save_every == 0)):
-            trainer.save(spec["save"], done, {"step": done, "model": spec["model"], "plan": spec["plan"],
-                                              "seed": spec["seed"], "data_position": done})
+        saved = bool(spec.get("save")) and (done == spec["steps"] or
+                                            bool(save_every and done % save_every == 0))
+        if saved:
+            trainer.save(spec["save"], done, checkpoint_meta(spec, done))
+        signum = stop.agree(topo.device) if stops else 0
+        if signum:
+            if spec.get("save") and not saved:
+                trainer.save(spec["save"], done, checkpoint_meta(spec, done))
+            interrupted = {"signal": signum, "step": done, "saved": bool(spec.get("save"))}
+            break
     if bar:
         bar.close()
     if log_file:
         log_file.close()
     diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
+            "interrupted": interrupted,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
             **collected(trainer, collect), **extra}
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became nan or inf: `mini3d train` stops with its own exit code (5)."""
+
+
+def checkpoint_meta(spec: dict, done: int) -> dict:
+    """What a checkpoint records besides the tensors: enough to check that a resume continues the
+    same run (seed, data, plan with its global batch) and where the data stands."""
+    return {"step": done, "model": spec["model"], "plan": spec["plan"], "seed": spec["seed"],
+            "data": os.path.abspath(spec["data"]) if spec.get("data") else None,
+            "data_position": done}
 
 
 def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | None = None):

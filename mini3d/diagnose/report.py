@@ -112,7 +112,7 @@ def victims_line(run, culprit: int) -> str:
 
 
 def _disk_full(run_dir: str) -> list[str] | None:
-    """A full disk under a checkpoint is the story whichever rank hit it (mini3d.checkpoint)."""
+    """A full disk under a checkpoint, or a non-finite loss, is the story whichever rank hit it."""
     import json
 
     try:
@@ -121,9 +121,10 @@ def _disk_full(run_dir: str) -> list[str] | None:
     except (OSError, ValueError, KeyError):
         return None
     for r in ranks:
-        if (r.get("error") or "").startswith("DiskFull: "):
-            return [r["error"][len("DiskFull: "):] + f" (rank {r['rank']})",
-                    f"(every rank's state: {run_dir})"]
+        for kind in ("DiskFull: ", "NonFiniteLoss: "):  # each says where and what
+            if (r.get("error") or "").startswith(kind):
+                return [r["error"][len(kind):].splitlines()[0] + f" (rank {r['rank']})",
+                        f"(every rank's state: {run_dir})"]
     return None
 
 

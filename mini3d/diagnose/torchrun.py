@@ -174,10 +174,20 @@ def train(spec: dict, device: str, derived: bool) -> int:
                 hook(e)
             except Exception:
                 pass
-        mine = EXIT_OOM if getattr(e, "report", None) is not None else EXIT_FAILED
+        mine = (EXIT_OOM if getattr(e, "report", None) is not None else
+                5 if type(e).__name__ == "NonFiniteLoss" else EXIT_FAILED)
         error = f"{type(e).__name__}: {e}"
         code = claim_marker(abort_marker(run_dir), rank, error.splitlines()[0], mine)
         finish(run_dir, rank, world, code, error, traceback.format_exc())
+    stopped = result.get("interrupted")
+    if stopped:  # every rank stopped at the same boundary (mini3d.stop)
+        from .. import stop
+
+        if rank == 0:
+            where = f"; checkpoint saved at step {stopped['step']}" if stopped["saved"] else ""
+            print(f"mini3d train: stopped by {stop.name(stopped['signal'])} after step "
+                  f"{stopped['step']}{where}", file=sys.stderr, flush=True)
+        return stop.exit_code(stopped["signal"])
     if result["reporter"]:
         print(summary_line(result["records"], spec_plan(spec)), flush=True)
     dist.barrier()
