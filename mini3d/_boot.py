@@ -28,7 +28,7 @@ def run(parent: int, payload: bytes, q):
     die_with_parent(parent)
     import pickle
 
-    from .launch import _worker
-
-    args = pickle.loads(payload)  # imports torch and the worker function's module
-    _worker(*args[:8], q, *args[8:])
+    # The payload starts with mini3d.launch's worker function: unpickling it imports mini3d.launch
+    # (and torch) only now, and keeps this module free of imports back into the launcher.
+    worker, *args = pickle.loads(payload)
+    worker(*args[:8], q, *args[8:])

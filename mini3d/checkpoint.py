@@ -195,6 +195,19 @@ def latest_dir(root: str) -> str | None:
     return None
 
 
+def prune_checkpoints(root: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints under `root` (never the one `latest`
+    names); returns the deleted directories. Leader only, after a commit."""
+    newest = latest_dir(root)
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step-")
+                   and os.path.isfile(os.path.join(root, n, "meta.json")))
+    doomed = [os.path.join(root, n) for n in steps[:max(0, len(steps) - keep)]]
+    doomed = [d for d in doomed if newest is None or os.path.abspath(d) != os.path.abspath(newest)]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
+
+
 def read_meta(ckpt: str) -> dict:
     with open(os.path.join(ckpt, "meta.json")) as f:
         return json.load(f)
@@ -235,9 +248,11 @@ def read_states(ckpt: str, names=None) -> dict:
 def shape_mismatch(meta: dict, cfg_dict: dict) -> list[str]:
     """Model fields that differ between a checkpoint and the requested model, each naming both values."""
     fields = ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len", "d_ff")
+    family = ("family", "n_kv_heads", "tie_embeddings", "activation", "rope_base", "norm_eps")
     saved = meta["model"]
-    return [f"{k}: checkpoint has {saved[k]}, the flags ask for {cfg_dict[k]}"
-            for k in fields if saved.get(k) != cfg_dict.get(k)]
+    return [f"{k}: checkpoint has {saved.get(k)}, the flags ask for {cfg_dict.get(k)}"
+            for k in fields + family
+            if (k in fields or k in saved) and saved.get(k) != cfg_dict.get(k)]
 
 
 def _sha256(path: str) -> str:
@@ -321,8 +336,11 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
 
 
 def _names(chunks) -> dict:
-    """{parameter: reference name} over this rank's model chunks (names are the full model's)."""
-    return {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+    """{parameter: reference name} over this rank's model chunks (names are the full model's; a
+    tied head's copy on the last stage is saved and restored as the embedding it equals)."""
+    from .model import canonical_name
+
+    return {p: canonical_name(n, chunk.cfg) for chunk in chunks for n, p in chunk.named_parameters()}
 
 
 def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict, dict, int]:
@@ -346,7 +364,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
             full = shard
             if sharded:
                 full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-                comm.all_gather(full, shard.contiguous(), topo.dp)
+                comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
             for p, local in group.views(full):
                 value = unshard_like(p, local.float(), topo)
                 if not keep:

@@ -22,8 +22,8 @@ import json
 import os
 import pickle
 import queue
-import shutil
 import signal
+import shutil
 import socket
 import sys
 import time
@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEVICE_ENV = "MINI3D_DEVICE"
+STRICT_ENV = "MINI3D_STRICT_DEVICE"  # "1": workers compute with torch's default device set to meta
 HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
 ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
 ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
@@ -98,17 +99,45 @@ def on_failure(hook):
     _FAILURE_HOOKS.append(hook)
 
 
-def choose_device(device: str = "auto", local_world_size: int = 1,
-                  backend: str | None = None) -> tuple[str, str]:
-    """(backend, device type): NCCL + CUDA when there is one GPU per local rank, else gloo + CPU."""
-    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if device == "auto":
-        device = "cuda" if n_gpu >= local_world_size else "cpu"
-    if device == "cuda" and n_gpu < local_world_size:
-        raise LaunchError(f"--device cuda needs {local_world_size} GPUs on this node, found {n_gpu} "
-                          f"(use --device cpu, or fewer local processes)")
-    if device not in ("cpu", "cuda"):
+def visible_gpus() -> int:
+    """CUDA devices this process can see (CUDA_VISIBLE_DEVICES applied); 0 without CUDA."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_index(local_rank: int, local_world_size: int, n_visible: int) -> int:
+    """The visible CUDA device a process computes on. Two layouts work: each process sees every
+    GPU of the node (`torchrun`, the local launcher): device LOCAL_RANK; or each sees exactly one
+    (Slurm `--gpus-per-task=1`, a per-process CUDA_VISIBLE_DEVICES): device 0."""
+    if n_visible >= local_world_size:
+        return local_rank
+    if n_visible == 1:
+        return 0
+    raise LaunchError(f"--device cuda with {local_world_size} processes on this node needs one GPU "
+                      f"per process: each process sees {n_visible} (need {local_world_size}, or "
+                      f"exactly 1 each, e.g. Slurm --gpus-per-task=1)")
+
+
+def choose_device(device: str = "auto", local_world_size: int = 1, backend: str | None = None,
+                  per_process: bool = False) -> tuple[str, str]:
+    """(backend, device type): NCCL + CUDA when the GPUs suffice, gloo + CPU when there are none.
+
+    The GPUs suffice when this process sees one per local rank, or (`per_process`: the process
+    is one of several started by torchrun / Slurm, each with its own view) exactly one. `auto`
+    with some GPUs but too few is an error naming the counts, as `cuda` is: quietly training on
+    the CPU of a GPU node is never what was meant (ask for `--device cpu` to do it on purpose)."""
+    if device not in ("auto", "cpu", "cuda"):
         raise LaunchError(f"device={device!r} is unknown (choose auto, cpu or cuda)")
+    n_gpu, asked = visible_gpus(), device
+    if device == "auto":
+        device = "cuda" if n_gpu else "cpu"
+    if device == "cuda":
+        if n_gpu == 0:
+            raise LaunchError(f"--device cuda needs {local_world_size} GPUs on this node, found 0 "
+                              f"(use --device cpu)")
+        if not (n_gpu >= local_world_size or (per_process and n_gpu == 1)):
+            raise LaunchError(f"--device {asked} needs {local_world_size} GPUs on this node, found "
+                              f"{n_gpu} (one per local process; use --device cpu, or fewer local "
+                              f"processes)")
     return backend or ("nccl" if device == "cuda" else "gloo"), device
 
 
@@ -165,25 +194,42 @@ def _die_with_parent():
     die_with_parent()
 
 
-def _set_device(device_type: str, local_rank: int):
+def _set_device(device_type: str, local_rank: int, local_world_size: int | None = None):
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        os.environ[DEVICE_ENV] = f"cuda:{local_rank}"
+        index = local_rank if local_world_size is None else \
+            device_index(local_rank, local_world_size, visible_gpus())
+        torch.cuda.set_device(index)
+        os.environ[DEVICE_ENV] = f"cuda:{index}"
         if os.environ.get("MINI3D_MEMORY_SNAPSHOT"):
             torch.cuda.memory._record_memory_history(max_entries=100_000)
     else:
         os.environ[DEVICE_ENV] = "cpu"
 
 
+def strict_device() -> bool:
+    """True when MINI3D_STRICT_DEVICE=1: this process must never rely on torch's default device."""
+    return os.environ.get(STRICT_ENV, "") == "1"
+
+
+def enter_strict_device():
+    """Under MINI3D_STRICT_DEVICE=1, make torch's default device `meta` (this thread: where the
+    worker computes, and on CPU its autograd too). A tensor created without an explicit device then
+    has no data and no device of the run: any op mixing it with real tensors, and any collective
+    on it, fails at once, as a stray CPU tensor fails under NCCL / CUDA."""
+    if strict_device():
+        torch.set_default_device("meta")
+
+
 def init_from_env(device: str = "auto", backend: str | None = None, threads: int | None = None):
     """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    backend, device_type = choose_device(device, local_world, backend)
-    _set_device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+    backend, device_type = choose_device(device, local_world, backend, per_process=True)
+    _set_device(device_type, int(os.environ.get("LOCAL_RANK", "0")), local_world)
     if threads:
         torch.set_num_threads(threads)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://")
+    enter_strict_device()
     return backend, device_type
 
 
@@ -197,10 +243,11 @@ def _worker(rank, world_size, store_path, backend, device_type, threads, fn, arg
         os.environ.setdefault(var, "lo")
     torch.set_num_threads(threads)
     try:
-        _set_device(device_type, rank)
+        _set_device(device_type, rank, world_size)
         store = dist.FileStore(store_path, world_size)  # no listening socket (see _rendezvous_dir)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=max(30.0, timeout)))
+        enter_strict_device()
         result = fn(*args)
         q.put((rank, "ok", pickle.dumps(result), ""))
     except BaseException as e:  # report everything, including SystemExit and KeyboardInterrupt
@@ -319,8 +366,9 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     from ._boot import run as boot  # the spawn target: arms die-with-parent before importing torch
 
     procs = [ctx.Process(target=boot, name=f"mini3d-rank{r}", daemon=True,
-                         args=(os.getpid(), pickle.dumps((r, world_size, store_path, backend, device_type,
-                                                          threads, fn, args, env, timeout)), q))
+                         args=(os.getpid(), pickle.dumps((_worker, r, world_size, store_path, backend,
+                                                          device_type, threads, fn, args, env,
+                                                          timeout)), q))
              for r in range(world_size)]
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout

@@ -96,6 +96,10 @@ def resume_changes(meta: dict, args, plan) -> list[str]:
         if data != meta["data"]:
             out.append(f"--data {args.data!r} differs from the checkpoint's data "
                        f"{meta['data'] or 'the embedded corpus'!r}")
+    tokenizer = getattr(args, "tokenizer", None)
+    named = ("bytes", "gpt2")  # a file's tokenizer is named by its content: not compared here
+    if tokenizer in named and meta.get("tokenizer") in named and meta["tokenizer"] != tokenizer:
+        out.append(f"--tokenizer {tokenizer!r} differs from the checkpoint's {meta['tokenizer']!r}")
     saved = (meta.get("plan") or {}).get("global_batch")
     if saved is not None and saved != plan.global_batch:
         out.append(f"--global-batch {plan.global_batch} differs from the checkpoint's {saved}")

@@ -53,7 +53,7 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--hidden 0", "d_model=0 must be >= 1"),
     ("--heads 3", "n_heads=3 does not divide d_model=64"),
     ("--heads 0", "n_heads=0 must be >= 1"),
-    ("--vocab 100", "vocab_size=100 is smaller than the byte vocabulary"),
+    ("--vocab 100", "vocab_size=100 is smaller than tokenizer"),
     ("--micro-batches 0", "micro_batches=0 must be a positive integer"),
     ("--global-batch 3 --dp 2", "global_batch=3 does not split into dp=2"),
     ("--global-batch 0", "global_batch=0 must be a positive integer"),

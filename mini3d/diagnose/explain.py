@@ -78,7 +78,7 @@ def load_run(run_dir: str) -> Run:
             run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)
     if dumps:
         g = next(iter(dumps.values()))["grid"]
-        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"))
+        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1))
         run.world = run.grid.world_size
     return run
 

@@ -9,14 +9,13 @@ The culprit comes from `explain` (the wait-for graph of the dumps, with launcher
 statuses); the first rank to *report* an error is usually a victim (gloo's "Connection closed by
 peer" on the rank that waited for a dead one), so the launcher's first exception is only the
 fallback. Library noise (gloo's `terminate called ...`, C++ warnings) goes to `RUN_DIR/rank{r}.stderr`
-(`keep_library_noise_in`), and tracebacks to launcher.json, not to the first lines of the terminal.
+(`mini3d.diagnose.watchdog.keep_library_noise_in`), and tracebacks to launcher.json, not to the first lines of the terminal.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import sys
 
 from .explain import death, explain, load_run, who
 from .history import VICTIM_ERRORS
@@ -29,22 +28,6 @@ CAUSES = {
     "stopped": "stopped responding (its process was frozen, e.g. by SIGSTOP)",
     "oom": "ran out of memory",
 }
-
-
-def keep_library_noise_in(run_dir: str, rank: int):
-    """Point this process' file descriptor 2 at RUN_DIR/rank{r}.stderr, where C++ libraries write
-    (gloo's abort message, c10 warnings), while Python's `sys.stderr` (progress bar, warnings, the
-    launcher's report) keeps the terminal."""
-    try:
-        saved = os.dup(2)
-        fd = os.open(os.path.join(run_dir, f"rank{rank}.stderr"),
-                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    except OSError:
-        return
-    sys.stderr.flush()
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stderr = os.fdopen(saved, "w", buffering=1, errors="backslashreplace")
 
 
 def _killed(code: int) -> str:
@@ -157,4 +140,4 @@ def failure_report(run_dir: str | None) -> list[str] | None:
     return lines
 
 
-__all__ = ["failure_report", "keep_library_noise_in", "victims_line"]
+__all__ = ["failure_report", "victims_line"]

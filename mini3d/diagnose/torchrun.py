@@ -143,7 +143,7 @@ def finish(run_dir: str, rank: int, world: int, code: int, error: str | None = N
     os._exit(code)
 
 
-def train(spec: dict, device: str, derived: bool) -> int:
+def train(spec, device: str, derived: bool) -> int:
     """Run this torchrun worker's share of the job; on failure, end as `finish` says."""
     import traceback
 
@@ -153,9 +153,9 @@ def train(spec: dict, device: str, derived: bool) -> int:
     from ..train import summary_line, train_worker
     from .watchdog import nccl_env
 
-    run_dir = spec["run_dir"]
+    run_dir = spec.run_dir  # a mini3d.run_config.RunConfig
     os.makedirs(run_dir, exist_ok=True)
-    os.environ.update(nccl_env(spec["hang_timeout"], run_dir))
+    os.environ.update(nccl_env(spec.hang_timeout, run_dir))
     try:
         init_from_env(device)
     except (RuntimeError, ValueError) as e:  # e.g. MASTER_PORT taken by another process
@@ -189,19 +189,13 @@ def train(spec: dict, device: str, derived: bool) -> int:
                   f"{stopped['step']}{where}", file=sys.stderr, flush=True)
         return stop.exit_code(stopped["signal"])
     if result["reporter"]:
-        print(summary_line(result["records"], spec_plan(spec)), flush=True)
+        print(summary_line(result["records"], spec.plan, result["device"]), flush=True)
     dist.barrier()
     if derived and rank == 0:
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)
     return 0
-
-
-def spec_plan(spec: dict):
-    from ..config import plan_from_dict
-
-    return plan_from_dict(spec["plan"])
 
 
 __all__ = ["active", "run_dir_for", "agree_on_job", "finish", "train", "claim_marker"]

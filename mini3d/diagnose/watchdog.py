@@ -89,8 +89,6 @@ class Watchdog:
 
     def start(self) -> "Watchdog":
         os.makedirs(self.run_dir, exist_ok=True)
-        from .report import keep_library_noise_in
-
         keep_library_noise_in(self.run_dir, self.rank)  # gloo's abort text: not the first line
         self._stack_file = open(os.path.join(self.run_dir, f"rank{self.rank}.stack"), "w")
         faulthandler.enable(file=self._stack_file, all_threads=True)  # SIGABRT/SIGSEGV stacks
@@ -227,5 +225,21 @@ def start_watchdog(topo, run_dir: str, hang_timeout: float = 300.0, fault: str |
     """Start this rank's watchdog; call `.finish()` when the rank's work is done."""
     return Watchdog(topo, run_dir, hang_timeout, poll, fault).start()
 
+
+
+def keep_library_noise_in(run_dir: str, rank: int):
+    """Point this process' file descriptor 2 at RUN_DIR/rank{r}.stderr, where C++ libraries write
+    (gloo's abort message, c10 warnings), while Python's `sys.stderr` (progress bar, warnings, the
+    launcher's report) keeps the terminal."""
+    try:
+        saved = os.dup(2)
+        fd = os.open(os.path.join(run_dir, f"rank{rank}.stderr"),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = os.fdopen(saved, "w", buffering=1, errors="backslashreplace")
 
 __all__ = ["Watchdog", "start_watchdog", "nccl_env", "describe_op", "RECENT_EVENTS"]

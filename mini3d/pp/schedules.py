@@ -116,10 +116,23 @@ def schedule_problems(kind: str, p: int, m: int, v: int = 1) -> list[str]:
     return out
 
 
+def in_flight_bound(kind: str, p: int, m: int, v: int, rank: int) -> int:
+    """The most micro-batch chunks (forwards not yet backwarded) `rank` holds at once under `kind`:
+    GPipe m; 1F1B min(m, p - rank); interleaved 1F1B its warm-up 2 (p - rank - 1) + (v - 1) p plus
+    the one in flight, at most m v. Each builder below promises it (`Schedule.in_flight_bound`,
+    verified by `rules.check`), and the memory estimator counts activations with it."""
+    if kind == "gpipe":
+        return m
+    if kind == "interleaved":
+        return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
+    return min(p - rank, m)
+
+
 def gpipe(p: int, m: int) -> Schedule:
     """All forwards, then all backwards (Huang et al. 2019): every rank holds m activations."""
     orders = [[F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(p)]
-    return add_transfers("gpipe", p, m, 1, orders, tuple(m for _ in range(p)))
+    bounds = tuple(in_flight_bound("gpipe", p, m, 1, r) for r in range(p))
+    return add_transfers("gpipe", p, m, 1, orders, bounds)
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -133,7 +146,8 @@ def one_f_one_b(p: int, m: int) -> Schedule:
             order += [F(r, warm + i), B(r, i)]
         order += [B(r, i) for i in range(m - warm, m)]
         orders.append(order)
-    return add_transfers("1f1b", p, m, 1, orders, tuple(min(p - r, m) for r in range(p)))
+    bounds = tuple(in_flight_bound("1f1b", p, m, 1, r) for r in range(p))
+    return add_transfers("1f1b", p, m, 1, orders, bounds)
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
@@ -146,7 +160,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     def mb_of(k):
         return (k // (p * v)) * p + k % p
 
-    orders, bounds = [], []
+    orders = []
     for r in range(p):
         def fwd(k):
             return F(((k // p) % v) * p + r, mb_of(k))
@@ -160,8 +174,8 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
             order += [fwd(warm + i), bwd(i)]
         order += [bwd(k) for k in range(total - warm, total)]
         orders.append(order)
-        bounds.append(min(warm + 1, total))
-    return add_transfers("interleaved", p, m, v, orders, tuple(bounds))
+    bounds = tuple(in_flight_bound("interleaved", p, m, v, r) for r in range(p))
+    return add_transfers("interleaved", p, m, v, orders, bounds)
 
 
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -228,14 +242,4 @@ def format_grid(schedule: Schedule, transfers: bool = False) -> str:
 
 
 __all__ = ["Action", "Schedule", "KINDS", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "make_schedule", "schedule_problems", "add_transfers", "format_grid"]
-
-
-def check(schedule: Schedule):
-    """Verify the schedule's rules and prove it cannot deadlock (see `mini3d.pp.rules`)."""
-    from .rules import check as _check
-
-    return _check(schedule)
-
-
-__all__ += ["check"]
+           "make_schedule", "schedule_problems", "add_transfers", "format_grid", "in_flight_bound"]

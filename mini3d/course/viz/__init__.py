@@ -1,0 +1,26 @@
+"""Plotly figures and ipywidgets explorers for the course; every function takes plain data.
+
+    theme     the `mini3d` template, category/axis colours, byte helpers
+    memory    memory breakdown vs capacity, per-rank memory by ZeRO stage, recompute trade-off
+    pipeline  Gantt of a per-rank timeline with the bubble annotated
+    grid3d    the rank grid as a 3D cube coloured by group, nodes boxed
+    comm      bytes per axis, ring all-reduce cost, scaling efficiency (the communication tax)
+    tp        which block of each weight matrix lives on which tp rank
+    widgets   explorers (controls + FigureWidget) around a function the chapter passes in
+    adapters  mini3d.pp / mini3d.diagnose wrapped to the explorers' contracts
+    long_sequences  the zig-zag, the ring's steps, memory against sequence length with cp (07b)
+"""
+
+from .comm import comm_volume_figure, ring_allreduce_figure, ring_allreduce_time, scaling_efficiency_figure
+from .grid3d import rank_cube_figure, rank_points
+from .memory import memory_breakdown_figure, recompute_figure, zero_memory_figure
+from .pipeline import bubble_formula_text, bubble_from_timeline, gantt_figure, gpipe_timeline
+from .theme import TEMPLATE_NAME, new_figure
+from .tp import megatron_attention, megatron_mlp, tp_shard_figure
+from .widgets import memory_calculator, planner_explorer, schedule_explorer, zero_explorer
+
+__all__ = ["comm_volume_figure", "ring_allreduce_figure", "ring_allreduce_time", "scaling_efficiency_figure",
+           "rank_cube_figure", "rank_points", "memory_breakdown_figure", "recompute_figure",
+           "zero_memory_figure", "bubble_formula_text", "bubble_from_timeline", "gantt_figure",
+           "gpipe_timeline", "TEMPLATE_NAME", "new_figure", "megatron_attention", "megatron_mlp",
+           "tp_shard_figure", "memory_calculator", "planner_explorer", "schedule_explorer", "zero_explorer"]

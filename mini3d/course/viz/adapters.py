@@ -1,0 +1,59 @@
+"""Glue from mini3d's own engines to the explorers' function contracts (see `widgets.py`).
+
+Imports are lazy, so `mini3d.course.viz` works (and its tests run) before `mini3d.pp` or
+`mini3d.diagnose` exist in a checkout.
+"""
+
+from __future__ import annotations
+
+from .pipeline import bubble_from_timeline, gpipe_timeline
+
+
+def pp_simulate_fn(allow_stand_in: bool = True):
+    """`simulate_fn(kind, p, m, v, bwd_ratio)` backed by `mini3d.pp` (make_schedule + simulate).
+
+    Costs are per model chunk: a forward of one chunk takes 1/v, its backward bwd_ratio/v, so the
+    total work per micro-batch is the same for every v and only the bubble changes. If `mini3d.pp`
+    is missing and `allow_stand_in` is true, every schedule is drawn as the closed-form GPipe
+    timeline (same bubble as 1F1B; interleaving is then not modelled) and `.stand_in` is True."""
+    try:
+        from mini3d.pp.schedules import make_schedule
+        from mini3d.pp.simulator import simulate
+    except ImportError:
+        if not allow_stand_in:
+            raise
+
+        def stand_in(kind, p, m, v=1, bwd_ratio=2.0):
+            tl = gpipe_timeline(p, m, 1.0, float(bwd_ratio))
+            return dict(timeline=tl, bubble_fraction=bubble_from_timeline(tl), stand_in=True)
+
+        return stand_in
+
+    def simulate_fn(kind, p, m, v=1, bwd_ratio=2.0):
+        v = v if kind == "interleaved" else 1
+        return simulate(make_schedule(kind, p, m, v), 1.0 / v, float(bwd_ratio) / v)
+
+    return simulate_fn
+
+
+def estimate_fn(seq_len: int | None = None, micro_batch_size: int = 1):
+    """`estimate_fn(model=, tp=, pp=, dp=, zero=, ...)` backed by `mini3d.cost.memory`:
+    the memory of the rank that needs the most, for a preset model name. Invalid plans raise a
+    ValueError naming every offending value (shown by the explorer)."""
+    from mini3d.config import Plan, PlanError, model_from_preset
+    from mini3d.cost.memory import estimate_memory
+
+    def fn(model="gpt-7b", tp=1, pp=1, dp=1, zero=0, micro_batches=1, recompute="none", dtype="bf16"):
+        cfg = model_from_preset(model)
+        plan = Plan(tp=tp, pp=pp, dp=dp, zero=zero, micro_batches=micro_batches, recompute=recompute,
+                    dtype=dtype, global_batch=dp * micro_batches * micro_batch_size,
+                    seq_len=seq_len or cfg.max_seq_len, schedule="1f1b")
+        problems = plan.problems(cfg)
+        if problems:
+            raise PlanError(problems)
+        return estimate_memory(cfg, plan)
+
+    return fn
+
+
+__all__ = ["pp_simulate_fn", "estimate_fn"]

@@ -1,0 +1,181 @@
+"""Pipeline figures: a Gantt chart of a (simulated or measured) step, with the bubble annotated.
+
+A timeline is plain data, one list per pipeline rank of `(start, end, action)`, which is exactly what
+`mini3d.pp.simulator.simulate(...).timeline` holds. An action may be an object with `op`, `stage`
+and `mb` attributes (`mini3d.pp.schedules.Action`), a dict with those keys, or its printed form
+("F1.0" = forward of stage 1 on micro-batch 0). Transfers, if present, are drawn as thin grey bars.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import plotly.graph_objects as go
+
+from .theme import ACTION_COLORS, new_figure
+
+_PRINTED = re.compile(r"^([A-Za-z_]+?)(\d+)\.(\d+)")
+_SHORT_OPS = {"sF": "SEND_F", "rF": "RECV_F", "sB": "SEND_B", "rB": "RECV_B"}
+
+
+def parse_action(a) -> tuple[str, int, int]:
+    """(op, stage, micro-batch) of an Action, a dict or a printed action such as 'B2.3'."""
+    if isinstance(a, str):
+        match = _PRINTED.match(a)
+        if not match:
+            raise ValueError(f"action {a!r} is not of the form F<stage>.<micro-batch>")
+        op = _SHORT_OPS.get(match.group(1), match.group(1))
+        return op, int(match.group(2)), int(match.group(3))
+    if isinstance(a, dict):
+        return str(a["op"]), int(a["stage"]), int(a["mb"])
+    return str(a.op), int(a.stage), int(a.mb)
+
+
+def idle_gaps(timeline: Sequence[Sequence]) -> list[list[tuple[float, float]]]:
+    """Per rank, the (start, end) intervals with no compute between 0 and the makespan."""
+    makespan = max((float(e) for row in timeline for _, e, _ in row), default=0.0)
+    gaps = []
+    for row in timeline:
+        busy = sorted((float(s), float(e)) for s, e, a in row if parse_action(a)[0] in ("F", "B"))
+        out, t = [], 0.0
+        for s, e in busy:
+            if s > t + 1e-12:
+                out.append((t, s))
+            t = max(t, e)
+        if makespan > t + 1e-12:
+            out.append((t, makespan))
+        gaps.append(out)
+    return gaps
+
+
+def bubble_from_timeline(timeline: Sequence[Sequence]) -> float:
+    """Idle share of p * makespan: the quantity the simulator reports as `bubble_fraction`."""
+    makespan = max((float(e) for row in timeline for _, e, _ in row), default=0.0)
+    if not makespan:
+        return 0.0
+    idle = sum(e - s for row in idle_gaps(timeline) for s, e in row)
+    return idle / (len(timeline) * makespan)
+
+
+def bubble_formula_text(kind: str, p: int, m: int, v: int = 1) -> str:
+    """The closed form the chapter teaches, evaluated: '(p-1)/(m+p-1) = 3/11 = 27.3%'."""
+    from mini3d.pp.simulator import bubble_formula
+
+    value = bubble_formula(kind, p, m, v)
+    form = "(p-1)/(v·m+p-1)" if kind == "interleaved" else "(p-1)/(m+p-1)"
+    return f"{form} = {value.numerator}/{value.denominator} = {float(value):.1%}"
+
+
+def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = None,
+                 formula: str | None = None, title: str = "Pipeline schedule",
+                 time_unit: str = "units of one forward", widget: bool = False) -> go.Figure:
+    """One horizontal bar per action (forward blue, backward orange) per pipeline rank, idle gaps in
+    light grey, and the bubble fraction annotated (computed from the timeline when not given).
+
+    Traces: 'forward', 'backward', 'transfer' (one bar per action each) and 'idle'."""
+    fig = new_figure(title, f"time ({time_unit})", "pipeline rank", widget=widget)
+    fill_gantt(fig, timeline, bubble_fraction, formula)
+    fig.update_yaxes(autorange="reversed", type="category")
+    # Legend in a band right above the plot, the bubble annotation in the band above it, the title
+    # at the very top: three rows of the top margin that cannot overlap.
+    fig.update_layout(barmode="overlay", bargap=0.15, margin=dict(t=120), title=dict(y=0.98, yanchor="top"),
+                      legend=dict(orientation="h", x=0, y=1.0, xanchor="left", yanchor="bottom"))
+    return fig
+
+
+# Chunk c of an interleaved schedule (stages c*p .. c*p + p-1) in its own shade, darkest first.
+CHUNK_SHADES = {"forward": ["#3b6fb6", "#8fb3e3", "#1f3d66", "#c5d8f2"],
+                "backward": ["#e8893a", "#f5c18f", "#9c4f12", "#fbe0c4"]}
+
+
+def _trace_name(kind: str, chunk: int) -> str:
+    return kind if chunk == 0 else f"{kind} chunk {chunk}"
+
+
+def trace_colors() -> dict[str, str]:
+    """Colour of every Gantt trace name: forward / backward (and their chunks), transfer, idle."""
+    colors = {"transfer": "#9a9a9a", "idle": ACTION_COLORS["idle"]}
+    for kind, shades in CHUNK_SHADES.items():
+        colors.update({_trace_name(kind, c): shade for c, shade in enumerate(shades)})
+    return colors
+
+
+def gantt_traces(timeline: Sequence[Sequence]) -> dict[str, dict]:
+    """Bar data per trace name: {'forward': {x, base, y, text}, 'backward': ..., 'idle': ...}."""
+    p = max(len(timeline), 1)
+    out = {k: dict(x=[], base=[], y=[], text=[]) for k in ("forward", "backward", "transfer", "idle")}
+    for r, row in enumerate(timeline):
+        for s, e, a in row:
+            op, stage, mb = parse_action(a)
+            key = {"F": "forward", "B": "backward"}.get(op, "transfer")
+            if key != "transfer":
+                key = _trace_name(key, stage // p)  # interleaving: rank r holds stages r, r+p, ...
+            d = out.setdefault(key, dict(x=[], base=[], y=[], text=[]))
+            d["x"].append(float(e) - float(s))
+            d["base"].append(float(s))
+            d["y"].append(f"rank {r}")
+            d["text"].append(f"{op}{stage}.{mb}" if key == "transfer" else str(mb))
+    out = dict(sorted(out.items(), key=lambda kv: kv[0] in ("transfer", "idle")))  # compute first
+    for r, gaps in enumerate(idle_gaps(timeline)):
+        for s, e in gaps:
+            d = out["idle"]
+            d["x"].append(e - s)
+            d["base"].append(s)
+            d["y"].append(f"rank {r}")
+            d["text"].append("")
+    return out
+
+
+def fill_gantt(fig: go.Figure, timeline, bubble_fraction=None, formula=None):
+    """(Re)draw the Gantt traces and the bubble annotation into `fig` (a Figure or FigureWidget)."""
+    if bubble_fraction is None:
+        bubble_fraction = bubble_from_timeline(timeline)
+    traces = gantt_traces(timeline)
+    colors = trace_colors()
+    with fig.batch_update() if isinstance(fig, go.FigureWidget) else _nullctx():
+        fig.data = []
+        for name, d in traces.items():
+            if not d["x"] and name == "transfer":
+                continue
+            fig.add_bar(orientation="h", name=name, x=d["x"], base=d["base"], y=d["y"], text=d["text"],
+                        textposition="inside", insidetextanchor="middle",
+                        marker=dict(color=colors.get(name, "#555"), line=dict(color="white", width=1)),
+                        width=0.3 if name == "transfer" else 0.8,
+                        hovertemplate=name + " mb %{text}: %{base:.2f} + %{x:.2f}<extra></extra>")
+        label = f"bubble = {float(bubble_fraction):.1%}"
+        if formula:
+            label += f"   (formula {formula})"
+        fig.layout.annotations = []
+        fig.add_annotation(text=label, xref="paper", yref="paper", x=1, y=1, yshift=34, showarrow=False,
+                           xanchor="right", yanchor="bottom", font=dict(size=14, color="#c0392b"),
+                           name="bubble")
+        fig.layout.height = max(260, 110 + 50 * len(timeline))
+        fig.layout.meta = {"bubble_fraction": float(bubble_fraction)}
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def gpipe_timeline(p: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0) -> list[list[tuple]]:
+    """Closed-form GPipe timeline (all forwards, then all backwards), for when `mini3d.pp` is absent.
+
+    Forward of micro-batch i on rank r starts at (i + r) t_fwd; backwards run in reverse rank order
+    after the last forward, so the bubble equals (p-1)/(m+p-1) exactly."""
+    t0 = (m + p - 1) * t_fwd  # every forward is done
+    timeline = []
+    for r in range(p):
+        row = [(float((i + r) * t_fwd), float((i + r + 1) * t_fwd), f"F{r}.{i}") for i in range(m)]
+        row += [(float(t0 + (i + p - 1 - r) * t_bwd), float(t0 + (i + p - r) * t_bwd), f"B{r}.{i}")
+                for i in range(m)]
+        timeline.append(row)
+    return timeline
+
+
+__all__ = ["gantt_figure", "gantt_traces", "trace_colors", "CHUNK_SHADES", "fill_gantt", "idle_gaps", "bubble_from_timeline",
+           "bubble_formula_text", "parse_action", "gpipe_timeline"]
