@@ -16,6 +16,7 @@ from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
 from .model_args import add_family_args, family_overrides
 
 from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_OOM, bad_input  # noqa: F401
+from .exits import EXIT_NONFINITE
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
 SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
@@ -110,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world-size", type=int, help="number of processes (default tp*cp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--allow-change", action="store_true",
+                   help="resume although --seed, --data or --global-batch differ from the checkpoint's")
     from .diagnose.cli import add_train_args
     from .run_cli import add_run_args
 
@@ -155,9 +158,19 @@ def cmd_train(args) -> int:
 
     from .run_cli import run_options
 
+    derived, shared = False, []
+    if torchrun:  # one run directory for all ranks: --run-dir, or derived from the rendezvous id
+        from .diagnose.torchrun import run_dir_for
+
+        run_dir, problem = run_dir_for(args.run_dir)
+        shared = [problem] if problem else []
+        derived, args.run_dir = not args.run_dir, run_dir or args.run_dir
+    from .run_checks import run_problems
+
+    early = run_problems(args, plan, cfg) + shared  # before diagnose_spec makes a run directory
     cfg, options, problems = run_options(args, cfg)  # tokenizer, eval, schedule, metrics
     spec = run_from_args(args, cfg, plan, {**diagnose_spec(args), **options})
-    problems = spec.problems(world) + problems
+    problems = spec.problems(world) + problems + early
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
     if args.dry_run:  # validate, map, the recorded step's comm verdict, memory; starts nothing
         from .dryrun import dry_run
@@ -165,7 +178,7 @@ def cmd_train(args) -> int:
         return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node,
                                                             grad_clip=args.grad_clip)
     if args.resume:
-        resume, resume_problems = check_resume(args.resume, cfg, args.steps)
+        resume, resume_problems = check_resume(args.resume, cfg, args.steps, args, plan)
         problems += resume_problems
         spec = spec.replace(resume=resume)
     try:
@@ -176,27 +189,35 @@ def cmd_train(args) -> int:
     if problems:
         return bad_input(problems)
 
-    from .train import summary_line, train_worker
+    from .train import summary_line
 
-    if torchrun:
-        from .diagnose.watchdog import nccl_env
-        from .launch import init_from_env
+    spec = spec.replace(stop_on_signal=True)  # Ctrl-C / SIGTERM: stop at a step boundary
+    if torchrun:  # the local launcher's failure handling, among the ranks (mini3d.diagnose)
+        from .diagnose import torchrun as under_torchrun
 
-        os.environ.update(nccl_env(spec.hang_timeout, spec.run_dir))
-        init_from_env(args.device)
-        result = train_worker(spec)
-        if result["reporter"]:
-            print(summary_line(result["records"], plan, result["device"]), flush=True)
-        return EXIT_OK
+        return under_torchrun.train(spec, args.device, derived)
+    from .stop import launcher_signals
+
     try:
-        results = launch_train(spec, world, args.device, args.timeout)
+        with launcher_signals() as got:
+            results = launch_train(spec, world, args.device, args.timeout)
+    except KeyboardInterrupt:  # a second Ctrl-C: the ranks were stopped at once
+        print("mini3d train: interrupted twice: every rank was stopped without a checkpoint",
+              file=sys.stderr)
+        return 130
     except WorkerError as e:
+        if e.message.startswith("NonFiniteLoss: "):
+            print(f"mini3d train: {e.message[len('NonFiniteLoss: '):]}", file=sys.stderr)
+            return EXIT_NONFINITE
         if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
             print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
             return EXIT_OOM
         return report_failure(e, spec.run_dir, EXIT_FAILED)
     except LaunchTimeout as e:
         return report_failure(e, spec.run_dir, EXIT_HUNG)
+    stopped = next((r["interrupted"] for r in results if r.get("interrupted")), None)
+    if stopped:
+        return report_interrupt(stopped, got or [stopped["signal"]], args.save)
     reporter = next(r for r in results if r["reporter"])
     print(summary_line(reporter["records"], plan, reporter["device"]), flush=True)
     if not args.run_dir:  # the default (temporary) run directory served its purpose
@@ -204,6 +225,17 @@ def cmd_train(args) -> int:
 
         shutil.rmtree(spec.run_dir, ignore_errors=True)
     return EXIT_OK
+
+
+def report_interrupt(stopped: dict, got: list, save: str | None) -> int:
+    """One line for a job stopped by a signal; 130 (SIGINT) or 143 (SIGTERM)."""
+    from .stop import exit_code, name
+
+    signum = got[0]
+    where = f"; checkpoint {save}/step-{stopped['step']:06d} saved" if stopped["saved"] else ""
+    print(f"mini3d train: stopped by {name(signum)} after step {stopped['step']}{where}",
+          file=sys.stderr, flush=True)
+    return exit_code(signum)
 
 
 def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
@@ -227,8 +259,10 @@ def run_from_args(args, cfg: ModelConfig, plan: Plan, diagnose: dict):
                      init_from_hf=args.init_from_hf, **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
 
 
-def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:
-    """(checkpoint directory, problems) for --resume ROOT."""
+def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
+                 plan: Plan | None = None) -> tuple[str | None, list[str]]:
+    """(checkpoint directory, problems) for --resume ROOT; with `args` and `plan`, a changed seed,
+    data, global batch or tokenizer too (a warning instead with --allow-change)."""
     import dataclasses
 
     from .checkpoint import latest_dir, read_meta, shape_mismatch, verify_checkpoint
@@ -247,6 +281,15 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
     if meta["step"] >= steps:
         out.append(f"checkpoint {ckpt!r} is at step {meta['step']}, --steps={steps} asks for no more "
                    f"(--steps is the total number of steps to reach)")
+    if args is not None and plan is not None:
+        from .run_checks import resume_changes
+
+        changes = resume_changes(meta, args, plan)
+        if changes and not args.allow_change:
+            out += [f"{c} (the resumed run would not see the batches of an uninterrupted one; "
+                    f"pass --allow-change to resume anyway)" for c in changes]
+        for c in changes if args.allow_change else ():
+            print(f"mini3d train: warning: {c}; resuming anyway (--allow-change)", file=sys.stderr)
     return ckpt, out
 
 

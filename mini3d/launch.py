@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import queue
+import signal
 import shutil
 import socket
 import sys
@@ -39,6 +40,7 @@ ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another
 ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
 JOB_ENV = "MINI3D_JOB_ID"  # this job's id: its abort marker is ABORT-<id> (see abort_marker)
 _FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
+_CHILDREN: set = set()  # the live worker processes of this launcher (for forward_stop)
 
 
 class LaunchError(RuntimeError):
@@ -80,6 +82,16 @@ def abort_marker(run_dir: str, job: str | None = None) -> str:
     job nor another job sharing the run directory can stop this one."""
     job = job or os.environ.get(JOB_ENV)
     return os.path.join(run_dir, f"{ABORT_MARKER}-{job}" if job else ABORT_MARKER)
+
+
+def forward_stop():
+    """Ask every live local rank to stop at its next step boundary (SIGUSR1: see mini3d.stop)."""
+    for p in list(_CHILDREN):
+        if p.pid is not None and p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
 
 
 def on_failure(hook):
@@ -360,6 +372,7 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
              for r in range(world_size)]
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout
+    _CHILDREN.update(procs)
     try:
         for p in procs:
             p.start()
@@ -397,6 +410,7 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
         raise
     finally:
         _stop(procs)
+        _CHILDREN.difference_update(procs)
         q.close()
         shutil.rmtree(rdzv, ignore_errors=True)
     return [results[r] for r in range(world_size)]

@@ -47,5 +47,8 @@ def resumed_schedule(run: RunConfig):
 
 
 def checkpoint_meta(run: RunConfig, done: int, schedule, tok) -> dict:
+    import os
+
+    data = os.path.abspath(run.data) if run.data else None  # a resume checks it (run_checks)
     return {"step": done, "model": run.model_dict(), "plan": run.plan.to_dict(), "seed": run.seed,
-            "data_position": done, "lr_schedule": schedule.as_dict(), "tokenizer": tok.name}
+            "data": data, "data_position": done, "lr_schedule": schedule.as_dict(), "tokenizer": tok.name}

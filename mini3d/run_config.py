@@ -56,6 +56,7 @@ class RunConfig:
     inject_fault: str | None = None  # KIND:RANK:STEP[:ARG], a fault drill (mini3d.diagnose)
     memory_budget: str | None = None  # per-rank memory cap such as "512MiB" (checked at step 1)
     estimated: dict | None = None  # the estimator's bytes per category, for fault reports
+    stop_on_signal: bool = False  # Ctrl-C / SIGTERM stop every rank at a step boundary (mini3d.stop)
 
     def __post_init__(self):
         object.__setattr__(self, "collect", tuple(self.collect or ()))

@@ -12,13 +12,14 @@ progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and retu
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import time
 
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import comm, stop
 from .config import ModelConfig, Plan
 from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
@@ -218,6 +219,11 @@ def train_worker(run: RunConfig) -> dict:
         init_from_hf(trainer, run.init_from_hf)  # each rank slices its share of the HF weights
     schedule = resumed_schedule(run)  # the checkpoint's schedule continues exactly
     diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
+    if run.stop_on_signal:  # Ctrl-C / SIGTERM: every rank stops at the same boundary (mini3d.stop)
+        from .launch import in_torchrun
+
+        stop.install(in_torchrun())
+    interrupted = None
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0
     report = RunReport(run, reporter, start, f"train {describe_plan(plan)}")
     peak = peak_flops_per_rank(topo.device, plan.dtype)  # None on CPU: no MFU
@@ -241,6 +247,7 @@ def train_worker(run: RunConfig) -> dict:
             check_budget(memory_by_category(trainer, peak_activation_bytes(trainer, acts)), budget,
                          rank, topo.coords, cfg, plan)
         loss = trainer.mean_loss_over_dp(loss)
+        check_finite(loss, step, topo)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
                "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": schedule.at(step),
@@ -253,18 +260,38 @@ def train_worker(run: RunConfig) -> dict:
         rec.update(periodic(trainer, run, done, val_batches, tok, report))
         records.append(rec)
         report.step(rec)
-        if run.save and (done == run.steps or (run.save_every and done % run.save_every == 0)):
+        saved = bool(run.save) and (done == run.steps or bool(run.save_every and
+                                                               done % run.save_every == 0))
+        signum = stop.agree(topo.device) if run.stop_on_signal else 0
+        if saved or (signum and run.save):  # a stop saves first (at this boundary, on every rank)
             trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok))
             if run.keep_last and topo.rank == 0:
                 prune_checkpoints(run.save, run.keep_last)
+        if signum:
+            interrupted = {"signal": signum, "step": done, "saved": bool(run.save)}
+            break
     report.close()
     diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
-            "device": topo.device.type,
+            "device": topo.device.type, "interrupted": interrupted,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
             **collected(trainer, collect), **extra}
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became nan or inf: `mini3d train` stops with its own exit code (5)."""
+
+
+def check_finite(loss: float, step: int, topo):
+    """Raise NonFiniteLoss naming the step and the rank; every rank holds the same loss here (the
+    pipeline broadcasts it, dp averages it), so all stop at the same point."""
+    if not math.isfinite(loss):
+        c = topo.coords
+        raise NonFiniteLoss(f"the loss is {loss} at step {step + 1} (seen on rank {topo.rank}, "
+                            f"tp={c['tp']}, pp={c['pp']}, dp={c['dp']}): training diverged; "
+                            f"lower --lr, set --grad-clip, or check the data")
 
 
 def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | None = None):

@@ -48,20 +48,20 @@ def _kill_marked(marker: str):
             pass
 
 
-@pytest.mark.timeout(240)
-def test_two_torchrun_nodes_give_the_losses_of_a_plain_run(tmp_path):
+def _two_nodes(args: list[str], nproc: int = 2) -> tuple[list[int], list[str]]:
+    """Run `python -m mini3d ARGS` as two torchrun "nodes" of `nproc` processes on loopback;
+    (the agents' exit statuses, their outputs), with no process left behind."""
     marker = f"MINI3D_TEST_MULTINODE={uuid.uuid4().hex}"
     key, value = marker.split("=")
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", **{key: value})
-    log = tmp_path / "nodes.jsonl"
     port = free_port()
     agents = []
     try:
         for node in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
-                   "2", "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   str(nproc), "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
                    f"127.0.0.1:{port}", "--rdzv-id", value[:8], "--local-addr", "127.0.0.1",
-                   "--max-restarts", "0", "-m", "mini3d", *TRAIN, "--log-jsonl", str(log)]
+                   "--max-restarts", "0", "-m", "mini3d", *args]
             agents.append(subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True,
                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True))
@@ -75,8 +75,19 @@ def test_two_torchrun_nodes_give_the_losses_of_a_plain_run(tmp_path):
         time.sleep(0.2)
         survivors = _pids_with_marker(marker)
     assert not survivors, f"processes survived: {survivors}"
-    for a, out in zip(agents, outputs):
-        assert a.returncode == 0, out
+    return [a.returncode for a in agents], outputs
+
+
+@pytest.mark.timeout(240)
+def test_two_torchrun_nodes_give_the_losses_of_a_plain_run(tmp_path):
+    log = tmp_path / "nodes.jsonl"
+    run = tmp_path / "shared-run"  # on a filesystem both "nodes" see
+    run.mkdir()
+    for stale in ("ABORT", "ABORT-0123456789ab"):  # markers a failed job left: must not stop this one
+        (run / stale).write_text('{"by": 1, "reason": "an old failure", "code": 3}')
+    codes, outputs = _two_nodes([*TRAIN, "--log-jsonl", str(log), "--run-dir", str(run)])
+    for code, out in zip(codes, outputs):
+        assert code == 0, out
     assert sum("done: 3 steps" in out for out in outputs) == 1  # one reporter, on one of the nodes
     nodes = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
 
@@ -86,6 +97,36 @@ def test_two_torchrun_nodes_give_the_losses_of_a_plain_run(tmp_path):
     assert len(nodes) == 3
     # same layout, same seed, same data, same order of every reduction: bitwise equal
     assert nodes == plain
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("fault,code,first", [
+    ("p2p-order:0:1", 3, "rank 0 (tp=0, pp=0, dp=0) is in a point-to-point order deadlock"),
+    ("raise:1:1", 1, "rank 1 (tp=0, pp=1, dp=0) crashed with RuntimeError: injected fault"),
+])
+def test_a_failure_under_torchrun_is_handled_as_in_a_plain_run(tmp_path, fault, code, first):
+    """Two one-process nodes (pp=2): every rank dumps to the shared run directory, one report
+    names the culprit first, and each worker exits with mini3d's code (torchrun's summary)."""
+    run = tmp_path / "shared-run"
+    args = ["train", "--pp", "2", "--micro-batches", "2", "--hidden", "32", "--global-batch", "4", "--seq-len", "16",
+            "--steps", "3", "--no-progress", "--device", "cpu", "--hang-timeout", "3",
+            "--inject-fault", fault, "--run-dir", str(run)]
+    codes, outputs = _two_nodes(args, nproc=1)
+    both = "\n".join(outputs)
+    assert all(c != 0 for c in codes), both
+    reports = [line for line in both.splitlines() if line.startswith("mini3d train: rank")]
+    assert len(reports) == 1 and reports[0].startswith("mini3d train: " + first), both
+    assert f"exitcode  : {code}" in both, both  # torchrun's summary of the failed worker(s)
+    assert (run / "rank0.json").exists() and (run / "rank1.json").exists()
+    assert "terminate called" not in both
+
+
+def test_several_torchrun_nodes_need_a_shared_run_dir(monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    for k, v in (("RANK", "0"), ("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(k, v)
+    assert cli.main(TRAIN) == 2
+    assert "--run-dir is required" in capsys.readouterr().err
 
 
 def test_grid_reports_node_boundaries():

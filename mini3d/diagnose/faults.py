@@ -69,9 +69,12 @@ def parse_fault(text: str) -> Fault:
     arg = parts[3] if len(parts) == 4 else None
     if parts[0] == "slow" and arg is not None:
         try:
-            float(arg)
+            seconds = float(arg)
         except ValueError:
             raise ValueError(f"--inject-fault {text!r}: slow's ARG={arg!r} must be seconds") from None
+        if not (seconds >= 0 and seconds < float("inf")):  # also refuses nan
+            raise ValueError(f"--inject-fault {text!r}: slow's ARG={arg!r} must be a finite number "
+                             f"of seconds >= 0")
     if parts[0] == "oom" and arg is not None:
         parse_size(arg)
     return Fault(parts[0], rank, step, arg)

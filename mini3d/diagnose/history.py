@@ -87,7 +87,8 @@ def diverging_rank(run, candidates) -> tuple[int, str, str] | None:
 def diverged_behind_abort(run, dead: int):
     """A rank the library aborted (SIGABRT: gloo's size check) is a victim when a live rank's step
     departs from its own previous one (it skipped an op or changed a shape): (rank, kind, text)."""
-    if run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT:
+    if (run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT
+            and "terminate called" not in run.stderr.get(dead, "")):
         return None
     return diverging_rank(run, sorted(run.dumps))
 

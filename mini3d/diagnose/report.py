@@ -49,7 +49,7 @@ def _cause(run, r: int, kind: str) -> str:
         return _killed(code)
     if code:
         return f"exited with status {code} without a Python exception"
-    return "crashed: " + death(run, r)
+    return death(run, r).replace(" and left no dump", "")
 
 
 def _step(run, r: int):
@@ -68,7 +68,7 @@ def _victim(run, r: int) -> str:
     d = run.dumps.get(r)
     if d is None:
         code = run.exits.get(r, {}).get("exitcode")
-        if code == -signal.SIGABRT:
+        if code == -signal.SIGABRT or "terminate called" in run.stderr.get(r, ""):
             return "were aborted by the communication library (a size mismatch)"
         return "left no dump"
     status = d["status"]
@@ -95,7 +95,7 @@ def victims_line(run, culprit: int) -> str:
 
 
 def _disk_full(run_dir: str) -> list[str] | None:
-    """A full disk under a checkpoint is the story whichever rank hit it (mini3d.checkpoint)."""
+    """A full disk under a checkpoint, or a non-finite loss, is the story whichever rank hit it."""
     import json
 
     try:
@@ -104,9 +104,10 @@ def _disk_full(run_dir: str) -> list[str] | None:
     except (OSError, ValueError, KeyError):
         return None
     for r in ranks:
-        if (r.get("error") or "").startswith("DiskFull: "):
-            return [r["error"][len("DiskFull: "):] + f" (rank {r['rank']})",
-                    f"(every rank's state: {run_dir})"]
+        for kind in ("DiskFull: ", "NonFiniteLoss: "):  # each says where and what
+            if (r.get("error") or "").startswith(kind):
+                return [r["error"][len(kind):].splitlines()[0] + f" (rank {r['rank']})",
+                        f"(every rank's state: {run_dir})"]
     return None
 
 

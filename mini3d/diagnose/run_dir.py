@@ -13,7 +13,7 @@ import json
 import os
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..grid import Grid
 from .history import process_state
@@ -28,6 +28,7 @@ class Run:
     launcher: dict | None
     stacks: dict  # rank -> faulthandler text
     grid: Grid | None = None
+    stderr: dict = field(default_factory=dict)  # rank -> what C++ libraries wrote (rank{r}.stderr)
     world: int = 0
 
     @property
@@ -38,6 +39,8 @@ class Run:
 def load_run(run_dir: str) -> Run:
     dumps = {}
     for path in glob.glob(os.path.join(run_dir, "rank*.json")):
+        if not re.fullmatch(r"rank\d+\.json", os.path.basename(path)):
+            continue  # rank{r}.exit.json (torchrun's exit records) are read through launcher.json
         with open(path) as f:
             d = json.load(f)
         dumps[int(d["rank"])] = d
@@ -51,6 +54,9 @@ def load_run(run_dir: str) -> Run:
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
     run = Run(dumps, launcher, stacks)
+    for path in glob.glob(os.path.join(run_dir, "rank*.stderr")):
+        with open(path, errors="replace") as f:
+            run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)
     if dumps:
         g = next(iter(dumps.values()))["grid"]
         run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1))
@@ -80,6 +86,8 @@ def death(run: Run, r: int) -> str:
         s = "stopped responding: its process was frozen (stopped, e.g. by SIGSTOP) and left no dump"
     elif code is None and state == "running":
         s = "stopped responding: its process was alive but neither communicated nor dumped"
+    elif code is None and "terminate called" in run.stderr.get(r, ""):
+        s = "was aborted by the communication library (SIGABRT) and left no dump"
     elif code is None:
         s = "left no dump (its exit status is unknown)"
     elif code < 0:

@@ -174,7 +174,7 @@ class Watchdog:
         except (OSError, ValueError):
             why = {}
         self.dump("aborted", f"job aborted by {why.get('by', 'another rank')}: {why.get('reason', '')}")
-        self._exit(ABORTED_EXIT)
+        self._exit(ABORTED_EXIT, int(why.get("code", 1)) if isinstance(why, dict) else 1)
 
     def _hang(self, ev):
         where = describe_op(ev.as_dict())
@@ -183,7 +183,7 @@ class Watchdog:
         except FileExistsError:  # another rank saw it first: we are one of the waiters
             return self._abort()
         with os.fdopen(fd, "w") as f:
-            json.dump({"by": self.rank, "reason": f"rank {self.rank} hung in {where}"}, f)
+            json.dump({"by": self.rank, "reason": f"rank {self.rank} hung in {where}", "code": 3}, f)
         age = time.perf_counter() - ev.start
         self.dump("hang", f"waited {age:.1f} s (> hang_timeout {self.hang_timeout:g} s) in {where}")
         c = self.topo.coords
@@ -191,9 +191,15 @@ class Watchdog:
               f"{age:.1f} s in {where}; every rank dumps to {self.run_dir}; stopping the job "
               f"(run: mini3d explain-hang {self.run_dir})", file=sys.__stderr__, flush=True)
         # (to RUN_DIR/rank{r}.stderr: the launcher's report names the culprit, not this waiter)
-        self._exit(HANG_EXIT)
+        self._exit(HANG_EXIT, 3)
 
-    def _exit(self, code: int):
+    def _exit(self, code: int, job_code: int):
+        """End the process: with `code` for the local launcher to read, or under torchrun with the
+        job's mini3d exit code (`job_code`) after the ranks' shared report (diagnose/torchrun.py)."""
+        from . import torchrun
+
+        if torchrun.active():
+            torchrun.finish(self.run_dir, self.rank, self.topo.grid.world_size, job_code)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

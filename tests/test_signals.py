@@ -1,0 +1,99 @@
+"""Ctrl-C and SIGTERM stop every rank at the same step boundary, after a checkpoint when --save is
+given, with one line and exit 130 / 143; a resume that would change the batches (seed, data,
+global batch) is refused unless --allow-change; a non-finite loss stops the job with exit 5."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from mini3d import cli
+from mini3d.checkpoint import latest_dir, read_meta, verify_checkpoint
+from tests.test_orphans import REPO, kill_all, marked
+
+SMALL = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--no-progress"]
+
+
+def _interrupt(tmp_path, send) -> tuple[int, str, int]:
+    """Start a dp2 job saving to tmp_path/ck, `send(proc)` once it has logged 2 steps;
+    (exit status, its output, steps logged)."""
+    value = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MINI3D_TEST_SIGNAL=value)
+    log = tmp_path / "log.jsonl"
+    cmd = [sys.executable, "-m", "mini3d", "train", *SMALL, "--dp", "2", "--steps", "500",
+           "--save", str(tmp_path / "ck"), "--log-jsonl", str(log)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.1)
+        send(proc)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        time.sleep(0.3)
+        left = marked(f"MINI3D_TEST_SIGNAL={value}".encode())
+        kill_all(left)
+    assert not left, "a rank survived"
+    return proc.returncode, out, len(log.read_text().splitlines())
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_saves_at_a_step_boundary_and_exits_143(tmp_path, capsys, monkeypatch):
+    code, out, logged = _interrupt(tmp_path, lambda p: p.send_signal(signal.SIGTERM))
+    assert code == 143, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mini3d train: stopped by SIGTERM after step"), out
+    root = str(tmp_path / "ck")
+    step = read_meta(latest_dir(root))["step"]
+    assert lines[0].endswith(f"checkpoint {root}/step-{step:06d} saved") and step == logged
+    assert verify_checkpoint(latest_dir(root)) == []
+
+    # a resume that changes what the batches are is refused, or warned about with --allow-change
+    def tripwire(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(cli, "launch_train", tripwire)
+    resume = ["train", *SMALL, "--dp", "2", "--steps", "600", "--resume", root]
+    for flags, needle in ((["--seed", "9"], "--seed 9 differs from the checkpoint's seed 0"),
+                          (["--global-batch", "8"], "--global-batch 8 differs from the checkpoint's 4"),
+                          (["--data", __file__], "differs from the checkpoint's data 'the embedded")):
+        assert cli.main([*resume, *flags]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "--allow-change" in err, err
+    with pytest.raises(AssertionError, match="a process was started"):
+        cli.main([*resume, "--seed", "9", "--allow-change"])
+    assert "warning: --seed 9 differs" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="a process was started"):
+        cli.main(resume)  # nothing changed: accepted without a word
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_stops_every_rank_cleanly_with_exit_130(tmp_path):
+    # Ctrl-C: the terminal sends SIGINT to the whole foreground process group
+    code, out, logged = _interrupt(tmp_path, lambda p: os.killpg(p.pid, signal.SIGINT))
+    assert code == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out and "leaked" not in out, out
+    assert out.strip().startswith("mini3d train: stopped by SIGINT after step"), out
+    assert read_meta(latest_dir(str(tmp_path / "ck")))["step"] == logged
+
+
+@pytest.mark.timeout(120)
+def test_a_non_finite_loss_stops_the_job_with_exit_5(tmp_path, capfd):
+    log = tmp_path / "log.jsonl"
+    code = cli.main(["train", *SMALL, "--lr", "1e30", "--steps", "6", "--log-jsonl", str(log)])
+    err = capfd.readouterr().err
+    assert code == 5, err
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert err.startswith(f"mini3d train: the loss is nan at step {len(losses) + 1} (seen on rank 0"), err
