@@ -169,7 +169,8 @@ def cmd_train(args) -> int:
         from .diagnose.watchdog import nccl_env
         from .launch import init_from_env
 
-        os.environ.update(nccl_env(spec["hang_timeout"], spec["run_dir"]))
+        backend = choose_device(args.device, local, per_process=True)[0]
+        os.environ.update(nccl_env(spec["hang_timeout"], spec["run_dir"], backend))
         init_from_env(args.device)
         result = train_worker(spec)
         if result["reporter"]:
@@ -213,11 +214,12 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
 
 def launch_train(spec: dict, world: int, device: str = "auto", timeout: float = 3600):
     from .diagnose.watchdog import nccl_env
-    from .launch import launch
+    from .launch import choose_device, launch
     from .train import train_worker
 
     run_dir = spec.get("run_dir")
-    env = nccl_env(spec["hang_timeout"], run_dir) if run_dir else None
+    backend = choose_device(device, world)[0]
+    env = nccl_env(spec["hang_timeout"], run_dir, backend) if run_dir else None
     return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
 
 
