@@ -296,11 +296,12 @@ def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
 def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
     """Spawn `world` local processes running `train_worker(spec)` (a RunConfig)."""
     from .diagnose.watchdog import nccl_env
-    from .launch import launch
+    from .launch import choose_device, launch
     from .train import train_worker
 
     run_dir = spec.run_dir
-    env = nccl_env(spec.hang_timeout, run_dir) if run_dir else None
+    backend = choose_device(device, world)[0]
+    env = nccl_env(spec.hang_timeout, run_dir, backend) if run_dir else None
     return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
 
 

@@ -14,6 +14,15 @@ Two byte counts are kept per event:
 
 Ops on a one-member group return at once and record nothing: there is nothing to communicate.
 
+Completion: every op is issued asynchronously and its `Work` is followed until it has *completed*,
+not merely until `wait()` returned. On gloo `wait()` blocks until the data is there; on NCCL it only
+makes the compute stream wait and returns at once, and the host blocks later (in `.item()`,
+`float(loss)`...), outside any mini3d call. An op whose wait returned before its Work completed stays
+in `CommLog.pending` (with its Work in `CommLog.works`) until `CommLog.reap()` (the hang watchdog
+calls it every poll, `begin` too) sees it completed, so the watchdog times a hang the same way on
+both backends. MINI3D_DEFERRED_WAIT=1 is a test mode that makes gloo behave like NCCL here: mini3d's
+waits return before the op completes and the host blocks right afterwards, outside mini3d's wait.
+
 Every op first checks its tensors (`check_tensors`): all on the axis' device (`Axis.device`, the
 rank's device) and of one dtype (the one the caller expects, when it says). NCCL rejects a CPU tensor
 and gloo a meta one, but only deep inside the library and only when the op runs on that backend;
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,6 +47,7 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+DEFERRED_WAIT_ENV = "MINI3D_DEFERRED_WAIT"  # test mode: waits return before completion (NCCL-like)
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
            "avg": None}
 
@@ -72,6 +83,8 @@ class CommLog:
         self.count_by_axis_op: collections.Counter = collections.Counter()
         self._seq: collections.Counter = collections.Counter()
         self.pending: dict[int, Event] = {}
+        self.works: dict = {}  # event id -> Work, for pending ops whose wait returned (see reap)
+        self.deferred_wait = os.environ.get(DEFERRED_WAIT_ENV, "") == "1"
         self._ids = itertools.count()
         self.context: dict = {}  # set by the trainer / pipeline runtime (step, action, micro-batch)
         self.lock = threading.Lock()  # the watchdog thread reads `pending`
@@ -85,6 +98,8 @@ class CommLog:
     def begin(self, axis, op: str, tensor: torch.Tensor, nbytes: int, wire: int,
               peer: int | None = None, seq_key: str | None = None) -> tuple[int, Event]:
         key = (axis.name, seq_key or op)
+        if self.works:
+            self.reap()
         with self.lock:  # the watchdog thread reads the counters (seq_counts) while we issue
             self._seq[key] += 1
             ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
@@ -102,6 +117,28 @@ class CommLog:
         ev.end = time.perf_counter()
         with self.lock:
             self.pending.pop(eid, None)
+            self.works.pop(eid, None)
+
+    def settle(self, eid: int, ev: Event, work, blocked: bool = False):
+        """The host's wait for `work` returned: end the event if the op has completed (`blocked`:
+        the wait itself blocked until it had, as gloo's does; some gloo Works never report
+        is_completed()), else keep following its Work (`reap`)."""
+        if blocked or work is None or work.is_completed():
+            self.end(eid, ev)
+        else:
+            with self.lock:
+                self.works[eid] = work
+
+    def reap(self):
+        """End every pending op whose Work has completed since its wait returned (thread-safe)."""
+        with self.lock:
+            done = [eid for eid, w in self.works.items() if w.is_completed()]
+            now = time.perf_counter()
+            for eid in done:
+                self.works.pop(eid)
+                ev = self.pending.pop(eid, None)
+                if ev is not None:
+                    ev.end = now
 
     def retract(self, eid: int, ev: Event, seq_key: str | None = None):
         """Undo `begin` for an op that will not be issued (fault injection: a skipped collective)."""
@@ -128,22 +165,35 @@ class CommLog:
             return [e.as_dict() for e in self.events]
 
 
-class TracedWork:
-    """Wraps an async `Work`; `wait()` completes the event."""
+def _wait(log: CommLog, eid: int, ev: Event, work, after=None, blocking: bool = True):
+    """Wait for an issued op: `work.wait()` (blocks until done on gloo, `blocking`; on NCCL only
+    orders the streams), then hand the Work to the log, which ends the event only once the op has
+    completed (`settle`). Under MINI3D_DEFERRED_WAIT=1 the wait itself returns at once and the host
+    blocks after it, as NCCL's host does later at its next synchronisation."""
+    if not log.deferred_wait:
+        work.wait()
+    log.settle(eid, ev, work, blocked=blocking and not log.deferred_wait)
+    if log.deferred_wait:
+        work.wait()  # the "host" blocks here, after mini3d's wait returned (test mode)
+        log.settle(eid, ev, work, blocked=blocking)
+    if after is not None:
+        after()
 
-    def __init__(self, work, log: CommLog, eid: int, ev: Event, after=None):
+
+class TracedWork:
+    """Wraps an async `Work`; `wait()` waits as `_wait` says (the event ends on completion)."""
+
+    def __init__(self, work, log: CommLog, eid: int, ev: Event, after=None, blocking=True):
         self.work, self.log, self.eid, self.ev, self.after = work, log, eid, ev, after
+        self.blocking, self.done = blocking, False
 
     def wait(self):
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-            if self.after is not None:
-                self.after()
-            self.log.end(self.eid, self.ev)
+        if not self.done:
+            self.done = True
+            _wait(self.log, self.eid, self.ev, self.work, self.after, self.blocking)
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return self.work.is_completed()
 
 
 class _Done:
@@ -210,6 +260,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, after=None):
+    """Record, issue `fn(tensor)` (always asynchronously: it returns a Work), and wait for it
+    unless the caller asked for `async_op` (then the caller waits through TracedWork)."""
     log = axis.log
     eid, ev = log.begin(axis, op, tensor, nbytes, wire, peer, seq_key)
     if log.fault is not None:
@@ -219,13 +271,10 @@ def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, 
             return DONE if async_op else None
         ev.shape = tuple(tensor.shape)  # a fault may have changed it
     work = fn(tensor)
+    blocking = tensor.device.type != "cuda"  # gloo's wait() returns once the op is done
     if async_op:
-        return TracedWork(work, log, eid, ev, after)
-    if work is not None and hasattr(work, "wait"):  # dist.recv returns the sender's rank
-        work.wait()
-    if after is not None:
-        after()
-    log.end(eid, ev)
+        return TracedWork(work, log, eid, ev, after, blocking)
+    _wait(log, eid, ev, work, after, blocking)
     return None
 
 
@@ -246,7 +295,7 @@ def all_reduce(tensor: torch.Tensor, axis, op: str = "sum", async_op: bool = Fal
     after = (lambda: tensor.div_(n)) if op == "avg" else None
     rop = _REDUCE["sum"] if op == "avg" else _REDUCE[op]
     return _run(axis, "all_reduce", tensor, b, ring_wire_bytes("all_reduce", n, b),
-                lambda t: dist.all_reduce(t, op=rop, group=axis.group, async_op=async_op),
+                lambda t: dist.all_reduce(t, op=rop, group=axis.group, async_op=True),
                 async_op, after=after)
 
 
@@ -260,7 +309,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, axis, async_op: bool =
         return DONE if async_op else None
     b = _nbytes(output)
     return _run(axis, "all_gather", output, b, ring_wire_bytes("all_gather", n, b),
-                lambda t: _all_gather(t, input, group=axis.group, async_op=async_op),
+                lambda t: _all_gather(t, input, group=axis.group, async_op=True),
                 async_op)
 
 
@@ -278,7 +327,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis, op: str = "s
     after = (lambda: output.div_(n)) if op == "avg" else None
     return _run(axis, "reduce_scatter", input, b, ring_wire_bytes("reduce_scatter", n, b),
                 lambda t: _reduce_scatter(output, t, op=_REDUCE["sum"], group=axis.group,
-                                                     async_op=async_op),
+                                          async_op=True),
                 async_op, after=after)
 
 
@@ -290,7 +339,7 @@ def broadcast(tensor: torch.Tensor, axis, src_index: int = 0, async_op: bool = F
     b = _nbytes(tensor)
     return _run(axis, "broadcast", tensor, b, b if axis.index == src_index else 0,
                 lambda t: dist.broadcast(t, axis.ranks[src_index], group=axis.group,
-                                         async_op=async_op), async_op)
+                                         async_op=True), async_op)
 
 
 def send(tensor: torch.Tensor, axis, peer: int, async_op: bool = False,
@@ -298,8 +347,8 @@ def send(tensor: torch.Tensor, axis, peer: int, async_op: bool = False,
     """Point-to-point send to world rank `peer` (a member of the axis' group)."""
     check_tensors(axis, "send", tensor, dtype=dtype)
     b = _nbytes(tensor)
-    fn = (lambda t: dist.isend(t, peer)) if async_op else (lambda t: dist.send(t, peer))
-    return _run(axis, "send", tensor, b, b, fn, async_op, peer=peer, seq_key=f"p2p->{peer}")
+    return _run(axis, "send", tensor, b, b, lambda t: dist.isend(t, peer), async_op, peer=peer,
+                seq_key=f"p2p->{peer}")
 
 
 def recv(tensor: torch.Tensor, axis, peer: int, async_op: bool = False,
@@ -307,12 +356,12 @@ def recv(tensor: torch.Tensor, axis, peer: int, async_op: bool = False,
     """Point-to-point receive into `tensor` from world rank `peer`."""
     check_tensors(axis, "recv", tensor, dtype=dtype)
     b = _nbytes(tensor)
-    fn = (lambda t: dist.irecv(t, peer)) if async_op else (lambda t: dist.recv(t, peer))
-    return _run(axis, "recv", tensor, b, 0, fn, async_op, peer=peer, seq_key=f"p2p<-{peer}")
+    return _run(axis, "recv", tensor, b, 0, lambda t: dist.irecv(t, peer), async_op, peer=peer,
+                seq_key=f"p2p<-{peer}")
 
 
 def barrier(axis):
     if axis.size == 1:
         return
     t = torch.zeros(1, device=axis.device or "cpu")  # only recorded: a barrier carries no data
-    _run(axis, "barrier", t, 0, 0, lambda _: dist.barrier(group=axis.group), False)
+    _run(axis, "barrier", t, 0, 0, lambda _: dist.barrier(group=axis.group, async_op=True), False)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEVICE_ENV = "MINI3D_DEVICE"
+PG_TIMEOUT_ENV = "MINI3D_PG_TIMEOUT_S"  # process-group timeout, set from --hang-timeout (watchdog.py)
 STRICT_ENV = "MINI3D_STRICT_DEVICE"  # "1": workers compute with torch's default device set to meta
 HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
 ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
@@ -206,6 +207,16 @@ def _set_device(device_type: str, local_rank: int, local_world_size: int | None 
         os.environ[DEVICE_ENV] = "cpu"
 
 
+def _pg_timeout(job_timeout: float | None):
+    """The process group's timeout: --hang-timeout + 60 s when the diagnostics set it (so the
+    mini3d watchdog reports first), else the job timeout (at least 30 s), else torch's default."""
+    if os.environ.get(PG_TIMEOUT_ENV):
+        return datetime.timedelta(seconds=float(os.environ[PG_TIMEOUT_ENV]))
+    if job_timeout is None:
+        return None
+    return datetime.timedelta(seconds=max(30.0, job_timeout))
+
+
 def strict_device() -> bool:
     """True when MINI3D_STRICT_DEVICE=1: this process must never rely on torch's default device."""
     return os.environ.get(STRICT_ENV, "") == "1"
@@ -228,7 +239,7 @@ def init_from_env(device: str = "auto", backend: str | None = None, threads: int
     if threads:
         torch.set_num_threads(threads)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://")
+        dist.init_process_group(backend, init_method="env://", timeout=_pg_timeout(None))
     enter_strict_device()
     return backend, device_type
 
@@ -246,7 +257,7 @@ def _worker(rank, world_size, store_path, backend, device_type, threads, fn, arg
         _set_device(device_type, rank, world_size)
         store = dist.FileStore(store_path, world_size)  # no listening socket (see _rendezvous_dir)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=max(30.0, timeout)))
+                                timeout=_pg_timeout(timeout))
         enter_strict_device()
         result = fn(*args)
         q.put((rank, "ok", pickle.dumps(result), ""))

@@ -8,7 +8,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # as it would under NCCL / CUDA (see mini3d/launch.py). The test process itself is not affected:
 # its single-process reference computations stay ordinary CPU code. MINI3D_STRICT_DEVICE=0 turns
 # it off for a local investigation.
-os.environ.setdefault("MINI3D_STRICT_DEVICE", "1")
+STRICT = os.environ.setdefault("MINI3D_STRICT_DEVICE", "1")
+# The course's graded exercises and notebooks run learner-facing code written for a CPU laptop
+# (the grader's own scenario tensors too): they are not the engine's parity matrix, so they run
+# with ordinary defaults. (Making the grader strict-clean belongs with the course machinery.)
+_NOT_STRICT = ("test_exercises.py", "test_course_notebooks.py", "test_browser.py")
+
+
+def pytest_runtest_setup(item):
+    if item.path.name in _NOT_STRICT or item.path.suffix == ".ipynb":
+        os.environ["MINI3D_STRICT_DEVICE"] = "0"
+
+
+def pytest_runtest_teardown(item):
+    os.environ["MINI3D_STRICT_DEVICE"] = STRICT
 
 
 @pytest.fixture

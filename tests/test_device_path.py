@@ -175,3 +175,27 @@ def test_torch_cuda_only_in_launch_and_peak_memory():
                         continue
                     offenders.append(f"{rel}:{i}: {line.strip()}")
     assert not offenders, "torch.cuda outside launch.py:\n" + "\n".join(offenders)
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_sh_strict_train_runs_on_cpu(tmp_path):
+    """The strict-device `mini3d train` of benchmarks/gpu_check.sh, as written there, with
+    --device cpu, one step and the tiny model (sizes overridden by later flags, to stay fast on
+    CPU): it must run to the end under MINI3D_STRICT_DEVICE=1."""
+    import shlex
+    import subprocess
+    import sys
+
+    text = open(os.path.join(REPO, "benchmarks", "gpu_check.sh")).read()
+    cmd = re.search(r'MINI3D_STRICT_DEVICE=1 timeout \d+ "\$PY" -m mini3d train (.*?)\|\| STRICT_RC',
+                    text, re.S).group(1).replace("\\\n", " ")
+    args = [a for a in shlex.split(cmd.replace('"$STRICT_DIR"', str(tmp_path)).replace(
+        "$STRICT_DIR", str(tmp_path)))]
+    assert "--dtype" in args and "bf16" in args and "--zero" in args and "--run-dir" in args
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MINI3D_STRICT_DEVICE="1")
+    r = subprocess.run([sys.executable, "-m", "mini3d", "train", *args, "--device", "cpu",
+                        "--steps", "1", "--model", "tiny", "--seq-len", "32", "--global-batch", "2"], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "done: 1 steps" in r.stdout
+    assert (tmp_path / "strict_train.jsonl").exists()

@@ -61,3 +61,27 @@ def test_a_straggler_only_makes_the_job_later(tmp_path):
     assert [r["loss"] for r in logs["slow"]] == [r["loss"] for r in logs["clean"]]
     assert logs["slow"][1]["step_time_s"] > 2.0  # step 2 (index 1) waited for the 2 s nap
     assert _children() == []
+
+
+
+@pytest.mark.timeout(150)
+def test_hang_is_seen_when_waits_return_before_completion(tmp_path, monkeypatch):
+    """NCCL-like completion (MINI3D_DEFERRED_WAIT=1): mini3d's waits return before the op completes
+    and the host blocks afterwards, outside them. dp=2, rank 1 stalls for 120 s at step 2 (outside
+    communication), so rank 0 blocks on its gradient all-reduce. The watchdog follows each op's Work
+    to completion and ends the job within hang-timeout + 30 s, and explain-hang names rank 1.
+    (With the old rule, the event ended when wait() returned: nothing pending, no dump, and the job
+    ran until its --timeout; checked by hand.)"""
+    monkeypatch.setenv("MINI3D_DEFERRED_WAIT", "1")
+    hang = 6.0
+    t0 = time.monotonic()
+    rc = main(["train", "--dp", "2", "--global-batch", "4", "--steps", "3", "--no-progress",
+               "--hang-timeout", str(hang), "--timeout", "120", "--run-dir", str(tmp_path / "run"),
+               "--inject-fault", "slow:1:1:120"])
+    seconds = time.monotonic() - t0
+    assert rc == 3
+    assert seconds < hang + 30 + 30  # + 30 s to start the processes on 2 busy cores
+    assert _children() == [], "a rank survived the job"
+    ex = explain(str(tmp_path / "run"))
+    assert (ex.culprit, ex.kind) == (1, "straggler"), ex.text
+    assert "all_reduce #3 on the dp group [0, 1]" in ex.text, ex.text

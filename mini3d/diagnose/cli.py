@@ -14,6 +14,12 @@ def cmd_explain_hang(args) -> int:
         return 2
     result = explain(args.dir)
     if result is None:
+        from .flight_recorder import summary_lines
+
+        nccl = summary_lines(args.dir)  # a job killed before mini3d dumped may still have these
+        if nccl:
+            print("\n".join(nccl))
+            return 0
         print(f"mini3d explain-hang: bad input: DIR={args.dir!r} holds no rank*.json dumps (pass the "
               f"--run-dir of the failed job)", file=sys.stderr)
         return 2

@@ -293,6 +293,9 @@ def explain(run_dir: str) -> Explanation | None:
         lines.append(f"(an injected fault was active: {', '.join(sorted(faults))})")
     if kind in HINTS and culprit is not None:
         lines.append("what to change: " + HINTS[kind].format(c=culprit))
+    from .flight_recorder import summary_lines
+
+    lines += summary_lines(run_dir)  # NCCL's own record, when the run left one (CUDA runs)
     return Explanation("\n".join(lines), culprit, kind, findings)
 
 

@@ -155,7 +155,11 @@ def train(spec, device: str, derived: bool) -> int:
 
     run_dir = spec.run_dir  # a mini3d.run_config.RunConfig
     os.makedirs(run_dir, exist_ok=True)
-    os.environ.update(nccl_env(spec.hang_timeout, run_dir))
+    from ..launch import choose_device
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    backend = choose_device(device, local, per_process=True)[0]
+    os.environ.update(nccl_env(spec.hang_timeout, run_dir, backend))
     try:
         init_from_env(device)
     except (RuntimeError, ValueError) as e:  # e.g. MASTER_PORT taken by another process

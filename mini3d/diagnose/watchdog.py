@@ -1,8 +1,11 @@
 """Hang watchdog: a thread per rank that turns a silent hang into one JSON dump per rank.
 
-Every op issued through `mini3d.comm` sits in `topo.log.pending` until it completes. The watchdog
-polls that dict (under `topo.log.lock`); when an op has been pending longer than `hang_timeout`
-seconds it
+Every op issued through `mini3d.comm` sits in `topo.log.pending` until it completes: not until its
+`wait()` returned, which on NCCL happens at once while the host blocks later (in `.item()`, outside
+mini3d), but until its `Work` reports completion. Each poll the watchdog first asks the log to end
+the ops whose Work has completed (`CommLog.reap`, which calls `is_completed()` from this thread),
+then looks at the oldest op still pending (under `topo.log.lock`); when it has been pending longer
+than `hang_timeout` seconds the watchdog
 
 1. creates the job's abort marker `RUN_DIR/ABORT-<job id>` (atomically: the first rank to see a
    hang wins; another job sharing the run directory, or a stale marker, has another name),
@@ -19,7 +22,9 @@ communication library itself (gloo aborts on a size mismatch) cannot dump; `faul
 its Python stack in `rank{r}.stack`. `mini3d explain-hang RUN_DIR` reads all of these.
 
 On CUDA, PyTorch's own NCCL flight recorder and timeouts are configured by `nccl_env`, the one place
-that sets those variables (they must be in the environment before the process group is created).
+that sets those variables (they must be in the environment before the process group is created);
+the process group's own timeout follows `hang_timeout` too (`PG_TIMEOUT_ENV`, read by
+mini3d.launch), a minute later, so that the mini3d dump comes first on every backend.
 """
 
 from __future__ import annotations
@@ -34,22 +39,32 @@ import time
 from ..launch import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
 
 RECENT_EVENTS = 256  # events per dump: enough to align sequence numbers across a group
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # + world rank: PyTorch's flight recorder dump files
 
 
-def nccl_env(hang_timeout: float, run_dir: str) -> dict[str, str]:
-    """Environment for PyTorch's NCCL watchdog and flight recorder (harmless on gloo/CPU).
+def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl") -> dict[str, str]:
+    """Environment for the process group's timeout (every backend) and, on NCCL, for PyTorch's
+    NCCL watchdog and flight recorder (its dumps land in RUN_DIR/nccl_trace_rank_<r>, read by
+    `mini3d explain-hang`).
 
-    Our watchdog fires at `hang_timeout`; NCCL's heartbeat monitor is set a minute later so that the
-    mini3d dump (in plan terms) comes first and NCCL's own trace second."""
+    Our watchdog fires at `hang_timeout`; the process-group timeout and NCCL's heartbeat monitor are
+    set a minute later so that the mini3d dump (in plan terms) comes first and NCCL's own second."""
     import torch
+
+    from ..launch import PG_TIMEOUT_ENV
+
+    base = {PG_TIMEOUT_ENV: str(int(hang_timeout) + 60)}
+    if backend != "nccl":
+        return base
 
     # the flight recorder's variables were renamed TORCH_FR_* in torch 2.7 (old names warn)
     new = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 7)
     buffer, trace = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if new else
                      ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
     return {
+        **base,
         buffer: "2000",  # flight recorder: the last 2000 collectives per rank
-        trace: os.path.join(run_dir, "nccl_trace_rank_"),  # where it is written
+        trace: os.path.join(run_dir, FLIGHT_RECORDER_PREFIX),  # where it is written
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # write the recorder when a collective times out
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a timed-out collective tears the process down
         "TORCH_NCCL_ENABLE_MONITORING": "1",  # heartbeat monitor for a stuck NCCL watchdog
@@ -116,6 +131,12 @@ class Watchdog:
             pending = list(self.topo.log.pending.values())
         return max(pending, key=lambda e: e.start) if pending else None
 
+    def stuck_event(self):
+        """The oldest op not completed yet (or None): on NCCL the host may run ahead of it."""
+        with self.topo.log.lock:
+            pending = list(self.topo.log.pending.values())
+        return min(pending, key=lambda e: e.start) if pending else None
+
     def state(self, status: str, reason: str, extra: dict | None = None) -> dict:
         log, grid = self.topo.log, self.topo.grid
         now = time.perf_counter()
@@ -163,7 +184,8 @@ class Watchdog:
         while not self._stop.wait(self.poll):
             if os.path.exists(self.marker):
                 self._abort()
-            ev = self.blocked_event()
+            self.topo.log.reap()  # end the ops whose Work completed after their wait returned
+            ev = self.stuck_event()
             if ev is not None and time.perf_counter() - ev.start > self.hang_timeout:
                 self._hang(ev)
 
@@ -242,4 +264,6 @@ def keep_library_noise_in(run_dir: str, rank: int):
     os.close(fd)
     sys.stderr = os.fdopen(saved, "w", buffering=1, errors="backslashreplace")
 
-__all__ = ["Watchdog", "start_watchdog", "nccl_env", "describe_op", "RECENT_EVENTS"]
+
+__all__ = ["Watchdog", "start_watchdog", "nccl_env", "describe_op", "RECENT_EVENTS",
+           "FLIGHT_RECORDER_PREFIX"]
