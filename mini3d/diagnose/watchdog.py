@@ -248,7 +248,6 @@ def start_watchdog(topo, run_dir: str, hang_timeout: float = 300.0, fault: str |
     return Watchdog(topo, run_dir, hang_timeout, poll, fault).start()
 
 
-
 def keep_library_noise_in(run_dir: str, rank: int):
     """Point this process' file descriptor 2 at RUN_DIR/rank{r}.stderr, where C++ libraries write
     (gloo's abort message, c10 warnings), while Python's `sys.stderr` (progress bar, warnings, the
