@@ -32,11 +32,14 @@ CASES = [  # every case uses the same 8 ranks
     ("llama-tp2-pp2-dp2-zero0-gpipe-sdpa", Plan(tp=2, pp=2, dp=2, schedule="gpipe", micro_batches=2,
                                                 attention="sdpa", **BASE)),
 ]
+CLIP = 0.5  # the reference's norms are larger: every step clips
+CLIPPED = ("llama-tp2-pp2-dp2-zero1-clip", Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, **BASE))
 
 
 @pytest.mark.timeout(240)
 def test_llama_layouts_equal_the_reference():
     cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
+    cases.append({"name": CLIPPED[0], "plan": dataclasses.asdict(CLIPPED[1]), "grad_clip": CLIP})
     results = launch(run_layouts, 8, cases, dataclasses.asdict(LLAMA), STEPS, SEED, device="cpu",
                      timeout=220)
     ref = reference(STEPS, cfg=LLAMA)
@@ -46,6 +49,13 @@ def test_llama_layouts_equal_the_reference():
         assert len(losses) == 1, (name, losses)
         assert list(losses.pop()) == pytest.approx(ref[0], abs=1e-5), name
         check_float32(name, plan, results, ref, cfg=LLAMA)
+    # --grad-clip: the global norm counts the tied matrix once, although two stages hold it
+    norms = []
+    clipped = reference(STEPS, CLIP, norms, cfg=LLAMA)
+    assert min(norms) > 2 * CLIP
+    for r in (r for per_rank in results for r in per_rank if r["name"] == CLIPPED[0]):
+        assert r["norms"] == pytest.approx(norms, rel=1e-5), (r["norms"], norms)
+    check_float32(CLIPPED[0], CLIPPED[1], results, clipped, cfg=LLAMA)
 
 
 def test_tp_must_divide_the_key_value_heads():

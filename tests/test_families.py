@@ -116,8 +116,15 @@ def test_train_from_hf_and_resume_an_import_in_another_layout(tmp_path, capsys):
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
     shape = ["--family", "llama", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
              "--ffn", "48", "--tie-embeddings"]
-    assert main(["train", "--resume", str(tmp_path / "ckpt"), "--pp", "2", "--log-jsonl", str(log2)]
-                + shape + flags) == 0
+    assert main(["train", "--resume", str(tmp_path / "ckpt"), "--pp", "2", "--log-jsonl", str(log2),
+                 "--save", str(tmp_path / "pp2")] + shape + flags) == 0
+    # export-hf of a two-stage checkpoint (each stage file holds the tied matrix): HF loads it
+    from mini3d.checkpoint import latest_dir, read_states
+
+    assert main(["export-hf", str(tmp_path / "pp2"), str(tmp_path / "out")]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    trained = read_states(latest_dir(str(tmp_path / "pp2")))["model"]["embed.wte.weight"]
+    assert torch.equal(back.lm_head.weight, trained) and torch.equal(back.model.embed_tokens.weight, trained)
     first = [json.loads(line)["loss"] for line in open(log1)]
     resumed = [json.loads(line)["loss"] for line in open(log2)]
     assert first == pytest.approx(resumed, abs=1e-5)  # same weights, same batches: tp2 vs pp2
