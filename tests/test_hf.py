@@ -36,6 +36,11 @@ CONFIGS = {
     "gpt2": lambda: gpt2_config(),
     "llama-gqa-untied": lambda: llama_config(),
     "llama-tied": lambda: llama_config(num_key_value_heads=4, tie_word_embeddings=True),
+    # Llama 3.1's rescaled rotary frequencies, with a context short enough that every band of
+    # the tiny head (slowed, interpolated, kept) shows within 12 positions
+    "llama3-rope": lambda: llama_config(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
 }
 MODELS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
