@@ -146,7 +146,9 @@ def _divisors(n: int) -> list[int]:
 
 # Presets: `tiny` and `small` train on a laptop CPU in minutes (exact GELU, untied head: the
 # course's numbers); `gpt-1.3b` .. `gpt-175b` are GPT-style shapes (the 22B and 175B rows are those
-# of Korthikanti et al. 2022, which calibrate the cost model); the rest are real models with their
+# of Korthikanti et al. 2022, which calibrate the cost model; `gpt-70b` widens the MLP to ~70e9
+# parameters: a teaching shape, not a real model, kept because the course's lessons and exercises
+# use its full multi-head attention, e.g. tp=16); the rest are real models with their
 # published dimensions: GPT-2 (Radford et al. 2019; tanh GELU, tied head) and Llama 3 (Llama 3 Herd
 # of Models, 2024, table 3; 128256-token vocabulary, rope base 500000, 8 key/value heads).
 # Llama's max_seq_len is 8192, the context of its main pre-training stage (the default sequence
@@ -163,6 +165,7 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-1.3b": ModelConfig(24, 2048, 16, 50257, 2048, name="gpt-1.3b"),
     "gpt-7b": ModelConfig(32, 4096, 32, 32000, 4096, name="gpt-7b"),
     "gpt-22b": ModelConfig(48, 6144, 64, 51200, 2048, name="gpt-22b"),
+    "gpt-70b": ModelConfig(80, 8192, 64, 32000, 4096, d_ff=36864, name="gpt-70b"),
     "gpt-175b": ModelConfig(96, 12288, 96, 51200, 2048, name="gpt-175b"),
     "llama-3.2-1b": ModelConfig(16, 2048, 32, 128256, 8192, 8192, name="llama-3.2-1b",
                                 tie_embeddings=True, **{**_LLAMA3, "rope_scaling": (32.0, 1.0, 4.0, 8192)}),
@@ -173,7 +176,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 # Old names, kept working: each is the same object as the preset it names.
 ALIASES = {"gpt2-small": "gpt2-124m", "gpt2-medium": "gpt2-355m", "gpt2-large": "gpt2-774m",
-           "gpt2-xl": "gpt2-1.5b", "gpt-70b": "llama-3.1-70b"}
+           "gpt2-xl": "gpt2-1.5b"}
 PRESETS.update({old: PRESETS[new] for old, new in ALIASES.items()})
 
 

@@ -91,6 +91,11 @@ def rotary(x: torch.Tensor, base: float, scaling: tuple = ()) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def _dropout(cfg: ModelConfig) -> nn.Module:
+    """Dropout with p = cfg.dropout; no module at all when it is off (the default)."""
+    return nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
+
+
 class Attention(nn.Module):
     """Causal self-attention with n_heads query heads and n_kv_heads key/value heads (equal for
     gpt2); query head i reads key/value head i // (n_heads / n_kv_heads). `n_local_heads` and
@@ -105,7 +110,7 @@ class Attention(nn.Module):
         # rows: [q heads | k heads | v heads]
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.biases)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.biases)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg)
         self.core = attention_core
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +180,7 @@ class MLP(nn.Module):
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.family == "llama" else None
         self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.biases)
         self.act = ACTIVATIONS[cfg.activation]
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg)
 
     def forward(self, x):
         h = self.fc(x)  # (B, T, f)
@@ -203,7 +208,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg)
 
     def forward(self, idx):
         x = self.wte(idx)  # (B, T, C)

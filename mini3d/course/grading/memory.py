@@ -27,12 +27,11 @@ def count_matches_model(ctx):
 
 
 def count_70b(ctx):
-    # the GPT-style 70B shape the exercise counts (PRESETS["gpt-70b"] now names Llama-3.1-70B,
-    # another family, whose SwiGLU and grouped-query attention the exercise does not cover)
-    cfg = ModelConfig(80, 8192, 64, 32000, 4096, d_ff=36864, name="gpt-style-70b")
+    from mini3d.config import PRESETS
+
+    cfg = PRESETS["gpt-70b"]
     got = ctx.impl.count_params(cfg)
-    expect(got == cfg.n_params(), "count_params(a GPT-style 70B: 80 x 8192, d_ff 36864)",
-           cfg.n_params(), got)
+    expect(got == cfg.n_params(), "count_params(PRESETS['gpt-70b'])", cfg.n_params(), got)
 
 
 def min_gpus(ctx):
