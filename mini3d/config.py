@@ -55,12 +55,15 @@ class ModelConfig:
     norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
     activation: str = ""  # gpt2: gelu (exact) or gelu_tanh; llama: silu (SwiGLU); "" = family default
     dropout: float = 0.0  # dropout on the embedding output and each residual branch (0 = none)
+    rope_scaling: tuple = ()  # Llama 3.1's rotary rescaling: (factor, low_freq_factor,
+    #                           high_freq_factor, original context); () for none
 
     def __post_init__(self):
         if self.d_ff == 0:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
+        object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # (JSON gives a list)
         if not self.activation:
             object.__setattr__(self, "activation", "silu" if self.family == "llama" else "gelu")
 
@@ -129,6 +132,9 @@ class ModelConfig:
                            f"attention is a llama-family feature (use --family llama)")
             if self.family == "llama" and self.n_heads >= 1 and self.head_dim % 2:
                 out.append(f"head_dim={self.head_dim} must be even for rotary positions")
+        if self.rope_scaling and (len(self.rope_scaling) != 4 or self.family != "llama"):
+            out.append(f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
+                       f"high_freq_factor, original context) of a llama-family model")
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"dropout={self.dropout} must be in [0, 1)")
         return out
@@ -140,13 +146,15 @@ def _divisors(n: int) -> list[int]:
 
 # Presets: `tiny` and `small` train on a laptop CPU in minutes (exact GELU, untied head: the
 # course's numbers); `gpt-1.3b` .. `gpt-175b` are GPT-style shapes (the 22B and 175B rows are those
-# of Korthikanti et al. 2022, which calibrate the cost model); the rest are real models with their
+# of Korthikanti et al. 2022, which calibrate the cost model; `gpt-70b` widens the MLP to ~70e9
+# parameters: a teaching shape, not a real model, kept because the course's lessons and exercises
+# use its full multi-head attention, e.g. tp=16); the rest are real models with their
 # published dimensions: GPT-2 (Radford et al. 2019; tanh GELU, tied head) and Llama 3 (Llama 3 Herd
 # of Models, 2024, table 3; 128256-token vocabulary, rope base 500000, 8 key/value heads).
-# Llama's max_seq_len is 8192, the context of its main pre-training stage (3.1's 128K comes from a
-# later long-context stage with rescaled rotary frequencies, which mini3d does not model).
+# Llama's max_seq_len is 8192, the context of its main pre-training stage (the default sequence
+# length of estimates); the 3.1 / 3.2 models rescale their rotary frequencies for 128K contexts.
 _GPT2 = dict(family="gpt2", activation="gelu_tanh", tie_embeddings=True)
-_LLAMA3 = dict(family="llama", n_kv_heads=8, rope_base=500000.0)
+_LLAMA3 = dict(family="llama", n_kv_heads=8, rope_base=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192))
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(4, 64, 4, 256, 128, name="tiny"),
     "small": ModelConfig(6, 256, 8, 256, 256, name="small"),
@@ -157,9 +165,10 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-1.3b": ModelConfig(24, 2048, 16, 50257, 2048, name="gpt-1.3b"),
     "gpt-7b": ModelConfig(32, 4096, 32, 32000, 4096, name="gpt-7b"),
     "gpt-22b": ModelConfig(48, 6144, 64, 51200, 2048, name="gpt-22b"),
+    "gpt-70b": ModelConfig(80, 8192, 64, 32000, 4096, d_ff=36864, name="gpt-70b"),
     "gpt-175b": ModelConfig(96, 12288, 96, 51200, 2048, name="gpt-175b"),
     "llama-3.2-1b": ModelConfig(16, 2048, 32, 128256, 8192, 8192, name="llama-3.2-1b",
-                                tie_embeddings=True, **_LLAMA3),
+                                tie_embeddings=True, **{**_LLAMA3, "rope_scaling": (32.0, 1.0, 4.0, 8192)}),
     "llama-3.1-8b": ModelConfig(32, 4096, 32, 128256, 8192, 14336, name="llama-3.1-8b", **_LLAMA3),
     "llama-3.1-70b": ModelConfig(80, 8192, 64, 128256, 8192, 28672, name="llama-3.1-70b", **_LLAMA3),
     "llama-3.1-405b": ModelConfig(126, 16384, 128, 128256, 8192, 53248, name="llama-3.1-405b",
@@ -167,7 +176,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 # Old names, kept working: each is the same object as the preset it names.
 ALIASES = {"gpt2-small": "gpt2-124m", "gpt2-medium": "gpt2-355m", "gpt2-large": "gpt2-774m",
-           "gpt2-xl": "gpt2-1.5b", "gpt-70b": "llama-3.1-70b"}
+           "gpt2-xl": "gpt2-1.5b"}
 PRESETS.update({old: PRESETS[new] for old, new in ALIASES.items()})
 
 

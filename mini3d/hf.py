@@ -51,9 +51,13 @@ def config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
                            activation=act[d.get("activation_function", "gelu_new")])
     if kind == "llama":
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise HFError(f"rope type {rope.get('rope_type', rope.get('type'))!r} is not supported "
-                          f"(mini3d implements the default rotary embedding)")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise HFError(f"rope type {kind!r} is not supported (mini3d implements the default "
+                          f"rotary embedding and Llama 3.1's rescaling, 'llama3')")
+        scaling = () if kind == "default" else (
+            float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]))
         base = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         h, nh = d["hidden_size"], d["num_attention_heads"]
         if d.get("head_dim", h // nh) != h // nh:
@@ -64,6 +68,7 @@ def config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
                            d.get("max_position_embeddings", 2048), d["intermediate_size"],
                            name=name, family="llama",
                            n_kv_heads=d.get("num_key_value_heads") or nh, rope_base=float(base),
+                           rope_scaling=scaling,
                            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
                            norm_eps=d.get("rms_norm_eps", 1e-6))
     raise HFError(f"model_type={kind!r} is not supported (mini3d converts gpt2 and llama)")
@@ -80,13 +85,18 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                 "n_inner": cfg.d_ff, "activation_function": act,
                 "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": cfg.dropout,
                 "embd_pdrop": cfg.dropout, "attn_pdrop": 0.0, **common}
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling:
+        factor, low, high, n = cfg.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_base, "factor": factor,
+                "low_freq_factor": low, "high_freq_factor": high,
+                "original_max_position_embeddings": n}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "intermediate_size": cfg.d_ff,
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+            "rope_theta": cfg.rope_base, "rope_parameters": rope,
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, **common}
 
 

@@ -64,19 +64,38 @@ def norm(cfg: ModelConfig) -> nn.Module:
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
 
-def rotary(x: torch.Tensor, base: float, positions=None) -> torch.Tensor:
+def rotary_frequencies(hd: int, base: float, scaling: tuple = (), device=None) -> torch.Tensor:
+    """The hd/2 angular frequencies base^(-2i/hd); with Llama 3.1's `scaling` (factor, low, high,
+    original context n): wavelengths longer than n/low are slowed by `factor`, those shorter than
+    n/high kept, and the band between interpolated linearly in n/wavelength (Meta's published
+    rescaling, which Hugging Face calls rope_type "llama3")."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=device).float() / hd))
+    if not scaling:
+        return inv_freq
+    factor, low, high, n = scaling
+    ratio = n * inv_freq / (2 * math.pi)  # original context / wavelength
+    smooth = ((ratio - low) / (high - low)).clamp(0.0, 1.0)  # 0: slow down fully, 1: keep
+    return inv_freq * (smooth + (1 - smooth) / factor)
+
+
+def rotary(x: torch.Tensor, base: float, scaling: tuple = (), positions=None) -> torch.Tensor:
     """Rotary position embedding of q or k, (B, n, T, hd), at `positions` (T,) (default
     t = 0..T-1; a context-parallel rank passes its chunk's global positions): each pair of
-    features (i, i + hd/2) is rotated by the angle t * base^(-2i/hd) (the "rotate half" layout of
+    features (i, i + hd/2) is rotated by the angle t * frequency i (the "rotate half" layout of
     Hugging Face's Llama, whose checkpoints mini3d reads). Angles in float32."""
     T, hd = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
+    inv_freq = rotary_frequencies(hd, base, scaling, x.device)
     pos = torch.arange(T, device=x.device) if positions is None else positions
     freqs = torch.outer(pos.float(), inv_freq)  # (T, hd/2)
     angles = torch.cat([freqs, freqs], dim=-1)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _dropout(cfg: ModelConfig) -> nn.Module:
+    """Dropout with p = cfg.dropout; no module at all when it is off (the default)."""
+    return nn.Dropout(cfg.dropout) if cfg.dropout else nn.Identity()
 
 
 class Attention(nn.Module):
@@ -89,10 +108,11 @@ class Attention(nn.Module):
         self.n_local_heads, self.n_local_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim
         self.rope_base = cfg.rope_base if cfg.family == "llama" else None
+        self.rope_scaling = cfg.rope_scaling
         # rows: [q heads | k heads | v heads]
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.biases)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.biases)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg)
         self.core = attention_core
 
     def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
@@ -105,7 +125,7 @@ class Attention(nn.Module):
         q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
         k, v = (t.view(B, T, nkv, hd).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hd)
         if self.rope_base is not None:
-            q, k = rotary(q, self.rope_base, positions), rotary(k, self.rope_base, positions)
+            q, k = (rotary(t, self.rope_base, self.rope_scaling, positions) for t in (q, k))
         y = self.core(q, k, v)  # (B, nq, T, hd)
         y = y.transpose(1, 2).reshape(B, T, nq * hd)
         return self.drop(self.proj(y))
@@ -164,7 +184,7 @@ class MLP(nn.Module):
         self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.family == "llama" else None
         self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.biases)
         self.act = ACTIVATIONS[cfg.activation]
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg)
 
     def forward(self, x):
         h = self.fc(x)  # (B, T, f)
@@ -192,7 +212,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = _dropout(cfg)
 
     def forward(self, idx, positions=None):
         """positions: (T,) global positions of the tokens (default 0..T-1)."""

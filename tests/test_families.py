@@ -30,7 +30,8 @@ PUBLISHED = {"gpt2-124m": 124_439_808, "gpt2-355m": 354_823_168, "gpt2-774m": 77
 def test_presets_have_the_published_parameter_counts_and_aliases():
     for name, n in PUBLISHED.items():
         assert PRESETS[name].n_params() == n, name
-    assert PRESETS["gpt-70b"] is PRESETS["llama-3.1-70b"] and PRESETS["gpt2-small"] is PRESETS["gpt2-124m"]
+    assert PRESETS["gpt2-small"] is PRESETS["gpt2-124m"] and PRESETS["gpt2-xl"] is PRESETS["gpt2-1.5b"]
+    assert PRESETS["gpt-70b"].family == "gpt2"  # the course's GPT-style teaching shape stays
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, dataclasses.replace(LLAMA, tie_embeddings=False, n_kv_heads=1),
@@ -116,8 +117,15 @@ def test_train_from_hf_and_resume_an_import_in_another_layout(tmp_path, capsys):
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
     shape = ["--family", "llama", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
              "--ffn", "48", "--tie-embeddings"]
-    assert main(["train", "--resume", str(tmp_path / "ckpt"), "--pp", "2", "--log-jsonl", str(log2)]
-                + shape + flags) == 0
+    assert main(["train", "--resume", str(tmp_path / "ckpt"), "--pp", "2", "--log-jsonl", str(log2),
+                 "--save", str(tmp_path / "pp2")] + shape + flags) == 0
+    # export-hf of a two-stage checkpoint (each stage file holds the tied matrix): HF loads it
+    from mini3d.checkpoint import latest_dir, read_states
+
+    assert main(["export-hf", str(tmp_path / "pp2"), str(tmp_path / "out")]) == 0
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    trained = read_states(latest_dir(str(tmp_path / "pp2")))["model"]["embed.wte.weight"]
+    assert torch.equal(back.lm_head.weight, trained) and torch.equal(back.model.embed_tokens.weight, trained)
     first = [json.loads(line)["loss"] for line in open(log1)]
     resumed = [json.loads(line)["loss"] for line in open(log2)]
     assert first == pytest.approx(resumed, abs=1e-5)  # same weights, same batches: tp2 vs pp2

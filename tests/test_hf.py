@@ -36,6 +36,11 @@ CONFIGS = {
     "gpt2": lambda: gpt2_config(),
     "llama-gqa-untied": lambda: llama_config(),
     "llama-tied": lambda: llama_config(num_key_value_heads=4, tie_word_embeddings=True),
+    # Llama 3.1's rescaled rotary frequencies, with a context short enough that every band of
+    # the tiny head (slowed, interpolated, kept) shows within 12 positions
+    "llama3-rope": lambda: llama_config(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
 }
 MODELS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 
@@ -136,3 +141,32 @@ def test_bad_directories_exit_2(tmp_path, capsys):
     assert main(["import-hf", str(tmp_path), str(tmp_path / "ckpt")]) == 2
     assert "model_type='bert' is not supported" in capsys.readouterr().err
     assert main(["export-hf", str(tmp_path / "none"), str(tmp_path / "out")]) == 2
+
+
+def test_every_real_preset_survives_the_config_round_trip():
+    """config.json of each real preset reads back to the same ModelConfig, and transformers reads
+    it as the same shape (no weights built)."""
+    import dataclasses
+
+    from mini3d.config import PRESETS
+    from mini3d.hf import config_from_hf, config_to_hf
+
+    for name in ("gpt2-124m", "gpt2-1.5b", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b",
+                 "llama-3.1-405b"):
+        cfg = PRESETS[name]
+        d = config_to_hf(cfg)
+        assert config_from_hf(d, name=name) == cfg, name
+        kind = {"gpt2": transformers.GPT2Config, "llama": transformers.LlamaConfig}[d["model_type"]]
+        hf_cfg = kind(**d)
+        back = config_from_hf(hf_cfg.to_dict(), name=name)
+        assert dataclasses.asdict(back) == dataclasses.asdict(cfg), name
+
+
+@pytest.mark.timeout(60)
+def test_untied_gpt2_exports_its_own_head(tmp_path):
+    src, ckpt, out = tmp_path / "src", tmp_path / "ckpt", tmp_path / "out"
+    hf = saved(gpt2_config(tie_word_embeddings=False), src)
+    assert main(["import-hf", str(src), str(ckpt)]) == 0 and main(["export-hf", str(ckpt), str(out)]) == 0
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(out))
+    assert not torch.equal(back.lm_head.weight, back.transformer.wte.weight)
+    assert torch.equal(back.lm_head.weight, hf.lm_head.weight)
