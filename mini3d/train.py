@@ -33,7 +33,7 @@ from .dp import make_dp, model_state_ledger
 from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
-from .pp.schedules import make_schedule
+from .pp.schedules import make_schedule, placement_of
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
@@ -182,7 +182,8 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
-    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta")
+    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta",
+                          placement=placement_of(plan.schedule))
     for module in stages.values():
         apply_tp(module, topo, plan)
         materialize_reference(module, topo, seed, topo.device)
