@@ -42,13 +42,14 @@ CASES = [  # every case uses the same 8 ranks
 ]
 
 
-def reference(steps: int, grad_clip: float = 0.0, norms: list | None = None):
+def reference(steps: int, grad_clip: float = 0.0, norms: list | None = None, cfg=CFG,
+              global_batch: int = BASE["global_batch"]):
     """(losses, grads per step, final params) of the unparallelised model on the global batches;
     with grad_clip, torch's clip_grad_norm_ before each update (the grads are taken after it, and
     the norms before it are appended to `norms`)."""
-    model = GPT(CFG, SEED)
+    model = GPT(cfg, SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
-    batches = Batches(load_tokens(), BASE["seq_len"], BASE["global_batch"], SEED)
+    batches = Batches(load_tokens(), BASE["seq_len"], global_batch, SEED)
     losses, grads = [], []
     for step in range(steps):
         x, y = batches.global_batch_at(step)
@@ -113,9 +114,9 @@ F32 = dict(loss=1e-5, grad0=1e-5, grad=3e-4, param=0.05 * LR, update_norm=1e-3)
 BF16 = dict(loss=1e-2, grad_norm=0.03, update_norm=0.2)
 
 
-def check_float32(name, plan, results, ref):
+def check_float32(name, plan, results, ref, cfg=CFG):
     ref_losses, ref_grads, ref_params = ref
-    start = {n: p.detach() for n, p in GPT(CFG, SEED).named_parameters()}
+    start = {n: p.detach() for n, p in GPT(cfg, SEED).named_parameters()}
     for step in range(STEPS):
         copies = merged(results, name, "grads", step)
         assert len(copies) == plan.tp  # one full copy per tp rank (replicated tensors included)
