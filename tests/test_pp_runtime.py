@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from mini3d.config import ModelConfig
+from mini3d.config import ModelConfig, Plan
+from mini3d.diagnose.estimator import head_microbatches, inflight_microbatches
 from mini3d.launch import launch
 from mini3d.model import GPT
 from mini3d.pp.rules import check
@@ -99,7 +100,12 @@ def test_every_schedule_matches_reference(p):
             assert peaks == {pp_rank: min(p, M)}, "ZB-H1 keeps 1F1B's peak p on every rank"
         for peaks in r["zbv"]["peaks"]:  # the V: rank 0 holds the first and the last stage
             assert set(peaks) == {pp_rank, 2 * p - 1 - pp_rank}
-        for kind in KINDS:  # the runtime's measured peak is the one check() proves from the lists
+        for kind in KINDS:  # the runtime's measured peak = check()'s = the memory estimator's
             v = {"interleaved": 2, "looped-bfs": 2, "zbv": 2}.get(kind, 1)
             want = check(make_schedule(kind, p, M, v)).peak_in_flight[pp_rank]
             assert r[kind]["peak_chunks"] == [want] * STEPS, kind
+            plan = Plan(pp=p, schedule=kind, virtual_stages=v, micro_batches=M, global_batch=M * B)
+            assert inflight_microbatches(plan, pp_rank) == want / v, kind
+            last = p * v - 1  # the head's activations: as many micro-batches as its stage holds
+            if last in r[kind]["peaks"][0]:
+                assert r[kind]["peaks"][0][last] == head_microbatches(plan), kind

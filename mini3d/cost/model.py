@@ -50,8 +50,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan, PlanError
-from ..diagnose.estimator import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, padded_vocab,
-                                  stage_layers, stage_param_count)
+from ..diagnose.estimator import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank,
+                                  padded_vocab, stage_layers, stage_param_count)
 from .hardware import Hardware
 
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
@@ -176,7 +176,7 @@ def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
 def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
     """(stage, layers) of the pipeline rank with the most forward FLOPs per micro-batch."""
     f = flops_per_token(cfg, plan.seq_len)
-    work = [(len(stage_layers(cfg, plan, r)) * f["layer"] + (f["head"] if r == plan.pp - 1 else 0),
+    work = [(len(stage_layers(cfg, plan, r)) * f["layer"] + (f["head"] if r == head_rank(plan) else 0),
              r) for r in range(plan.pp)]
     r = max(work)[1]
     return r, len(stage_layers(cfg, plan, r))
@@ -188,7 +188,7 @@ def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, f
     t = plan.tp
     if t == 1:
         return 0.0, 0.0, 0.0
-    first, last = stage == 0, stage == plan.pp - 1
+    first, last = stage == 0, stage == head_rank(plan)
     act = plan.seq_len * plan.micro_batch_size * cfg.d_model * ELEMENT_BYTES[plan.dtype]
     wire = 2 * (t - 1) / t * act
     per_op = wire / bw + (2 if plan.sequence_parallel else 1) * hw.latency_s
@@ -238,7 +238,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     stage, layers = _busiest_rank(cfg, plan)
     f = flops_per_token(cfg, plan.seq_len)
     tokens_mb = plan.micro_batch_size * plan.seq_len
-    fwd = (layers * f["layer"] + (f["head"] if stage == p - 1 else 0)) * tokens_mb / t
+    fwd = (layers * f["layer"] + (f["head"] if stage == head_rank(plan) else 0)) * tokens_mb / t
     extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
     width = min(cfg.d_model / t, tokens_mb)
     slowdown = max(1.0, n / hw.gpus_per_node) if hw.shared_host else 1.0

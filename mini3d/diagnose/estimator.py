@@ -10,7 +10,8 @@ first stage, the head (final LayerNorm and an untied, bias-free output matrix, v
 on the last. Column-parallel layers (qkv, MLP fc) split weight and bias over tp; row-parallel ones
 (attention proj, MLP proj) split the weight and replicate the bias; LayerNorms are replicated.
 Layers are split over the pp * virtual_stages model chunks as evenly as possible, the first chunks
-taking one extra layer when the split is uneven; chunk c lives on pipeline rank c % pp.
+taking one extra layer when the split is uneven; chunk c lives on pipeline rank c % pp, or in a V
+for the zbv schedule (`mini3d.pp.partition.stage_rank`: rank 0 then holds the head too).
 
 Model states (bytes per parameter, ZeRO paper accounting): float32 keeps params 4, grads 4 and
 Adam moments 8; bf16 keeps bf16 params 2, bf16 grads 2, and 12 in `optimizer` (fp32 master copy 4
@@ -19,10 +20,13 @@ Adam moments 8; bf16 keeps bf16 params 2, bf16 grads 2, and 12 in `optimizer` (f
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
+from ..pp.partition import stage_rank
+from ..pp.schedules import placement_of
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
@@ -86,7 +90,14 @@ def chunk_layers(n_layers: int, n_chunks: int) -> list[list[int]]:
 def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
     """Every layer pipeline rank `stage` holds (all of its virtual chunks)."""
     chunks = chunk_layers(cfg.n_layers, plan.pp * plan.virtual_stages)
-    return [i for c, ids in enumerate(chunks) if c % plan.pp == stage for i in ids]
+    where = placement_of(plan.schedule)
+    return [i for c, ids in enumerate(chunks) if stage_rank(c, plan.pp, where) == stage
+            for i in ids]
+
+
+def head_rank(plan: Plan) -> int:
+    """The pipeline rank that holds the last model chunk (head and loss): pp - 1, or 0 for zbv."""
+    return stage_rank(plan.pp * plan.virtual_stages - 1, plan.pp, placement_of(plan.schedule))
 
 
 def layer_params(cfg: ModelConfig, tp: int) -> int:
@@ -103,7 +114,7 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     n = len(stage_layers(cfg, plan, stage)) * layer_params(cfg, t)
     if stage == 0:
         n += padded_vocab(cfg.vocab_size, t) * h // t + cfg.max_seq_len * h
-    if stage == plan.pp - 1:
+    if stage == head_rank(plan):
         n += 2 * h + padded_vocab(cfg.vocab_size, t) * h // t
     return n
 
@@ -176,16 +187,48 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
 def inflight_microbatches(plan: Plan, stage: int) -> float:
     """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole-stage units.
 
-    GPipe runs every forward first: m. 1F1B: min(m, pp - stage). Interleaved 1F1B (Megatron's
-    order): rank r runs 2*(pp-r-1) + (v-1)*pp warm-up chunk forwards, plus the one in flight, each
-    chunk being 1/v of the stage, capped at m*v chunks. Rank 0 holds (1 + (pp-1)/(pp*v)) * pp
-    micro-batches' worth of its layers (Korthikanti et al. 2022, sec. 4.2.3)."""
+    GPipe runs every forward first: m; looped BFS likewise (m v chunks of 1/v). 1F1B:
+    min(m, pp - stage). Interleaved 1F1B: rank r runs 2*(pp-r-1) + (v-1)*g warm-up chunk forwards
+    (g = pp when pp divides m, else PyTorch's round of m // max(1, m // pp)), plus the one in
+    flight, each chunk being 1/v of the stage, capped at m*v chunks; rank 0 holds
+    (1 + (pp-1)/(pp*v)) * pp micro-batches' worth of its layers (Korthikanti et al. 2022, sec.
+    4.2.3). ZB-H1: a micro-batch lives until its W, which rank r runs r micro-batches late:
+    min(m, pp) on every rank, 1F1B's peak. ZB-V: counted on the schedule itself
+    (`mini3d.pp.rules.in_flight`, what `check()` reports), at most 2 pp chunks of half a stage."""
     m, p, v = plan.micro_batches, plan.pp, plan.virtual_stages
-    if plan.schedule == "gpipe":
+    if plan.schedule in ("gpipe", "looped-bfs"):
         return float(m)
     if plan.schedule == "interleaved":
-        return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1) / v
+        g = m // max(1, m // p)
+        return min(m * v, 2 * (p - stage - 1) + (v - 1) * g + 1) / v
+    if plan.schedule == "zb-h1":
+        return float(min(m, p))
+    if plan.schedule == "zbv" and p > 1:
+        return _schedule_in_flight(plan.schedule, p, m, v)[0][stage] / v
     return float(min(m, p - stage))
+
+
+def head_microbatches(plan: Plan) -> int:
+    """Micro-batches whose head activations (log-softmax etc.) the last stage holds at once: all m
+    when every forward runs first (GPipe, looped BFS), min(m, pp) for ZB-H1 (the last rank runs its
+    W pp - 1 micro-batches late and the graph, head included, stays until W), else 1."""
+    if plan.schedule in ("gpipe", "looped-bfs"):
+        return plan.micro_batches
+    if plan.schedule == "zb-h1":
+        return min(plan.micro_batches, plan.pp)
+    if plan.schedule == "zbv" and plan.pp > 1:
+        stages = _schedule_in_flight(plan.schedule, plan.pp, plan.micro_batches, 2)[1]
+        return stages[2 * plan.pp - 1]
+    return 1
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_in_flight(kind: str, p: int, m: int, v: int):
+    """(peak per rank, peak per stage) counted on the schedule (`mini3d.pp.rules.in_flight`)."""
+    from ..pp.rules import in_flight
+    from ..pp.schedules import make_schedule
+
+    return in_flight(make_schedule(kind, p, m, v))
 
 
 def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
@@ -232,8 +275,8 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
     if plan.recompute == "full" and layers:
         act += per_layer["full"]  # the block being recomputed during backward
     head = 0.0
-    if stage == plan.pp - 1:
-        head = (plan.micro_batches if plan.schedule == "gpipe" else 1) * head_activation_bytes(cfg, plan)
+    if stage == head_rank(plan):
+        head = head_microbatches(plan) * head_activation_bytes(cfg, plan)
     buffers = comm_buffer_bytes(cfg, plan)
     detail = {"layers": layers, "layer_stored_bytes": per_layer["stored"],
               "layer_full_bytes": per_layer["full"], "head_bytes": head,

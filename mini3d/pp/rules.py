@@ -52,17 +52,36 @@ class CheckResult:
         return "FAILED:\n  " + "\n  ".join(self.problems)
 
 
+def in_flight(s: Schedule) -> tuple[list[int], dict]:
+    """(peak per rank, peak per stage) of micro-batch activations alive: from a stage's F to its
+    last backward action (W in a split schedule, else B), counted over each rank's compute list.
+    Per rank it counts chunk activations (with v chunks per rank, one chunk is 1/v of its layers)."""
+    free_at = "W" if s.split else "B"
+    ranks, stages = [], {}
+    for acts in s.actions:
+        live, peak, by_stage = 0, 0, {}
+        for a in acts:
+            if a.op in ("F", free_at):
+                step = 1 if a.op == "F" else -1
+                live += step
+                by_stage[a.stage] = by_stage.get(a.stage, 0) + step
+                stages[a.stage] = max(stages.get(a.stage, 0), by_stage[a.stage])
+                peak = max(peak, live)
+        ranks.append(peak)
+    return ranks, stages
+
+
 def _rule_problems(s: Schedule) -> tuple[list[str], list[int], list[int]]:
-    out, peaks, waits = [], [], []
+    out, waits = [], []
     S, want, split = s.n_stages, Counter(), s.split
     for st in range(S):
         for mb in range(s.m):
             for op in ("F", "B", "W") if split else ("F", "B"):
                 want[(op, st, mb)] += 1
-    free_at = "W" if split else "B"  # the action that releases a micro-batch's activations
     got = Counter()
+    peaks = in_flight(s)[0]
     for r, acts in enumerate(s.actions):
-        seen, live, peak, wait, wait_peak = set(), 0, 0, 0, 0
+        seen, wait, wait_peak = set(), 0, 0
         for i, a in enumerate(acts):
             where = f"rank {r} step {i} ({a})"
             if not (0 <= a.stage < S and 0 <= a.mb < s.m) or s.rank_of(a.stage) != r:
@@ -79,11 +98,10 @@ def _rule_problems(s: Schedule) -> tuple[list[str], list[int], list[int]]:
             seen.add(key)
             if a.is_compute:
                 got[key] += 1
-                live += 1 if a.op == "F" else -1 if a.op == free_at else 0
                 wait += 1 if split and a.op == "B" else -1 if a.op == "W" else 0
-                peak, wait_peak = max(peak, live), max(wait_peak, wait)
-        peaks.append(peak)
+                wait_peak = max(wait_peak, wait)
         waits.append(wait_peak)
+        peak = peaks[r]
         if s.in_flight_bound and peak > s.in_flight_bound[r]:
             out.append(f"rank {r}: {peak} micro-batches in flight exceeds the bound "
                        f"{s.in_flight_bound[r]}")
@@ -207,4 +225,4 @@ def check(schedule: Schedule) -> CheckResult:
     return CheckResult(not problems, problems, deadlock, peaks, rounds, waits)
 
 
-__all__ = ["check", "CheckResult"]
+__all__ = ["check", "CheckResult", "in_flight"]
