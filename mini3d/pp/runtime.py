@@ -21,7 +21,12 @@
 
 Transfers: receives block; sends are non-blocking by default (`async_send=True`, see
 `p2p.SendQueue`) and all complete before `step` returns. The schedule's order is proven safe even
-with blocking sends (`check()`), which `async_send=False` uses.
+with blocking sends (`check()`), which `async_send=False` uses. With `async_recv` (default: for
+split schedules, when sends are non-blocking too) a receive is posted where the list has it and
+waited for by the action that needs its tensor: a split schedule lists some receives before a
+compute that does not need them (a W, or the next F), which then runs while the message travels.
+The wait is recorded in the timeline under the receive's name. Still deadlock-free: every wait is
+for a send that comes earlier in the global order `check()` executes.
 
 Data-parallel hook (minimal on purpose): `step(..., dp=obj)` where `obj` has a `no_sync()` context
 manager (like DistributedDataParallel), or a dict {stage: obj} with one per stage. Every backward of
@@ -67,9 +72,10 @@ class PipelineRuntime:
     or (b, T / tp, d_model) under sequence parallelism; its gradient has the same shape."""
 
     def __init__(self, stages: dict, schedule, topo, act_shape, dtype=torch.float32, device=None,
-                 async_send: bool = True):
+                 async_send: bool = True, async_recv: bool | None = None):
         self.schedule, self.topo = schedule, topo
         self.async_send = async_send  # non-blocking sends (see p2p.SendQueue); False: blocking
+        self.async_recv = (schedule.split and async_send) if async_recv is None else async_recv
         self.pp_rank = topo.pp.index
         want = schedule.stages_of(self.pp_rank)
         if sorted(stages) != want:
@@ -95,6 +101,7 @@ class PipelineRuntime:
         for a in sched.actions[self.pp_rank]:
             if log is not None:
                 log.context = {"step": step, "action": str(a), "stage": a.stage, "mb": a.mb}
+            st.await_inputs(a)  # posted receives this action needs (async_recv)
             t0 = time.perf_counter()
             st.run(a)
             st.timeline.append((t0, time.perf_counter(), str(a)))
@@ -125,6 +132,7 @@ class _StepState:
         self.live, self.peak, self.peak_chunks = Counter(), Counter(), 0
         self.losses, self.timeline = [], []
         self.sends = SendQueue()
+        self.posted = {}  # (stage, mb, "F" or "B") -> (work, receive action) of a posted receive
         acts = rt.schedule.actions[rt.pp_rank]
         self.split = {(a.stage, a.mb) for a in acts if a.op == "W"}  # B now, W later
         self.pending = {}  # (stage, mb) -> split_backward.PendingWeightGrad, from B to W
@@ -144,14 +152,32 @@ class _StepState:
             self.weight(a.stage, a.mb)
         elif a.op == "SEND_F":
             self.send(self.outputs[key], a.peer)
+        elif a.op == "RECV_F" and self.rt.async_recv:
+            self.inputs[key], work = self.rt.p2p.irecv(a.peer)
+            self.posted[(a.stage, a.mb, "F")] = (work, a)
         elif a.op == "RECV_F":
             self.inputs[key] = self.rt.p2p.recv(a.peer).requires_grad_()
+        elif a.op == "RECV_B" and self.rt.async_recv:
+            self.grad_out[key], work = self.rt.p2p.irecv(a.peer)
+            self.posted[(a.stage, a.mb, "B")] = (work, a)
         elif a.op == "SEND_B":
             self.send(self.grad_in.pop(key), a.peer)
         elif a.op == "RECV_B":
             self.grad_out[key] = self.rt.p2p.recv(a.peer)
         else:
             raise ValueError(f"unknown action {a}")
+
+    def await_inputs(self, a):
+        """Wait for the posted receive whose tensor action `a` (F or B) reads, timing the wait."""
+        got = self.posted.pop((a.stage, a.mb, a.op), None) if a.op in ("F", "B") else None
+        if got is None:
+            return
+        work, recv = got
+        t0 = time.perf_counter()
+        work.wait()
+        self.timeline.append((t0, time.perf_counter(), str(recv)))
+        if a.op == "F":
+            self.inputs[(a.stage, a.mb)].requires_grad_()
 
     def send(self, tensor, peer: int):
         if self.rt.async_send:
