@@ -1,6 +1,6 @@
 """Graded exercises: every check of every exercise, against `--impl` (default solutions, as in CI).
 
-The checks themselves live in mini3d/grading*.py, so `mini3d grade` and this file judge alike.
+The checks themselves live in mini3d/course/grading/, so `mini3d grade` and this file judge alike.
 Shapes, meshes and data come from the grading seed printed in pytest's header; rerun a failure with
 `--grade-seed N`. Distributed exercises launch one gloo job (<= 4 ranks) per exercise, cached
 across that exercise's checks.
@@ -8,7 +8,7 @@ across that exercise's checks.
 
 import pytest
 
-from mini3d import grading
+from mini3d.course import grading
 from mini3d.cli import main
 
 CASES = [(ex, c) for ex in grading.all_exercises() for c in ex.checks]

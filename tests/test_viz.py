@@ -1,4 +1,4 @@
-"""mini3d.viz without a browser: figure data equals the data passed in, and every explorer's controls
+"""mini3d.course.viz without a browser: figure data equals the data passed in, and every explorer's controls
 move its figure in the expected direction (with closed-form fakes for the simulator, estimator and
 planner, so these tests do not depend on mini3d.pp / mini3d.diagnose / mini3d.cost)."""
 
@@ -11,9 +11,9 @@ from fractions import Fraction
 import pytest
 
 from mini3d.grid import Grid
-from mini3d.viz import comm, grid3d, memory, pipeline, tp, widgets
-from mini3d.viz.adapters import pp_simulate_fn
-from mini3d.viz.theme import CATEGORIES, GIB, TEMPLATE_NAME, as_breakdown
+from mini3d.course.viz import comm, grid3d, memory, pipeline, tp, widgets
+from mini3d.course.viz.adapters import pp_simulate_fn
+from mini3d.course.viz.theme import CATEGORIES, GIB, TEMPLATE_NAME, as_breakdown
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -268,7 +268,7 @@ def test_pp_adapter():
 
 def test_estimator_adapter():
     pytest.importorskip("mini3d.diagnose.estimator")
-    from mini3d.viz.adapters import estimate_fn
+    from mini3d.course.viz.adapters import estimate_fn
 
     fn = estimate_fn(seq_len=2048)
     totals = [as_breakdown(fn(model="gpt-7b", dp=8, zero=z)) for z in range(4)]

@@ -1,5 +1,6 @@
-"""Figures and explorers of chapters 04-06 (mini3d.viz.ch04 / ch05 / ch06), without a browser:
-figure data equals what mini3d computes, and every explorer control moves its figure the expected way."""
+"""Figures and explorers of chapters 04-06 (mini3d.course.viz.tp_layer / pipeline_measured /
+grid_links), without a browser: figure data equals what mini3d computes, and every explorer control
+moves its figure the expected way."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from mini3d.cost.hardware import PRESETS as HW
 from mini3d.grid import Grid
 from mini3d.pp import make_schedule, simulate
 from mini3d.tp import shard_map
-from mini3d.viz import ch04, ch05, ch06
+from mini3d.course.viz import grid_links, pipeline_measured, tp_layer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_shard_picture_follows_apply_tp_index_ranges():
     cfg = ModelConfig(2, 64, 4, 256, 64)
-    fig = ch04.shard_map_figure(shard_map(cfg, 2), 2, cells=24)
+    fig = tp_layer.shard_map_figure(shard_map(cfg, 2), 2, cells=24)
     owners = fig.layout.meta["owners"]
     # Fused QKV (192 outputs, column-parallel by heads): q, k and v each give rank 0 their first half
     # of the heads, so along the output features the owners go 0,1 | 0,1 | 0,1 in blocks of 32.
@@ -43,13 +44,13 @@ def test_tp_event_counts_groups_one_step():
     ev += [dict(axis="tp", op="all_reduce", shape=(2, 8), bytes=64, context={"step": 0}),
            dict(axis="tp", op="all_reduce", shape=(2, 8, 4), bytes=256, context={"step": 1}),
            dict(axis="dp", op="all_reduce", shape=(10,), bytes=40, context={"step": 0})]
-    rows = ch04.tp_event_counts(ev, step=0)
+    rows = tp_layer.tp_event_counts(ev, step=0)
     assert rows == [dict(op="all_reduce", shape=(2, 8, 4), bytes=256, count=3),
                     dict(op="all_reduce", shape=(2, 8), bytes=64, count=1)]
 
 
 def test_tp_layer_times_and_link_figure():
-    rows = ch04.tp_layer_times(PRESETS["gpt-7b"], HW["A100-80GB"], (1, 2, 8), seq_len=2048)
+    rows = tp_layer.tp_layer_times(PRESETS["gpt-7b"], HW["A100-80GB"], (1, 2, 8), seq_len=2048)
     by = {r["tp"]: r for r in rows}
     assert by[1]["comm_nvlink_s"] == 0 and by[1]["ops"] == 0
     assert by[2]["ops"] == 4  # 2 all-reduces forward + 2 backward per layer
@@ -57,7 +58,7 @@ def test_tp_layer_times_and_link_figure():
     assert by[2]["wire_bytes"] == 4 * 2048 * 4096 * 2
     assert by[8]["comm_internode_s"] > by[8]["comm_nvlink_s"] * 10  # 25 GB/s vs 300 GB/s
     assert by[8]["compute_s"] < by[2]["compute_s"] < by[1]["compute_s"]
-    fig = ch04.tp_link_figure(rows)
+    fig = tp_layer.tp_link_figure(rows)
     assert [t.name for t in fig.data] == ["compute", "tp communication"]
     assert list(fig.data[0].x)[:3] == ["tp=1<br>one GPU", "tp=2<br>NVLink", "tp=2<br>across nodes"]
     assert fig.data[1].y[2] == pytest.approx(1e3 * by[2]["comm_internode_s"])
@@ -65,7 +66,7 @@ def test_tp_layer_times_and_link_figure():
 
 
 def test_tp_link_explorer_directions():
-    w = ch04.tp_link_explorer(model="gpt2-small", hardware="A100-80GB", seq_len=1024)
+    w = tp_layer.tp_link_explorer(model="gpt2-small", hardware="A100-80GB", seq_len=1024)
     tot = lambda: dict(w.figure.layout.meta["totals_ms"])  # noqa: E731
     a = tot()
     assert a["tp=2 across nodes"] > a["tp=1 one GPU"] > a["tp=2 NVLink"]  # the chapter's tale
@@ -100,23 +101,23 @@ def _fake_results(kind="1f1b", p=2, m=4, t_f=2.0, t_b=3.0, t0=100.0):
 
 def test_measured_vs_simulated_recovers_the_simulation():
     res, sim = _fake_results()
-    tl = ch05.measured_timeline(res)
+    tl = pipeline_measured.measured_timeline(res)
     assert len(tl) == 2 and tl[0][0][:2] == (0.0, 2000.0)  # ms from the first action
-    t_f, t_b = ch05.stage_costs(tl, 2)
+    t_f, t_b = pipeline_measured.stage_costs(tl, 2)
     assert t_f == pytest.approx([2000.0, 2000.0]) and t_b == pytest.approx([3000.0, 3000.0])
-    cmp = ch05.measured_vs_simulated(res, "1f1b", 2, 4)
+    cmp = pipeline_measured.measured_vs_simulated(res, "1f1b", 2, 4)
     assert cmp["simulated_bubble"] == pytest.approx(float(sim.bubble_fraction))
     assert cmp["measured_bubble"] == pytest.approx(float(sim.bubble_fraction))
     assert cmp["measured_makespan"] == pytest.approx(1e3 * float(sim.makespan))
     with pytest.raises(ValueError, match="timeline"):
-        ch05.measured_timeline([dict(coords={"tp": 0, "pp": 0, "dp": 0})])
+        pipeline_measured.measured_timeline([dict(coords={"tp": 0, "pp": 0, "dp": 0})])
 
 
 def test_measured_bubble_counts_transfers_as_idle():
     res, sim = _fake_results()
     for r in res:  # a slow receive before each backward shows up as idle time
         r["timeline"] = [(s + 0.5 * i, e + 0.5 * i, a) for i, (s, e, a) in enumerate(r["timeline"])]
-    cmp = ch05.measured_vs_simulated(res, "1f1b", 2, 4)
+    cmp = pipeline_measured.measured_vs_simulated(res, "1f1b", 2, 4)
     assert cmp["measured_bubble"] > cmp["simulated_bubble"]
 
 
@@ -124,17 +125,17 @@ def test_measured_bubble_counts_transfers_as_idle():
 
 
 def test_link_table_8_ranks_on_two_nodes():
-    rows = {r["axis"]: r for r in ch06.link_table(Grid(2, 2, 2), 4)}
+    rows = {r["axis"]: r for r in grid_links.link_table(Grid(2, 2, 2), 4)}
     assert rows["tp"]["crossing"] == 0 and rows["tp"]["link"].startswith("NVLink")
     assert rows["pp"]["crossing"] == 4 and rows["pp"]["link"].startswith("InfiniBand")
     assert rows["dp"]["groups"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    bad = {r["axis"]: r for r in ch06.link_table(Grid(2, 2, 2, order="pp-dp-tp"), 4)}
+    bad = {r["axis"]: r for r in grid_links.link_table(Grid(2, 2, 2, order="pp-dp-tp"), 4)}
     assert bad["tp"]["crossing"] == 4  # tp slowest: every tp group spans both nodes
-    assert "<table>" in ch06.link_table_html(list(rows.values()))
+    assert "<table>" in grid_links.link_table_html(list(rows.values()))
 
 
 def test_rank_grid_explorer_directions():
-    w = ch06.rank_grid_explorer(tp=2, pp=2, dp=2, color_by="tp", gpus_per_node=4)
+    w = grid_links.rank_grid_explorer(tp=2, pp=2, dp=2, color_by="tp", gpus_per_node=4)
     names = lambda: [t.name for t in w.figure.data]  # noqa: E731
     assert names().count("node 0") == 1 and "node 1" in names()
     assert sum(n.startswith("tp group") for n in names()) == 4
@@ -152,7 +153,7 @@ def test_rank_grid_explorer_directions():
 def test_gantt_panels_one_panel_per_schedule():
     sims = {k: simulate(make_schedule(k, 4, 8, v), 1.0 / v, 2.0 / v).timeline
             for k, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))}
-    fig = ch05.gantt_panels(sims)
+    fig = pipeline_measured.gantt_panels(sims)
     b = fig.layout.meta["bubbles"]
     assert b["gpipe"] == pytest.approx(3 / 11) and b["1f1b"] == pytest.approx(3 / 11)
     assert b["interleaved"] == pytest.approx(3 / 19)

@@ -1,5 +1,5 @@
-"""Figures and explorers of chapters 07-09 (mini3d/viz/ch07.py, ch08.py, ch09.py): figure data equals
-the data passed in, and each explorer's controls move its figure in the expected direction."""
+"""Figures and explorers of chapters 07-09 (mini3d/course/viz/recompute_tradeoff.py, failures.py,
+planning.py): figure data equals the data passed in, and each explorer's controls move its figure in the expected direction."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from mini3d.config import PRESETS, Plan
 from mini3d.diagnose.estimator import layer_activation_bytes
-from mini3d.viz import ch07, ch08, ch09
+from mini3d.course.viz import failures, planning, recompute_tradeoff
 
 pytestmark = pytest.mark.timeout(120)
 MIB = 2**20
@@ -30,7 +30,7 @@ def _units(fig, axes):
 
 def test_recompute_rows_follow_estimator_and_flops():
     cfg = PRESETS["gpt-22b"]
-    rows = {r["policy"]: r for r in ch07.recompute_rows(cfg, seq_len=2048, micro_batch=4, tp=8)}
+    rows = {r["policy"]: r for r in recompute_tradeoff.recompute_rows(cfg, seq_len=2048, micro_batch=4, tp=8)}
     for policy, r in rows.items():
         plan = Plan(tp=8, recompute=policy, dtype="bf16", global_batch=4, seq_len=2048)
         stored = layer_activation_bytes(cfg, plan)
@@ -44,7 +44,7 @@ def test_recompute_rows_follow_estimator_and_flops():
 
 
 def test_recompute_explorer_directions():
-    box = ch07.recompute_explorer(model="gpt-22b", policy="selective", seq_len=1024, micro_batch=1, tp=1)
+    box = recompute_tradeoff.recompute_explorer(model="gpt-22b", policy="selective", seq_len=1024, micro_batch=1, tp=1)
     chosen = lambda: box.figure.layout.meta["chosen"]  # noqa: E731
     base = chosen()
     assert base["policy"] == "selective" and "less than none" in box.status.value
@@ -59,19 +59,19 @@ def test_recompute_explorer_directions():
     box.controls["policy"].value = "full"
     assert chosen()["activation_bytes"] < longer["activation_bytes"] and chosen()["compute_factor"] > 1.3
     box.controls["micro_batch"].value = 8
-    assert chosen()["activation_bytes"] == pytest.approx(8 * ch07.recompute_view(
+    assert chosen()["activation_bytes"] == pytest.approx(8 * recompute_tradeoff.recompute_view(
         "gpt-22b", "full", 4096, 1, 8)["chosen"]["activation_bytes"])
     with pytest.raises(ValueError, match="tp=3 does not divide n_heads=64"):
-        ch07.recompute_view("gpt-22b", "none", 2048, 1, 3)
+        recompute_tradeoff.recompute_view("gpt-22b", "none", 2048, 1, 3)
 
 
 def test_measured_vs_estimated_figure_and_ledger():
     acts = {"embed": 10, "layer0.ln1": 100, "layer0.attn": 300, "layer1.attn": 7, "layer0.block": 5}
-    assert ch07.layer_ledger_bytes(acts, 0) == 405 and ch07.layer_ledger_bytes(acts, 1) == 7
+    assert recompute_tradeoff.layer_ledger_bytes(acts, 0) == 405 and recompute_tradeoff.layer_ledger_bytes(acts, 1) == 7
     rows = [dict(policy="none", measured_bytes=3 * MIB, estimated_bytes=2.5 * MIB, compute_factor=1.0,
                  measured_time_factor=1.0),
             dict(policy="full", measured_bytes=0.5 * MIB, estimated_bytes=0.5 * MIB, compute_factor=1.33)]
-    fig = ch07.measured_vs_estimated_figure(rows)
+    fig = recompute_tradeoff.measured_vs_estimated_figure(rows)
     assert list(_trace(fig, "measured (live ledger)").y) == [3.0, 0.5]
     assert list(_trace(fig, "estimated").y) == [2.5, 0.5]
     labels = list(_trace(fig, "estimated").x)
@@ -90,7 +90,7 @@ def test_hang_timeline_marks_pending_ops_and_missing_ranks():
     dumps = {0: {"coords": {"tp": 0, "pp": 0, "dp": 0},
                  "events": [_event(0, "all_reduce", 1, 10.0, 10.5), _event(0, "all_reduce", 2, 11.0, None, age=3.0)]},
              2: {"coords": {"tp": 0, "pp": 0, "dp": 2}, "events": [_event(2, "all_reduce", 1, 10.2, 10.5)]}}
-    fig = ch08.hang_timeline_figure(dumps, world=3)
+    fig = failures.hang_timeline_figure(dumps, world=3)
     assert fig.layout.meta["pending"] == [[0, "all_reduce", "dp", 2]] or \
         fig.layout.meta["pending"] == [(0, "all_reduce", "dp", 2)]
     done, pending = _trace(fig, "dp completed"), _trace(fig, "dp PENDING")
@@ -107,11 +107,11 @@ def test_load_dumps_and_oom_figure(tmp_path):
     (tmp_path / "rank1.json").write_text(json.dumps({"events": []}))
     (tmp_path / "rank0.json").write_text(json.dumps({"events": [1]}))
     (tmp_path / "launcher.json").write_text("{}")
-    assert list(ch08.load_dumps(str(tmp_path))) == [0, 1]
+    assert list(failures.load_dumps(str(tmp_path))) == [0, 1]
     oom = {"category": "activations", "requested": 2 * MIB, "budget": 4 * MIB,
            "measured": {"params": MIB, "grads": MIB, "optimizer": 2 * MIB},
            "estimated": {"params": MIB, "grads": MIB, "optimizer": 2 * MIB, "activations": 10 * MIB}}
-    fig = ch08.oom_figure(oom)
+    fig = failures.oom_figure(oom)
     assert list(_trace(fig, "activations").y) == [2.0, 10.0]  # the request, then the estimate
     assert list(_trace(fig, "optimizer state").y) == [2.0, 2.0]
     assert fig.layout.shapes[0].y0 == 4.0  # the budget line, MiB
@@ -125,13 +125,13 @@ def fake_plan_fn(model="m", hardware="A", gpus=8, global_batch=32):
     """Two layouts per query; step time falls with gpus; memory falls with tp; capacity 80 GiB."""
     rows = [dict(tp=t, pp=1, dp=gpus // t, layout=f"tp{t}", step_time_s=global_batch / gpus * (1 + t / 10),
                  memory_bytes=160 * 2**30 / t, fits=160 / t <= 80,
-                 breakdown={k: (global_batch / gpus) / 6 for k in ch09.TIME_TERMS}) for t in (1, 2, 4)]
+                 breakdown={k: (global_batch / gpus) / 6 for k in planning.TIME_TERMS}) for t in (1, 2, 4)]
     ranked = sorted((r for r in rows if r["fits"]), key=lambda r: r["step_time_s"])
     return dict(rows=rows, ranked=ranked, capacity_bytes=80 * 2**30, explanation=f"best {ranked[0]['layout']}")
 
 
 def test_plan_explorer_directions():
-    box = ch09.plan_explorer(fake_plan_fn, models=("m",), model="m", hardware=("A", "B"), gpus=8,
+    box = planning.plan_explorer(fake_plan_fn, models=("m",), model="m", hardware=("A", "B"), gpus=8,
                              global_batch=32)
     scatter, bars = box.figures
     best = scatter.layout.meta["best"]
@@ -144,13 +144,13 @@ def test_plan_explorer_directions():
     assert t32 < t8  # more GPUs, shorter step
     box.controls["global_batch"].value = 128
     assert scatter.layout.meta["best"]["step_time_s"] > t32  # a bigger batch, a longer step
-    assert len(bars.data) == len(ch09.TIME_TERMS) and list(bars.data[0].y)[0].startswith("1. tp2")
+    assert len(bars.data) == len(planning.TIME_TERMS) and list(bars.data[0].y)[0].startswith("1. tp2")
     _units(scatter, "xy")
     _units(bars, "x")
 
 
 def test_planner_fn_real_search_ranks_and_covers_layouts():
-    view = ch09.plan_view(ch09.planner_fn(), model="gpt-1.3b", hardware="A100-40GB", gpus=4, global_batch=8)
+    view = planning.plan_view(planning.planner_fn(), model="gpt-1.3b", hardware="A100-40GB", gpus=4, global_batch=8)
     times = [r["step_time_s"] for r in view["ranked"]]
     assert times == sorted(times) and all(r["fits"] for r in view["ranked"])
     layouts = {(r["tp"], r["pp"], r["dp"]) for r in view["rows"]}
@@ -159,7 +159,7 @@ def test_planner_fn_real_search_ranks_and_covers_layouts():
     assert best_row["step_time_s"] == pytest.approx(view["best"]["step_time_s"])
     assert view["explanation"].startswith("best:")
     # the adapter for the shared planner_explorer: less memory per GPU, fewer layouts fit
-    fn = ch09.planner_explorer_fn(hardware="A100-80GB", global_batch=8)
+    fn = planning.planner_explorer_fn(hardware="A100-80GB", global_batch=8)
     fit80 = sum(r["fits"] for r in fn(model="gpt-1.3b", gpus=4, gpu_mem_gib=80))
     fit24 = sum(r["fits"] for r in fn(model="gpt-1.3b", gpus=4, gpu_mem_gib=24))
     assert fit24 <= fit80 and fit80 >= 1
@@ -167,13 +167,13 @@ def test_planner_fn_real_search_ranks_and_covers_layouts():
 
 def test_predicted_vs_measured_and_scaling():
     rows = [dict(layout="a", predicted_s=0.1, measured_s=0.2, measured_min_s=0.15, measured_max_s=0.3)]
-    fig = ch09.predicted_vs_measured_figure(rows)
+    fig = planning.predicted_vs_measured_figure(rows)
     assert list(_trace(fig, "predicted (cost model)").y) == [0.1]
     meas = _trace(fig, "measured (median, min-max)")
     assert list(meas.y) == [0.2] and list(meas.error_y.array) == pytest.approx([0.1])
     assert list(meas.error_y.arrayminus) == pytest.approx([0.05])
     _units(fig, "y")
-    sc = ch09.scaling_rows("gpt-175b", "A100-80GB", tp=8, pp=8, global_batch=256, gpus=(64, 256, 1024))
+    sc = planning.scaling_rows("gpt-175b", "A100-80GB", tp=8, pp=8, global_batch=256, gpus=(64, 256, 1024))
     eff = [r["efficiency"] for r in sc]
     assert eff[0] == 1.0 and eff[0] > eff[1] > eff[2]  # the communication / bubble tax grows with dp
     assert sc[0]["bubble_fraction"] < sc[-1]["bubble_fraction"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .grading import Check, Exercise, expect
+from .core import Check, Exercise, expect
 
 
 def _model(rng, tp: int, pp: int) -> list[dict]:

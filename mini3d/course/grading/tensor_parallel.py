@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .grading import Check, Exercise, expect
-from .grading_workers import _case, _gen, _read, _small, _topo
+from .core import Check, Exercise, expect
+from .scenario import _case, _gen, _read, _small, _topo
 
 
 def _scenario_tp_linear(impl, seed):

@@ -1,6 +1,6 @@
 """Glue from mini3d's own engines to the explorers' function contracts (see `widgets.py`).
 
-Imports are lazy, so `mini3d.viz` works (and its tests run) before `mini3d.pp` or
+Imports are lazy, so `mini3d.course.viz` works (and its tests run) before `mini3d.pp` or
 `mini3d.diagnose` exist in a checkout.
 """
 

@@ -193,7 +193,7 @@ def predicted_vs_measured_figure(rows, title: str = "Predicted vs measured step 
 
 
 def planner_explorer_fn(hardware: str = "A100-80GB", global_batch: int = 32, dtype: str = "bf16"):
-    """`plan_fn(model=, gpus=, gpu_mem_gib=)` for `mini3d.viz.widgets.planner_explorer`: the same
+    """`plan_fn(model=, gpus=, gpu_mem_gib=)` for `mini3d.course.viz.widgets.planner_explorer`: the same
     search on `hardware` with its memory replaced by the chosen GiB, one row per (tp, pp, dp)."""
     import dataclasses
     import os

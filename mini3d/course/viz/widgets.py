@@ -2,7 +2,7 @@
 
 Each explorer separates a pure *view* function (controls -> plain data, testable without a
 browser) from the widget wiring. A chapter passes mini3d's own simulator / estimator / planner,
-wrapped by `mini3d.viz.adapters`; tests pass closed-form fakes. Contracts of the passed functions:
+wrapped by `mini3d.course.viz.adapters`; tests pass closed-form fakes. Contracts of the passed functions:
 
     simulate_fn(kind, p, m, v, bwd_ratio) -> obj/dict with .timeline and .bubble_fraction
     estimate_fn(model=, tp=, pp=, dp=, zero=, micro_batches=, recompute=, dtype=) -> {category: bytes}

@@ -1,6 +1,6 @@
 """One look for every course figure: the `mini3d` Plotly template, category colours and unit helpers.
 
-Every figure in `mini3d.viz` is built with `new_figure()`, so fonts, margins, colours and the hover
+Every figure in `mini3d.course.viz` is built with `new_figure()`, so fonts, margins, colours and the hover
 style agree from chapter to chapter, and every axis title carries its unit ("memory (GiB)",
 "time (units of t_fwd)", "bandwidth (GB/s)"). Colours carry meaning across chapters: parameters are
 always blue, activations always orange, the tp axis always green, and so on.

@@ -11,15 +11,15 @@ from __future__ import annotations
 import ast
 import inspect
 
-from .config import ModelConfig
-from .grading import Check, CheckFailed, Exercise, expect
+from mini3d.config import ModelConfig
+from .core import Check, CheckFailed, Exercise, expect
 
 _TRUTH: dict = {}
 
 
 def _case(rng) -> dict:
     """A random small planning problem (kept small so the search takes well under a second)."""
-    from .cost.hardware import PRESETS as GPUS
+    from mini3d.cost.hardware import PRESETS as GPUS
 
     heads = rng.choice([8, 12, 16])
     cfg = ModelConfig(n_layers=rng.choice([4, 6, 8, 12]), d_model=heads * rng.choice([64, 128]),
@@ -31,9 +31,9 @@ def _case(rng) -> dict:
 
 def _truth(case: dict) -> list[tuple]:
     """[(plan, memory bytes, step seconds)] of the exercise's search space, by the planner."""
-    from .cost.model import estimate_cost
-    from .cost.planner import candidate_plans
-    from .diagnose.estimator import estimate_memory
+    from mini3d.cost.model import estimate_cost
+    from mini3d.cost.planner import candidate_plans
+    from mini3d.diagnose.estimator import estimate_memory
 
     key = tuple(sorted((k, repr(v)) for k, v in case.items()))
     if key not in _TRUTH:

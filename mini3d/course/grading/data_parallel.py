@@ -1,71 +1,18 @@
-"""Distributed exercises: the multi-process scenarios (run on gloo by mini3d.launch) and their checks.
+"""Data-parallel exercises (chapters 02-03): ring_allreduce, grad_buckets and zero1.
 
-`run_scenario(name, impl, seed)` runs in every rank: it builds a Topology, calls the learner's code
-on inputs drawn from `seed` (each rank can regenerate every rank's inputs, so each computes the
-single-process reference itself), and returns plain numbers: errors against the reference and what
-the communication log recorded. An exception inside one case is returned as data, so one broken case
-costs only its own checks. The checks below then judge those numbers in the parent process.
+Each scenario runs in every rank (see `scenario.py`) and returns plain numbers: errors against the
+single-process reference and what the communication log recorded. The checks below judge those
+numbers in the parent process.
 """
 
 from __future__ import annotations
 
 import copy
-import zlib
 
 import torch
-import torch.distributed as dist
 
-from .grading import Check, CheckFailed, Exercise, expect
-
-
-def _topo(axis_name: str):
-    from .grid import Grid, build_topology
-
-    world = dist.get_world_size()
-    grid = Grid(**{axis_name: world})
-    return build_topology(grid, dist.get_rank())
-
-
-def _gen(seed, *salt):
-    """A generator every rank seeds identically (zlib, not hash(): str hashes differ per process)."""
-    return torch.Generator().manual_seed(zlib.crc32(repr((seed,) + salt).encode()))
-
-
-def _case(fn, *args):
-    """Run one case; an exception becomes {"error": (type, message)}."""
-    try:
-        return fn(*args)
-    except Exception as e:  # reported to the learner by the check that reads this case
-        return {"error": (type(e).__name__, str(e))}
-
-
-def _ops(log, since: int) -> list[str]:
-    return [e.op for e in list(log.events)[since:]]
-
-
-def run_scenario(scenario, name: str, impl_name: str, seed: int) -> dict:
-    """Worker entry point: import `impl_name.name` and run `scenario(impl, seed)` in this rank."""
-    from .grading import load_impl
-
-    torch.manual_seed(0)
-    return scenario(load_impl(impl_name, name), seed)
-
-
-def _read(ctx, case: str) -> list[dict]:
-    """Every rank's record of one case; re-raise a learner exception as the check's failure."""
-    recs = [r[case] for r in ctx.results]
-    for rank, rec in enumerate(recs):
-        if "error" in rec:
-            kind, msg = rec["error"]
-            if kind == "NotImplementedError":
-                raise NotImplementedError(msg)
-            raise CheckFailed(f"rank {rank} raised {kind}: {msg}")
-    return recs
-
-
-def _small(recs, key, what, tol, expected="the single-process result"):
-    worst = max(r[key] for r in recs)
-    expect(worst <= tol, what, f"{expected} (within {tol:g})", f"max difference {worst:.3g}")
+from .core import Check, Exercise, expect
+from .scenario import _case, _gen, _read, _small, _topo
 
 
 # ---------------------------------------------------------------- 02 ring_allreduce

@@ -1,0 +1,6 @@
+"""The course machinery: figures and explorers (`viz/`) and the exercise grader (`grading/`).
+
+It depends on the engine (`mini3d.*`) and never the other way round: no engine module imports
+`mini3d.course` (tests/test_layers.py checks it). The figures need the `course` extra
+(plotly, ipywidgets); the grader needs only the engine.
+"""

@@ -1,0 +1,76 @@
+"""Checks of the exercise explain_hang (chapter 08): per-rank event logs of a hung job, built so the
+stuck collective and its missing rank are known.
+"""
+
+from __future__ import annotations
+
+from .core import Check, Exercise, expect
+
+
+def _hang_logs(rng, tp, dp, stuck, steps):
+    """Per-rank logs of `steps` rounds of (tp all_reduce, dp all_reduce); rank `stuck` stops before
+    round `stuck_at`'s dp all-reduce, so its dp peers wait there, then nothing follows."""
+    from mini3d.grid import Grid
+
+    grid = Grid(tp, 1, dp)
+    stuck_at = rng.randint(1, steps)
+    logs = {r: [] for r in range(grid.world_size)}
+    t = 0.0
+    blocked = set()
+    for s in range(1, steps + 1):
+        for axis in ("tp", "dp"):
+            for r in range(grid.world_size):
+                if r in blocked:
+                    continue
+                if r == stuck and s == stuck_at and axis == "dp":
+                    blocked.add(r)
+                    continue
+                group = tuple(grid.group_of(r, axis))
+                t += 0.001
+                logs[r].append({"axis": axis, "op": "all_reduce", "seq": s, "group": group,
+                                "start": t, "end": None})
+            for r in range(grid.world_size):  # completes when every member issued it
+                for e in logs[r]:
+                    if e["end"] is None and not (set(e["group"]) & blocked):
+                        e["end"] = e["start"] + 0.0005
+                if logs[r] and logs[r][-1]["end"] is None:
+                    blocked.add(r)
+    want_group = grid.group_of(stuck, "dp")
+    return logs, {"axis": "dp", "op": "all_reduce", "seq": stuck_at,
+                  "waiting": sorted(r for r in want_group if r != stuck), "missing": [stuck]}
+
+
+def finds_collective(ctx):
+    for _ in range(3):
+        tp, dp = ctx.rng.choice([1, 2]), ctx.rng.choice([2, 3, 4])
+        logs, want = _hang_logs(ctx.rng, tp, dp, ctx.rng.randrange(tp * dp), ctx.rng.randint(2, 5))
+        got = ctx.impl.explain_hang(logs) or {}
+        sub = {k: got.get(k) for k in ("axis", "op", "seq")}
+        expect(sub == {k: want[k] for k in sub}, f"stuck collective (tp={tp}, dp={dp})",
+               {k: want[k] for k in sub}, sub)
+
+
+def names_ranks(ctx):
+    for _ in range(3):
+        tp, dp = ctx.rng.choice([1, 2]), ctx.rng.choice([2, 3, 4])
+        logs, want = _hang_logs(ctx.rng, tp, dp, ctx.rng.randrange(tp * dp), ctx.rng.randint(2, 5))
+        got = ctx.impl.explain_hang(logs) or {}
+        sub = {k: got.get(k) for k in ("waiting", "missing")}
+        expect(sub == {k: want[k] for k in sub}, f"ranks in the hang (tp={tp}, dp={dp})",
+               {k: want[k] for k in sub}, sub)
+
+
+def no_hang(ctx):
+    logs = {r: [{"axis": "dp", "op": "all_reduce", "seq": 1, "group": (0, 1), "start": 0.1 * r,
+                 "end": 1.0}] for r in (0, 1)}
+    got = ctx.impl.explain_hang(logs)
+    expect(got is None, "explain_hang of logs with nothing pending", None, got)
+
+
+EXERCISES = [
+    Exercise("explain_hang", "08 debugging OOM and hangs", [
+        Check("collective", 2, finds_collective, "names the stuck collective"),
+        Check("ranks", 2, names_ranks, "names who waits and who never came"),
+        Check("no_hang", 1, no_hang, "nothing pending: None"),
+    ]),
+]

@@ -1,0 +1,127 @@
+"""The package's layers: the engine never imports the course, and the imports form no circle.
+
+The engine is every module of `mini3d` outside `mini3d.course`. The first test imports each of them
+in a fresh interpreter whose import system refuses `mini3d.course` (a `sys.meta_path` blocker), and
+builds the CLI's parser there; the second walks the `import` statements (ast, lazy ones inside
+functions included) and looks for a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "mini3d"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+ENGINE = sorted(m for m in MODULES if not (m == "mini3d.course" or m.startswith("mini3d.course."))
+                and m != "mini3d.__main__")  # importing __main__ runs the CLI
+
+BLOCKED_IMPORT = """
+import importlib, sys
+
+class CourseBlocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mini3d.course" or name.startswith("mini3d.course."):
+            raise ImportError(f"engine imported the course: {name}")
+        return None
+
+sys.meta_path.insert(0, CourseBlocker())
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from mini3d.cli import build_parser
+build_parser()  # every subcommand registered, `grade` included
+assert not [m for m in sys.modules if m.startswith("mini3d.course")]
+print("ok", len(sys.argv) - 1)
+"""
+
+
+def test_engine_imports_nothing_of_the_course():
+    assert "mini3d.cli" in ENGINE and "mini3d.train" in ENGINE and len(ENGINE) > 40
+    out = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, *ENGINE], cwd=ROOT, capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == f"ok {len(ENGINE)}"
+
+
+def test_the_blocker_catches_a_course_import(tmp_path):
+    """The blocker is not a no-op: importing the grader under it fails."""
+    out = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, "mini3d.course.grading"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode != 0 and "engine imported the course: mini3d.course" in out.stderr
+
+
+def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path) -> set[str]:
+    """The mini3d modules `module` imports, at top level or inside functions."""
+    out = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_pkg, node)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:  # `import mini3d.x.y as z` names a module; trim attrs
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None (iterative depth-first search)."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 finished
+    for root in sorted(graph):
+        if state.get(root):
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                stack.append(iter(sorted(graph.get(nxt, ()))))
+    return None
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_course_has_no_import_cycle():
+    graph = {m: imports_of(m, p) for m, p in MODULES.items() if m.startswith("mini3d.course")}
+    assert "mini3d.course.grading.core" in graph["mini3d.course.grading.runner"]
+    assert find_cycle(graph) is None
