@@ -20,6 +20,8 @@ measured one (both are medians over the steps). Goal: within 10 percentage point
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
 import sys
 
@@ -36,30 +38,40 @@ from mini3d.pp.simulator import bubble_formula, simulate
 
 CFG = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, max_seq_len=64)
 B, T = 4, 64
+# MINI3D_PP_BUBBLE_WIDTH=256 (say) widens the model, so that compute outweighs the per-action
+# Python and gloo overheads of a shared CPU (which the simulator does not model)
+WIDTH = int(os.environ.get("MINI3D_PP_BUBBLE_WIDTH", CFG.d_model))
+CFG = dataclasses.replace(CFG, d_model=WIDTH)
 
 
 def _schedule(kind, p, m):
     return make_schedule(kind, p, m, 2 if kind == "zbv" else 1)
 
 
-def _worker(kind, m, steps):
-    """One pipeline rank: `steps` timed steps after one warm-up; returns per-step timelines."""
+def _worker(kinds, m, steps):
+    """One pipeline rank: for each schedule in `kinds`, `steps` timed steps after one warm-up,
+    the schedules taking turns step by step (so that they share the machine's load, which on a
+    shared CPU changes from second to second); returns {kind: per-step timelines}."""
     p = dist.get_world_size()
     topo = build_topology(Grid(pp=p), dist.get_rank())
-    sched = _schedule(kind, p, m)
-    stages = build_stages(CFG, 0, topo.pp.index, p, sched.v, placement=sched.placement)
-    rt = PipelineRuntime(stages, sched, topo, act_shape=(B, T, CFG.d_model))
+    runtimes = {}
+    for kind in kinds:
+        sched = _schedule(kind, p, m)
+        stages = build_stages(CFG, 0, topo.pp.index, p, sched.v, placement=sched.placement)
+        runtimes[kind] = PipelineRuntime(stages, sched, topo, act_shape=(B, T, CFG.d_model))
     g = torch.Generator().manual_seed(0)
     mbs = [(torch.randint(0, 256, (B, T), generator=g), torch.randint(0, 256, (B, T), generator=g))
            for _ in range(m)]
-    out = []
+    out = {kind: [] for kind in kinds}
     for step in range(steps + 1):
-        dist.barrier()  # start every step together, so makespans do not include skew
-        res = rt.step(mbs, step, broadcast_loss=False)
-        for q in rt.stages.values():
-            q.zero_grad(set_to_none=True)
-        if step:
-            out.append(res.timeline)
+        for kind in (kinds if step % 2 == 0 else kinds[::-1]):
+            rt = runtimes[kind]
+            dist.barrier()  # start every step together, so makespans do not include skew
+            res = rt.step(mbs, step, broadcast_loss=False)
+            for q in rt.stages.values():
+                q.zero_grad(set_to_none=True)
+            if step:
+                out[kind].append(res.timeline)
     return out
 
 
@@ -173,12 +185,16 @@ CASES = [(kind, m) for kind in ("gpipe", "1f1b", "zb-h1") for m in (2, 4, 8)] + 
 
 
 def run(quick: bool = False, cases=None) -> list[dict]:
-    """Rows: ours_s = measured step makespan, theirs_s = simulator's calibrated makespan."""
+    """Rows: ours_s = measured step makespan, theirs_s = simulator's calibrated makespan. The
+    cases with the same m share one launch and take turns (see `_worker`), so "zb-h1 below 1f1b
+    at m = 8" compares steps measured under the same load."""
     steps = 3 if quick else 8
-    rows = []
-    for kind, m in cases or CASES:
-        per_rank = launch(_worker, 2, kind, m, steps, device="cpu", timeout=300)
-        rows.append(_analyse(kind, m, per_rank))
+    rows, cases = [], cases or CASES
+    for m in dict.fromkeys(m for _, m in cases):
+        kinds = [k for k, mm in cases if mm == m]
+        per_rank = launch(_worker, 2, kinds, m, steps, device="cpu", timeout=300)
+        for kind in kinds:
+            rows.append(_analyse(kind, m, [r[kind] for r in per_rank]))
     return rows
 
 

@@ -6,7 +6,7 @@ Imports are lazy, so `mini3d.course.viz` works (and its tests run) before `mini3
 
 from __future__ import annotations
 
-from .pipeline import bubble_from_timeline, gpipe_timeline
+from .pipeline import bubble_from_timeline, chunks_for, gpipe_timeline
 
 
 def pp_simulate_fn(allow_stand_in: bool = True):
@@ -30,7 +30,7 @@ def pp_simulate_fn(allow_stand_in: bool = True):
         return stand_in
 
     def simulate_fn(kind, p, m, v=1, bwd_ratio=2.0):
-        v = v if kind == "interleaved" else 1
+        v = chunks_for(kind, v)  # split schedules: B and W each half of the backward
         return simulate(make_schedule(kind, p, m, v), 1.0 / v, float(bwd_ratio) / v)
 
     return simulate_fn
