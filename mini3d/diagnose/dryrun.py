@@ -130,6 +130,16 @@ def memory_lines(cfg, plan) -> list[str]:
 
 def bubble_line(plan) -> str:
     p, m, v = plan.pp, plan.micro_batches, plan.virtual_stages
+    if plan.schedule in ("looped-bfs", "zb-h1", "zbv"):  # the engine's closed form, or simulated
+        from ..pp.schedules import make_schedule
+        from ..pp.simulator import bubble_formula, simulate
+
+        value = bubble_formula(plan.schedule, p, m, v)
+        how = "closed form" if value is not None else "simulated"
+        if value is None:
+            value = simulate(make_schedule(plan.schedule, p, m, v), 1 / v, 2 / v).bubble_fraction
+        return (f"pipeline bubble ({plan.schedule}, {how}, t_F=1 t_bwd=2 per stage): "
+                f"{float(value):.1%}")
     den = (v * m if plan.schedule == "interleaved" else m) + p - 1
     return f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {p - 1}/{den} = {(p - 1) / den:.1%}"
 
