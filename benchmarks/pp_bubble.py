@@ -3,21 +3,25 @@
 For each schedule and m in {2, 4, 8}: run the real pipeline runtime on two CPU processes, take the
 measured timeline of every step, and compute
 
-    measured bubble  = 1 - (forward + backward time summed over ranks) / (p * step makespan)
-    predicted bubble = 1 - (forward + backward time summed over ranks) / (p * simulated makespan)
+    measured bubble  = 1 - (F + B + W time summed over ranks) / (p * step makespan)
+    predicted bubble = 1 - (F + B + W time summed over ranks) / (p * simulated makespan)
 
 where the simulator is calibrated, step by step, with that step's own mean per-stage forward /
-backward times, each including the send that follows it (on a loaded CPU the send call itself
+backward times (for the split schedules zb-h1 and zbv: input-gradient B and weight-gradient W
+timed separately), each including the send that follows it (on a loaded CPU the send call itself
 takes milliseconds), and the predicted bubble counts only forward/backward time as work, like the
 measured one (both are medians over the steps). Goal: within 10 percentage points. The closed form
 (p-1)/(m+p-1) is printed too; it assumes equal stages, which the head + loss makes false.
 
     python -m benchmarks.pp_bubble          # full
     python -m benchmarks.pp_bubble --quick  # fewer steps
+    python -m benchmarks.pp_bubble --quick 1f1b:8 zb-h1:8   # only these (kind:m) cases
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import statistics
 import sys
 
@@ -34,38 +38,53 @@ from mini3d.pp.simulator import bubble_formula, simulate
 
 CFG = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, max_seq_len=64)
 B, T = 4, 64
+# MINI3D_PP_BUBBLE_WIDTH=256 (say) widens the model, so that compute outweighs the per-action
+# Python and gloo overheads of a shared CPU (which the simulator does not model)
+WIDTH = int(os.environ.get("MINI3D_PP_BUBBLE_WIDTH", CFG.d_model))
+CFG = dataclasses.replace(CFG, d_model=WIDTH)
 
 
-def _worker(kind, m, steps):
-    """One pipeline rank: `steps` timed steps after one warm-up; returns per-step timelines."""
+def _schedule(kind, p, m):
+    return make_schedule(kind, p, m, 2 if kind == "zbv" else 1)
+
+
+def _worker(kinds, m, steps):
+    """One pipeline rank: for each schedule in `kinds`, `steps` timed steps after one warm-up,
+    the schedules taking turns step by step (so that they share the machine's load, which on a
+    shared CPU changes from second to second); returns {kind: per-step timelines}."""
     p = dist.get_world_size()
     topo = build_topology(Grid(pp=p), dist.get_rank())
-    sched = make_schedule(kind, p, m)
-    stages = build_stages(CFG, 0, topo.pp.index, p)
-    rt = PipelineRuntime(stages, sched, topo, act_shape=(B, T, CFG.d_model))
+    runtimes = {}
+    for kind in kinds:
+        sched = _schedule(kind, p, m)
+        stages = build_stages(CFG, 0, topo.pp.index, p, sched.v, placement=sched.placement)
+        runtimes[kind] = PipelineRuntime(stages, sched, topo, act_shape=(B, T, CFG.d_model))
     g = torch.Generator().manual_seed(0)
     mbs = [(torch.randint(0, 256, (B, T), generator=g), torch.randint(0, 256, (B, T), generator=g))
            for _ in range(m)]
-    out = []
+    out = {kind: [] for kind in kinds}
     for step in range(steps + 1):
-        dist.barrier()  # start every step together, so makespans do not include skew
-        res = rt.step(mbs, step, broadcast_loss=False)
-        for q in rt.stages.values():
-            q.zero_grad(set_to_none=True)
-        if step:
-            out.append(res.timeline)
+        for kind in (kinds if step % 2 == 0 else kinds[::-1]):
+            rt = runtimes[kind]
+            dist.barrier()  # start every step together, so makespans do not include skew
+            res = rt.step(mbs, step, broadcast_loss=False)
+            for q in rt.stages.values():
+                q.zero_grad(set_to_none=True)
+            if step:
+                out[kind].append(res.timeline)
     return out
 
 
-def _costs(rows, p):
-    """Per-stage (pp = p, v = 1) mean forward and backward cost of one step, each including what
-    occupies its rank around it besides waiting: the send that follows it (the call takes time), the
-    Python work between consecutive actions, and the receives whose data had already arrived (their
-    whole duration is copying, not waiting); the last two are spread evenly over the rank's F and B.
-    The time a message then spends in flight is `_p2p_latency`."""
+def _costs(rows, sched):
+    """Per-stage mean forward, whole-backward and weight-gradient cost of one step (the last is
+    None for schedules without W), each including what occupies its rank around it besides
+    waiting: the send that follows it (the call takes time), the Python work between consecutive
+    actions, and the receives whose data had already arrived (their whole duration is copying,
+    not waiting); the last two are spread evenly over the rank's compute actions. The time a
+    message then spends in flight is `_p2p_latency`. A split stage's whole backward is B + W."""
     send_end = _transfer_ends(rows)
-    sums = {}  # ((rank, "F" or "B"), "compute" or "send") -> durations
-    overhead = [0.0] * p  # per rank: gaps between actions + receives that did not wait
+    sums = {}  # (stage, "F", "B" or "W") -> [compute durations]; (stage, op, "send") -> [...]
+    overhead = [0.0] * sched.p  # per rank: gaps between actions + receives that did not wait
     for r, row in enumerate(rows):
         row = sorted(row)
         for i, (s, e, a) in enumerate(row):
@@ -73,19 +92,26 @@ def _costs(rows, p):
                 overhead[r] += max(0.0, s - row[i - 1][1])
             if a.startswith("r") and "<" in a and send_end.get((r, a), float("inf")) <= s:
                 overhead[r] += e - s
-            op = "F" if a.startswith(("F", "sF")) else "B" if a.startswith(("B", "sB")) else None
-            if op is not None:
-                kind = "send" if a.startswith("s") else "compute"
-                sums.setdefault(((r, op), kind), []).append(e - s)
-    tf, tb = [], []
-    for r in range(p):
-        n_compute = len(sums[((r, "F"), "compute")]) + len(sums[((r, "B"), "compute")])
-        for op, out in (("F", tf), ("B", tb)):
-            compute = statistics.fmean(sums[((r, op), "compute")])
-            sends = sums.get(((r, op), "send"), [])
-            out.append(compute + (sum(sends) / len(sums[((r, op), "compute")]))
-                       + overhead[r] / n_compute)
-    return tf, tb
+            if a[0] in "FBW" or a.startswith(("sF", "sB")):
+                send = a.startswith("s")
+                op, stage = (a[1], a[2:].split(".")[0]) if send else (a[0], a[1:].split(".")[0])
+                sums.setdefault((int(stage), op, "send" if send else "compute"), []).append(e - s)
+    n_compute = [sum(len(v) for k, v in sums.items() if k[2] == "compute"
+                     and sched.rank_of(k[0]) == r) for r in range(sched.p)]
+
+    def cost(stage, op):
+        runs = sums.get((stage, op, "compute"))
+        if not runs:
+            return 0.0
+        r = sched.rank_of(stage)
+        return (statistics.fmean(runs) + sum(sums.get((stage, op, "send"), [])) / len(runs)
+                + overhead[r] / n_compute[r])
+
+    stages = range(sched.n_stages)
+    tf = [cost(s, "F") for s in stages]
+    tw = [cost(s, "W") for s in stages] if sched.split else None
+    tb = [cost(s, "B") + (tw[s] if tw else 0.0) for s in stages]
+    return tf, tb, tw
 
 
 def _transfer_ends(rows) -> dict:
@@ -124,19 +150,20 @@ def _p2p_latency(rows) -> float:
 def _analyse(kind, m, per_rank):
     """Per step: measured bubble, and the simulator's, calibrated with that step's own costs.
 
-    Both bubbles count only forward/backward time as useful work: predicted bubble =
-    1 - (measured F + B time over ranks) / (p * simulated makespan)."""
+    Both bubbles count only F, B and W time as useful work: predicted bubble =
+    1 - (measured F + B + W time over ranks) / (p * simulated makespan)."""
     p = len(per_rank)
-    sched = make_schedule(kind, p, m)
+    sched = _schedule(kind, p, m)
     measured, predicted, spans, sim_spans = [], [], [], []
     for step in range(len(per_rank[0])):
         rows = [per_rank[r][step] for r in range(p)]
         t0 = min(s for row in rows for s, _, _ in row)
         t1 = max(e for row in rows for _, e, _ in row)
-        busy = sum(e - s for row in rows for s, e, a in row if a[0] in "FB")
+        busy = sum(e - s for row in rows for s, e, a in row if a[0] in "FBW")
         measured.append(1 - busy / (p * (t1 - t0)))
         spans.append(t1 - t0)
-        sim = simulate(sched, *_costs(rows, p), t_p2p=_p2p_latency(rows))
+        tf, tb, tw = _costs(rows, sched)
+        sim = simulate(sched, tf, tb, t_p2p=_p2p_latency(rows), t_w=tw)
         predicted.append(1 - busy / (p * sim.makespan))
         sim_spans.append(sim.makespan)
     med, pred = statistics.median(measured), statistics.median(predicted)
@@ -144,23 +171,37 @@ def _analyse(kind, m, per_rank):
     return {"name": f"pp_bubble {kind} p={p} m={m}", "ours_s": span, "theirs_s": sim_span,
             "ratio": span / sim_span, "min": min(spans), "median": span, "max": max(spans),
             "measured_bubble": med, "simulated_bubble": pred,
-            "formula_bubble": float(bubble_formula(kind, p, m)),
+            "formula_bubble": _formula(kind, p, m),
             "gap_points": 100 * abs(med - pred)}
 
 
-def run(quick: bool = False) -> list[dict]:
-    """Rows: ours_s = measured step makespan, theirs_s = simulator's calibrated makespan."""
+def _formula(kind, p, m):
+    """The closed form for equal stages (t_bwd = 2 t_fwd, t_w = t_fwd), or nan (zbv: none)."""
+    f = bubble_formula(kind, p, m, 2 if kind == "zbv" else 1)
+    return float("nan") if f is None else float(f)
+
+
+CASES = [(kind, m) for kind in ("gpipe", "1f1b", "zb-h1") for m in (2, 4, 8)] + [("zbv", 8)]
+
+
+def run(quick: bool = False, cases=None) -> list[dict]:
+    """Rows: ours_s = measured step makespan, theirs_s = simulator's calibrated makespan. The
+    cases with the same m share one launch and take turns (see `_worker`), so "zb-h1 below 1f1b
+    at m = 8" compares steps measured under the same load."""
     steps = 3 if quick else 8
-    rows = []
-    for kind in ("gpipe", "1f1b"):
-        for m in (2, 4, 8):
-            per_rank = launch(_worker, 2, kind, m, steps, device="cpu", timeout=300)
-            rows.append(_analyse(kind, m, per_rank))
+    rows, cases = [], cases or CASES
+    for m in dict.fromkeys(m for _, m in cases):
+        kinds = [k for k, mm in cases if mm == m]
+        per_rank = launch(_worker, 2, kinds, m, steps, device="cpu", timeout=300)
+        for kind in kinds:
+            rows.append(_analyse(kind, m, [r[kind] for r in per_rank]))
     return rows
 
 
 def main(argv=None) -> int:
-    rows = run("--quick" in (argv if argv is not None else sys.argv[1:]))
+    argv = argv if argv is not None else sys.argv[1:]
+    cases = [(a.split(":")[0], int(a.split(":")[1])) for a in argv if ":" in a]  # e.g. zb-h1:8
+    rows = run("--quick" in argv, cases or None)
     print(f"{'case':<26}{'measured':>10}{'simulated':>11}{'formula':>9}{'gap pts':>9}"
           f"{'step ms':>9}{'sim ms':>8}")
     for r in rows:

@@ -1,12 +1,14 @@
 """mini3d's pipeline runtime against `torch.distributed.pipelining`, pp = 2 on gloo/CPU.
 
-    python -m benchmarks.pp_torch [--quick]
+    python -m benchmarks.pp_torch [--quick] [KIND ...]     # kinds: 1f1b gpipe zb-h1 zbv
 
-Both sides run the same two stages of the same GPT (mini3d's `build_stages`, identical weights), the
-same m micro-batches of (b, T) token ids and the same schedule (1F1B and GPipe): mini3d with
-`PipelineRuntime`, PyTorch with `PipelineStage` + `Schedule1F1B` / `ScheduleGPipe` (the last stage
-returns logits; mini3d's cross-entropy is the schedule's loss_fn). One timed step is forward and
-backward over all micro-batches (no optimizer, gradients zeroed outside the timing), fenced by a
+Both sides run the same stages of the same GPT (mini3d's `build_stages`, identical weights), the
+same m micro-batches of (b, T) token ids and the same schedule: mini3d with `PipelineRuntime`,
+PyTorch with `PipelineStage` + `Schedule1F1B` / `ScheduleGPipe`, and for the zero-bubble kinds
+(split backward) `ScheduleInterleavedZeroBubble` with one stage per rank (= ZB-H1, whose order
+tests/test_pp_zero_bubble.py shows equal to mini3d's zb-h1) and `ScheduleZBVZeroBubble` with two
+(the last stage returns logits; mini3d's cross-entropy is the schedule's loss_fn). One timed step
+is forward and backward over all micro-batches (no optimizer, gradients zeroed outside the timing), fenced by a
 barrier; the two implementations alternate which goes first. Times are rank 0's. If PyTorch's
 pipelining cannot run on gloo/CPU in this torch, the row carries the exception as its note.
 """
@@ -47,13 +49,20 @@ class _LogitsStage(torch.nn.Module):
         return self.stage(x)  # targets=None: the head returns logits
 
 
-def _theirs(stage, kind: str, m: int, topo):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _theirs(stages: dict, kind: str, m: int, topo):
+    """(modules, PyTorch schedule) over copies of this rank's mini3d stages {stage id: module}."""
+    from torch.distributed import pipelining as pl
 
-    module = _LogitsStage(copy.deepcopy(stage))
-    ps = PipelineStage(module, topo.pp.index, P, torch.device("cpu"), group=topo.pp.group)
-    cls = Schedule1F1B if kind == "1f1b" else ScheduleGPipe
-    return module, cls(ps, n_microbatches=m, loss_fn=cross_entropy)
+    n = P * (2 if kind == "zbv" else 1)
+    modules = {s: _LogitsStage(copy.deepcopy(q)) for s, q in stages.items()}
+    ps = [pl.PipelineStage(q, s, n, torch.device("cpu"), group=topo.pp.group)
+          for s, q in sorted(modules.items())]
+    if kind in ("1f1b", "gpipe"):
+        cls = pl.Schedule1F1B if kind == "1f1b" else pl.ScheduleGPipe
+        return torch.nn.ModuleList(modules.values()), cls(ps[0], n_microbatches=m,
+                                                          loss_fn=cross_entropy)
+    cls = pl.ScheduleInterleavedZeroBubble if kind == "zb-h1" else pl.ScheduleZBVZeroBubble
+    return torch.nn.ModuleList(modules.values()), cls(ps, n_microbatches=m, loss_fn=cross_entropy)
 
 
 def _time(fn, module, axis) -> float:
@@ -66,21 +75,23 @@ def _time(fn, module, axis) -> float:
 
 def _worker(kind: str, m: int, repeats: int, warmup: int):
     topo = build_topology(Grid(pp=P), dist.get_rank())
-    stages = build_stages(CFG, 0, topo.pp.index, P)
-    (sid, stage), = stages.items()
-    rt = PipelineRuntime(stages, make_schedule(kind, P, m), topo, act_shape=(B, T, CFG.d_model))
+    sched = make_schedule(kind, P, m, 2 if kind == "zbv" else 1)
+    stages = build_stages(CFG, 0, topo.pp.index, P, sched.v, placement=sched.placement)
+    rt = PipelineRuntime(stages, sched, topo, act_shape=(B, T, CFG.d_model))
+    mine = torch.nn.ModuleList(stages.values())
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, CFG.vocab_size, (m * B, T), generator=g)
     y = torch.randint(0, CFG.vocab_size, (m * B, T), generator=g)
     mbs = list(zip(x.split(B), y.split(B)))
-    first, last = topo.pp.index == 0, topo.pp.index == P - 1
-    impls = {"ours": (lambda: rt.step(mbs, broadcast_loss=False), stage)}
+    first = 0 in stages
+    last = sched.n_stages - 1 in stages
+    impls = {"ours": (lambda: rt.step(mbs, broadcast_loss=False), mine)}
     error = ""
     try:
-        module, sched = _theirs(stage, kind, m, topo)
+        module, theirs = _theirs(stages, kind, m, topo)
         args = (x,) if first else ()
         kwargs = {"target": y} if last else {}
-        impls["theirs"] = (lambda: sched.step(*args, **kwargs), module)
+        impls["theirs"] = (lambda: theirs.step(*args, **kwargs), module)
         _time(*impls["theirs"], topo.pp)  # fail now (inside the try) if it cannot run here
     except Exception as e:  # reported in the row, not hidden
         impls.pop("theirs", None)
@@ -96,10 +107,10 @@ def _worker(kind: str, m: int, repeats: int, warmup: int):
     return {"times": times, "error": error}
 
 
-def run(quick: bool = True) -> list[dict]:
+def run(quick: bool = True, kinds=("1f1b", "gpipe", "zb-h1", "zbv")) -> list[dict]:
     """Rows: mini3d PipelineRuntime vs torch.distributed.pipelining, per schedule, m = 4."""
     rows, m = [], 4
-    for kind in ("1f1b", "gpipe"):
+    for kind in kinds:
         out = launch(_worker, P, kind, m, 5 if quick else 20, 2, device="cpu", timeout=300)[0]
         name = f"pp=2 {kind} m={m} mini3d vs torch.distributed.pipelining"
         if "theirs" in out["times"]:
@@ -113,5 +124,6 @@ def run(quick: bool = True) -> list[dict]:
 
 
 if __name__ == "__main__":
-    for r in run(quick="--quick" in sys.argv):
+    picked = tuple(a for a in sys.argv[1:] if not a.startswith("--"))  # e.g. zb-h1 zbv
+    for r in run(quick="--quick" in sys.argv, **({"kinds": picked} if picked else {})):
         print(r)

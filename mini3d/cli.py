@@ -57,7 +57,8 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention over "
                                                     "2*cp zig-zag chunks of each sequence)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
-    g.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
+    g.add_argument("--schedule", default="1f1b",
+                   help="gpipe, 1f1b, interleaved, looped-bfs, zb-h1 or zbv (zbv: --virtual-stages 2)")
     g.add_argument("--virtual-stages", type=int, default=1, help="model chunks per pipeline rank")
     g.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step per replica")
     g.add_argument("--global-batch", type=int, default=global_batch_default, help="sequences per step")

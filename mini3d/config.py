@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")  # = mini3d.pp KINDS
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("float32", "bf16")
 ATTENTION = ("explicit", "sdpa")
@@ -195,9 +195,9 @@ class Plan:
     pp: int = 1  # pipeline-parallel degree (splits the layers into stages)
     dp: int = 1  # data-parallel degree (replicas, or shards under ZeRO)
     zero: int = 0  # ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters
-    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zbv
     micro_batches: int = 1  # micro-batches per optimizer step on each dp replica
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved schedule only)
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved, looped-bfs; zbv: 2)
     recompute: str = "none"  # activation recomputation: none, selective or full
     dtype: str = "float32"  # float32, or bf16 with fp32 master weights
     global_batch: int = 8  # sequences per optimizer step, over all replicas
@@ -278,18 +278,11 @@ class Plan:
             out.append(f"global_batch={self.global_batch} does not split into dp={self.dp} x "
                        f"micro_batches={self.micro_batches} equal micro-batches (choose a multiple "
                        f"of {per_rank}, e.g. {fits})")
-        if self.pp > 1 and self.schedule == "1f1b" and self.micro_batches < self.pp:
-            out.append(f"1f1b needs micro_batches >= pp, got micro_batches={self.micro_batches} < "
-                       f"pp={self.pp} (use --micro-batches {self.pp} or more)")
-        if self.schedule == "interleaved":
-            if self.virtual_stages < 2:
-                out.append(f"interleaved needs virtual_stages >= 2, got {self.virtual_stages}")
-            if self.micro_batches % self.pp:
-                out.append(f"interleaved needs micro_batches={self.micro_batches} to be a multiple "
-                           f"of pp={self.pp} (e.g. {self.pp * max(1, self.micro_batches // self.pp)})")
-        elif self.virtual_stages > 1:
-            out.append(f"virtual_stages={self.virtual_stages} needs --schedule interleaved "
-                       f"(got schedule={self.schedule!r})")
+        if self.schedule in SCHEDULES:  # the pipeline schedule's own rules, one source
+            from mini3d.pp.schedules import schedule_problems
+
+            out += schedule_problems(self.schedule, self.pp, self.micro_batches,
+                                     self.virtual_stages)
         if self.seq_len > model.max_seq_len:
             out.append(f"seq_len={self.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
         if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:

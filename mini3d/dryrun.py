@@ -154,6 +154,15 @@ def bubble_line(plan) -> str:
 
     p, m, v = plan.pp, plan.micro_batches, plan.virtual_stages
     b = bubble_formula(plan.schedule, p, m, v)
+    if b is None:  # zbv: no closed form, the simulated bubble with t_F = 1, t_bwd = 2 per stage
+        from .pp.schedules import make_schedule
+        from .pp.simulator import simulate
+
+        b = simulate(make_schedule(plan.schedule, p, m, v), 1 / v, 2 / v).bubble_fraction
+        return f"pipeline bubble ({plan.schedule}, simulated): {float(b):.1%}"
+    if plan.schedule == "zb-h1":
+        return (f"pipeline bubble (zb-h1, t_F = t_B = t_W): (p-1)/(3m+p-1) = "
+                f"{b.numerator}/{b.denominator} = {float(b):.1%}")
     return (f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {b.numerator}/{b.denominator}"
             f" = {float(b):.1%}")
 

@@ -38,7 +38,7 @@ from .dp import make_dp, model_state_ledger
 from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
-from .pp.schedules import make_schedule
+from .pp.schedules import make_schedule, placement_of
 from .pp.tied import tie_across_stages
 from .cp import apply_cp, chunk_batch, set_positions
 from .model import set_attention
@@ -187,7 +187,8 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
        the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
-    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta")
+    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta",
+                          placement=placement_of(plan.schedule))
     for module in stages.values():
         apply_tp(module, topo, plan)
         materialize_reference(module, topo, seed, topo.device)

@@ -18,26 +18,28 @@ def pipeline_parity(cfg, seed, kinds, m, v, batches, lr):
     b, T = batches[0][0][0].shape
     out = {}
     for kind in kinds:
-        vk = v if kind == "interleaved" else 1
+        vk = {"interleaved": v, "looped-bfs": v, "zbv": 2}.get(kind, 1)
         sched = make_schedule(kind, p, m, vk)
-        stages = build_stages(cfg, seed, topo.pp.index, p, vk, device=topo.device)
+        stages = build_stages(cfg, seed, topo.pp.index, p, vk, device=topo.device,
+                              placement=sched.placement)
         rt = PipelineRuntime(stages, sched, topo, act_shape=(b, T, cfg.d_model))
         named = [(n, q) for s in stages.values() for n, q in s.named_parameters()]
         opt = torch.optim.AdamW([q for _, q in named], lr=lr)
         topo.log.reset_counters()
         first_event = len(topo.log.events)
-        losses, grads, peaks = [], [], []
+        losses, grads, peaks, chunks = [], [], [], []
         for step, mbs in enumerate(batches):
             opt.zero_grad(set_to_none=True)
             res = rt.step(mbs, step)
             losses.append(res.loss)
             grads.append({n: q.grad.clone() for n, q in named})
             peaks.append(res.peak_in_flight)
+            chunks.append(res.peak_chunks)
             opt.step()
         events = list(topo.log.events)[first_event:]
         p2p = [e for e in events if e.op in ("send", "recv")]
         out[kind] = {
-            "losses": losses, "grads": grads, "peaks": peaks,
+            "losses": losses, "grads": grads, "peaks": peaks, "peak_chunks": chunks,
             "params": {n: q.detach().clone() for n, q in named},
             "n_send": sum(e.op == "send" for e in p2p), "n_recv": sum(e.op == "recv" for e in p2p),
             "want_send": len(batches) * sum(a.op.startswith("SEND") for a in sched.actions[rank]),

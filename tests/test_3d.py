@@ -42,7 +42,8 @@ CASES = [  # every case uses the same 8 ranks
 ]
 
 
-def reference(steps: int, grad_clip: float = 0.0, norms: list | None = None, cfg=CFG):
+def reference(steps: int, grad_clip: float = 0.0, norms: list | None = None, cfg=CFG,
+              global_batch: int = BASE["global_batch"]):
     """(losses, grads per step, final params) of the unparallelised model on the global batches;
     with grad_clip, torch's clip_grad_norm_ before each update (the grads are taken after it, and
     the norms before it are appended to `norms`)."""
@@ -54,7 +55,7 @@ def reference(steps: int, grad_clip: float = 0.0, norms: list | None = None, cfg
     rest = [p for p in model.parameters() if all(p is not q for q in decayed)]
     opt = torch.optim.AdamW([{"params": decayed, "weight_decay": WEIGHT_DECAY},
                              {"params": rest, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
-    batches = Batches(load_tokens(), BASE["seq_len"], BASE["global_batch"], SEED)
+    batches = Batches(load_tokens(), BASE["seq_len"], global_batch, SEED)
     losses, grads = [], []
     for step in range(steps):
         x, y = batches.global_batch_at(step)

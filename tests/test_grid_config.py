@@ -63,9 +63,9 @@ def test_plan_problems_name_each_value():
                    "1f1b needs micro_batches >= pp"):
         assert needle in text
     assert any("zero=5" in s for s in Plan(zero=5).problems(cfg))
-    assert any("interleaved needs micro_batches=3 to be a multiple of pp=2" in s
-               for s in Plan(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=3,
-                             global_batch=6).problems(ModelConfig(n_layers=8)))
+    assert any("interleaved needs micro_batches=9 to be a multiple of its rounds" in s
+               for s in Plan(pp=4, schedule="interleaved", virtual_stages=2, micro_batches=9,
+                             global_batch=18).problems(ModelConfig(n_layers=8)))
     assert any("n_layers=6 does not split evenly" in s
                for s in Plan(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
                              global_batch=4).problems(ModelConfig(n_layers=6)))

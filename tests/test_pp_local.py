@@ -34,7 +34,8 @@ class FakeDP:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                    ("looped-bfs", 2), ("zb-h1", 1), ("zbv", 2)])
 def test_single_rank_runtime_matches_reference_and_syncs_once_per_stage(kind, v):
     g = torch.Generator().manual_seed(0)
     mbs = [(torch.randint(0, 32, (B, T), generator=g), torch.randint(0, 32, (B, T), generator=g))
@@ -43,9 +44,10 @@ def test_single_rank_runtime_matches_reference_and_syncs_once_per_stage(kind, v)
     for x, y in mbs:
         (ref(x, y) / M).backward()
     topo = build_topology(Grid(), 0, make_groups=False)
-    stages = build_stages(CFG, 3, 0, 1, v)
+    sched = make_schedule(kind, 1, M, v)
+    stages = build_stages(CFG, 3, 0, 1, v, placement=sched.placement)
     assert sorted(stages) == list(range(v))
-    rt = PipelineRuntime(stages, make_schedule(kind, 1, M, v), topo, (B, T, CFG.d_model))
+    rt = PipelineRuntime(stages, sched, topo, (B, T, CFG.d_model))
     dps = {s: FakeDP(next(iter(m.blocks.values())).ln1.weight) for s, m in stages.items()}
     res = rt.step(mbs, step=5, dp=dps)
     # same ops per micro-batch as the reference, same accumulation order: float32 rounding only
@@ -53,9 +55,10 @@ def test_single_rank_runtime_matches_reference_and_syncs_once_per_stage(kind, v)
     for n, q in ref.named_parameters():
         torch.testing.assert_close(grads[n], q.grad, atol=1e-6, rtol=1e-5, msg=n)
     assert res.loss == pytest.approx(sum(ref(x, y).item() for x, y in mbs) / M, abs=1e-6)
-    for dp in dps.values():  # every backward but the stage's last runs inside no_sync()
+    for dp in dps.values():  # every backward (W if split) but the stage's last runs in no_sync()
         assert dp.seen == [True] * (M - 1) + [False]
-    assert len(res.timeline) == 2 * M * v and all(e >= s for s, e, _ in res.timeline)
+    n_compute = (3 if sched.split else 2) * M * v
+    assert len(res.timeline) == n_compute and all(e >= s for s, e, _ in res.timeline)
     assert topo.log.context == {"step": 5}
     with pytest.raises(ValueError, match="got 2 micro-batches, the schedule has m=3"):
         rt.step(mbs[:2])

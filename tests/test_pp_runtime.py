@@ -3,14 +3,17 @@
 import pytest
 import torch
 
-from mini3d.config import ModelConfig
+from mini3d.config import ModelConfig, Plan
+from mini3d.diagnose.estimator import head_microbatches, inflight_microbatches
 from mini3d.launch import launch
 from mini3d.model import GPT
+from mini3d.pp.rules import check
+from mini3d.pp.schedules import make_schedule
 from tests import pp_workers
 
 CFG = ModelConfig(n_layers=8, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16)
 SEED, M, B, T, STEPS, LR = 7, 4, 2, 16, 3, 1e-2
-KINDS = ("gpipe", "1f1b", "interleaved")
+KINDS = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
 
 
 def _batches():
@@ -20,15 +23,18 @@ def _batches():
             for _ in range(STEPS)]
 
 
-def _reference(batches):
-    """Single process, same seed: loss = mean of micro-batch losses, same AdamW."""
+def _reference(batches, reverse=False):
+    """Single process, same seed: loss = mean of micro-batch losses, same AdamW. `reverse`: the
+    gradients accumulate last micro-batch first, as looped BFS's backwards run (float32 sums in
+    another order differ by rounding, which AdamW turns into visible steps for gradients that are
+    zero but for rounding, such as the key biases')."""
     model = GPT(CFG, SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], []
     for mbs in batches:
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for x, y in mbs:
+        for x, y in (mbs[::-1] if reverse else mbs):
             loss = model(x, y)
             (loss / len(mbs)).backward()
             total += loss.item()
@@ -60,9 +66,10 @@ ATOL, RTOL = 1e-6, 1e-5
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_schedule_matches_reference(p):
     batches = _batches()
-    ref_losses, ref_grads, ref_params = _reference(batches)
+    refs = {False: _reference(batches), True: _reference(batches, reverse=True)}
     out = launch(pp_workers.pipeline_parity, p, CFG, SEED, KINDS, M, 2, batches, LR, timeout=200)
     for kind in KINDS:
+        ref_losses, ref_grads, ref_params = refs[kind == "looped-bfs"]
         for r in out:  # the loss is broadcast to every pipeline rank
             assert r[kind]["losses"] == pytest.approx(ref_losses, rel=1e-6, abs=1e-6), kind
         for step in range(STEPS):
@@ -89,3 +96,16 @@ def test_every_schedule_matches_reference(p):
             assert max(peaks.values()) <= p
         for peaks in r["interleaved"]["peaks"]:
             assert set(peaks) == {pp_rank, pp_rank + p} and max(peaks.values()) <= M
+        for peaks in r["zb-h1"]["peaks"]:  # W deferred by pp_rank micro-batches: p alive everywhere
+            assert peaks == {pp_rank: min(p, M)}, "ZB-H1 keeps 1F1B's peak p on every rank"
+        for peaks in r["zbv"]["peaks"]:  # the V: rank 0 holds the first and the last stage
+            assert set(peaks) == {pp_rank, 2 * p - 1 - pp_rank}
+        for kind in KINDS:  # the runtime's measured peak = check()'s = the memory estimator's
+            v = {"interleaved": 2, "looped-bfs": 2, "zbv": 2}.get(kind, 1)
+            want = check(make_schedule(kind, p, M, v)).peak_in_flight[pp_rank]
+            assert r[kind]["peak_chunks"] == [want] * STEPS, kind
+            plan = Plan(pp=p, schedule=kind, virtual_stages=v, micro_batches=M, global_batch=M * B)
+            assert inflight_microbatches(plan, pp_rank) == want / v, kind
+            last = p * v - 1  # the head's activations: as many micro-batches as its stage holds
+            if last in r[kind]["peaks"][0]:
+                assert r[kind]["peaks"][0][last] == head_microbatches(plan), kind

@@ -17,7 +17,7 @@ def _cases():
     for p in (1, 2, 3, 4, 8):
         for m in (1, 2, 3, 4, 5, 8, 12, 16):
             for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
-                            ("interleaved", 4)):
+                            ("interleaved", 4), ("looped-bfs", 2), ("zb-h1", 1), ("zbv", 2)):
                 if not schedule_problems(kind, p, m, v):
                     yield kind, p, m, v
 
@@ -33,18 +33,26 @@ def _edit(s: Schedule, rank: int, fn) -> Schedule:
 
 @pytest.mark.timeout(60)
 def test_every_generated_schedule_obeys_the_rules_and_cannot_deadlock():
-    assert len(CASES) > 100
+    assert len(CASES) > 200
     for kind, p, m, v in CASES:
         s = make_schedule(kind, p, m, v)
         res = check(s)
         assert res.ok, (kind, p, m, v, str(res))
         assert s.n_stages == p * v
-        assert sum(a.is_compute for acts in s.actions for a in acts) == 2 * p * v * m
+        per_mb = 3 if kind in ("zb-h1", "zbv") else 2  # F, B (and W when split)
+        assert sum(a.is_compute for acts in s.actions for a in acts) == per_mb * p * v * m
+        assert s.split == (per_mb == 3)
         if kind == "gpipe":
             assert res.peak_in_flight == [m] * p
         if kind == "1f1b":
             assert res.peak_in_flight == [min(p - r, m) for r in range(p)]
             assert max(res.peak_in_flight) <= p
+        if kind == "zb-h1":  # 1F1B's peak p on every rank; rank r's W run r micro-batches late
+            assert res.peak_in_flight == [min(p, m)] * p
+            assert res.peak_awaiting_w == [min(r + 1, m) for r in range(p)]
+        if kind == "zbv":  # two chunks of half the layers each: 2p chunks = p micro-batches
+            assert max(res.peak_in_flight) <= 2 * p
+            assert s.stages_of(0) == [0, 2 * p - 1]
 
 
 def test_interleaved_round_robin_and_megatron_order():
@@ -159,16 +167,21 @@ def test_plan_problems_name_the_pipeline_values():
     assert ok.problems(model) == []
     few = "\n".join(ok.replace(micro_batches=2).problems(model))
     assert "micro_batches=2 < pp=4" in few
-    inter = "\n".join(ok.replace(schedule="interleaved", virtual_stages=2, micro_batches=6,
-                                 global_batch=12).problems(model))
-    assert "micro_batches=6 to be a multiple of pp=4" in inter
+    inter = "\n".join(ok.replace(schedule="interleaved", virtual_stages=2, micro_batches=9,
+                                 global_batch=18).problems(model))
+    assert "micro_batches=9 to be a multiple of its rounds max(1, micro_batches // pp=4) = 2" in inter
+    assert ok.replace(schedule="interleaved", virtual_stages=2, micro_batches=6,
+                      global_batch=12).problems(model) == []  # as PyTorch: rounds of 6
     chunks = "\n".join(Plan(pp=3, schedule="interleaved", virtual_stages=2, micro_batches=3,
                             global_batch=6, seq_len=16).problems(model))
     assert "n_layers=8 does not split evenly into pp*virtual_stages = 6" in chunks
     # the schedule generator refuses the same inputs with the same values named
     assert "micro_batches=2 < pp=4" in schedule_problems("1f1b", 4, 2)[0]
-    with pytest.raises(ValueError, match="micro_batches=6 to be a multiple of pp=4"):
-        make_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="micro_batches=9 to be a multiple of its rounds"):
+        make_schedule("interleaved", 4, 9, 2)
+    assert "zbv needs exactly virtual_stages=2" in schedule_problems("zbv", 2, 4, 3)[0]
+    assert "zb-h1 needs micro_batches >= pp" in "".join(Plan(pp=4, schedule="zb-h1", micro_batches=2,
+                                                               global_batch=8).problems(model))
 
 
 def _cli(argv):
@@ -188,5 +201,5 @@ def test_cli_prints_grid_check_and_bubble(capsys):
                  "--virtual-stages", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["check"]["ok"] and data["bubble_fraction"] == pytest.approx(1 / 9)
-    assert _cli(["--pp", "4", "--micro-batches", "6", "--schedule", "interleaved"]) == 2
-    assert "micro_batches=6 to be a multiple of pp=4" in capsys.readouterr().err
+    assert _cli(["--pp", "4", "--micro-batches", "9", "--schedule", "interleaved"]) == 2
+    assert "micro_batches=9 to be a multiple of its rounds" in capsys.readouterr().err

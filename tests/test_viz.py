@@ -268,3 +268,18 @@ def test_estimator_adapter():
     with pytest.raises(ValueError, match="tp=3"):
         fn(model="gpt-7b", tp=3)
     assert math.isfinite(sums[0])
+
+
+def test_zero_bubble_kinds_in_the_explorer_and_the_gantt():
+    pytest.importorskip("mini3d.pp")
+    assert {"looped-bfs", "zb-h1", "zbv"} <= set(pipeline.SCHEDULE_MENU)
+    sim = pp_simulate_fn()
+    zb = widgets.schedule_view(sim, "zb-h1", 4, 8, 2, 2.0)  # v ignored: one chunk per rank
+    assert zb["bubble_fraction"] == pytest.approx(3 / 27) and "1/9" in zb["formula"]
+    zbv = widgets.schedule_view(sim, "zbv", 4, 8, 1, 2.0)  # v forced to zbv's two chunks
+    assert zbv["bubble_fraction"] < zb["bubble_fraction"] and "no closed form" in zbv["formula"]
+    fig = pipeline.gantt_figure(zb["timeline"])
+    assert len(_trace(fig, "weight").x) == 4 * 8  # one W bar per rank and micro-batch, own colour
+    assert _trace(fig, "weight").marker.color != _trace(fig, "backward").marker.color
+    plain = pipeline.gantt_figure(widgets.schedule_view(sim, "1f1b", 4, 8, 1, 2.0)["timeline"])
+    assert "weight" not in [t.name for t in plain.data]

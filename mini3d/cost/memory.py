@@ -13,7 +13,8 @@ attention, MLP fc and llama's gate) split weight and bias over tp; row-parallel 
 MLP proj) split the weight and replicate the bias; norms are replicated.
 Layers are split over the pp * virtual_stages model chunks as evenly as possible, the first chunks
 taking one extra layer when the split is uneven (`mini3d.pp.partition_layers`, the split the
-pipeline builds); chunk c lives on pipeline rank c % pp. The vocabulary is padded by
+pipeline builds); chunk c lives on pipeline rank c % pp, or in a V for the zbv schedule
+(`mini3d.pp.partition.stage_rank`: rank 0 then holds the head too). The vocabulary is padded by
 `mini3d.tp.layers.padded_size`, micro-batches in flight come from
 `mini3d.pp.schedules.in_flight_bound`: the functions the engine itself runs.
 
@@ -31,14 +32,15 @@ the K/V blocks travelling the ring are counted in `comm_buffer_bytes` (`ring_blo
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
-from ..pp.partition import partition_layers
-from ..pp.schedules import in_flight_bound
-from ..tp.layers import padded_size
 from ..dp.buckets import transient_grad_bytes
+from ..pp.partition import partition_layers, stage_rank
+from ..pp.schedules import in_flight_bound, placement_of
+from ..tp.layers import padded_size
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
@@ -86,7 +88,14 @@ class MemoryEstimate:
 def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
     """Every layer pipeline rank `stage` holds (all of its virtual chunks)."""
     chunks = partition_layers(cfg.n_layers, plan.pp, plan.virtual_stages)
-    return [i for c, ids in enumerate(chunks) if c % plan.pp == stage for i in ids]
+    where = placement_of(plan.schedule)
+    return [i for c, ids in enumerate(chunks) if stage_rank(c, plan.pp, where) == stage
+            for i in ids]
+
+
+def head_rank(plan: Plan) -> int:
+    """The pipeline rank that holds the last model chunk (head and loss): pp - 1, or 0 for zbv."""
+    return stage_rank(plan.pp * plan.virtual_stages - 1, plan.pp, placement_of(plan.schedule))
 
 
 def layer_params(cfg: ModelConfig, tp: int) -> int:
@@ -102,8 +111,8 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     table = padded_size(cfg.vocab_size, t) * h // t
     if stage == 0:
         n += table + cfg.position_params()
-    if stage == plan.pp - 1:
-        n += cfg.norm_params() + (0 if cfg.tie_embeddings and plan.pp == 1 else table)
+    if stage == head_rank(plan):
+        n += cfg.norm_params() + (0 if cfg.tie_embeddings and head_rank(plan) == 0 else table)
     return n
 
 
@@ -218,12 +227,41 @@ def _llama_terms(cfg: ModelConfig, fused_attention: bool) -> tuple[int, int, int
 def inflight_microbatches(plan: Plan, stage: int) -> float:
     """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole-stage units.
 
-    GPipe runs every forward first: m. 1F1B: min(m, pp - stage). Interleaved 1F1B (Megatron's
-    order): rank r runs 2*(pp-r-1) + (v-1)*pp warm-up chunk forwards, plus the one in flight, each
-    chunk being 1/v of the stage, capped at m*v chunks. Rank 0 holds (1 + (pp-1)/(pp*v)) * pp
-    micro-batches' worth of its layers (Korthikanti et al. 2022, sec. 4.2.3)."""
-    v = plan.virtual_stages
-    return in_flight_bound(plan.schedule, plan.pp, plan.micro_batches, v, stage) / v
+    GPipe runs every forward first: m; looped BFS likewise (m v chunks of 1/v). 1F1B:
+    min(m, pp - stage). Interleaved 1F1B: rank r runs 2*(pp-r-1) + (v-1)*g warm-up chunk forwards
+    (g = pp when pp divides m, else PyTorch's round of m // max(1, m // pp)), plus the one in
+    flight, each chunk being 1/v of the stage, capped at m*v chunks; rank 0 holds
+    (1 + (pp-1)/(pp*v)) * pp micro-batches' worth of its layers (Korthikanti et al. 2022, sec.
+    4.2.3). ZB-H1: a micro-batch lives until its W, which rank r runs r micro-batches late:
+    min(m, pp) on every rank, 1F1B's peak. ZB-V: counted on the schedule itself
+    (`mini3d.pp.rules.in_flight`, what `check()` reports), at most 2 pp chunks of half a stage."""
+    m, p, v = plan.micro_batches, plan.pp, plan.virtual_stages
+    if plan.schedule == "zbv" and p > 1:
+        return _schedule_in_flight(plan.schedule, p, m, v)[0][stage] / v
+    return in_flight_bound(plan.schedule, p, m, v, stage) / v
+
+
+def head_microbatches(plan: Plan) -> int:
+    """Micro-batches whose head activations (log-softmax etc.) the last stage holds at once: all m
+    when every forward runs first (GPipe, looped BFS), min(m, pp) for ZB-H1 (the last rank runs its
+    W pp - 1 micro-batches late and the graph, head included, stays until W), else 1."""
+    if plan.schedule in ("gpipe", "looped-bfs"):
+        return plan.micro_batches
+    if plan.schedule == "zb-h1":
+        return min(plan.micro_batches, plan.pp)
+    if plan.schedule == "zbv" and plan.pp > 1:
+        stages = _schedule_in_flight(plan.schedule, plan.pp, plan.micro_batches, 2)[1]
+        return stages[2 * plan.pp - 1]
+    return 1
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule_in_flight(kind: str, p: int, m: int, v: int):
+    """(peak per rank, peak per stage) counted on the schedule (`mini3d.pp.rules.in_flight`)."""
+    from ..pp.rules import in_flight
+    from ..pp.schedules import make_schedule
+
+    return in_flight(make_schedule(kind, p, m, v))
 
 
 def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
@@ -283,8 +321,8 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
     if plan.recompute == "full" and layers:
         act += per_layer["full"]  # the block being recomputed during backward
     head = 0.0
-    if stage == plan.pp - 1:
-        head = (plan.micro_batches if plan.schedule == "gpipe" else 1) * head_activation_bytes(cfg, plan)
+    if stage == head_rank(plan):
+        head = head_microbatches(plan) * head_activation_bytes(cfg, plan)
     buffers = comm_buffer_bytes(cfg, plan)
     detail = {"layers": layers, "layer_stored_bytes": per_layer["stored"],
               "layer_full_bytes": per_layer["full"], "head_bytes": head,

@@ -69,8 +69,8 @@ from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
 from ..tp.layout import comm_per_layer
 from .hardware import Hardware
-from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, local_seq_len, ring_block_bytes,
-                     sharding_degree, stage_layers, stage_param_count)
+from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,
+                     ring_block_bytes, sharding_degree, stage_layers, stage_param_count)
 
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
 
@@ -186,7 +186,7 @@ def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
 def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
     """(stage, layers) of the pipeline rank with the most forward FLOPs per micro-batch."""
     f = flops_per_token(cfg, plan.seq_len)
-    work = [(len(stage_layers(cfg, plan, r)) * f["layer"] + (f["head"] if r == plan.pp - 1 else 0),
+    work = [(len(stage_layers(cfg, plan, r)) * f["layer"] + (f["head"] if r == head_rank(plan) else 0),
              r) for r in range(plan.pp)]
     r = max(work)[1]
     return r, len(stage_layers(cfg, plan, r))
@@ -198,7 +198,7 @@ def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, f
     t, sb = plan.tp, local_seq_len(plan) * plan.micro_batch_size
     if t == 1:
         return 0.0, 0.0, 0.0
-    first, last = stage == 0, stage == plan.pp - 1
+    first, last = stage == 0, stage == head_rank(plan)
     c = comm_per_layer(t, plan.micro_batch_size, local_seq_len(plan), cfg.d_model, plan.sequence_parallel,
                        ELEMENT_BYTES[plan.dtype])
 
@@ -268,7 +268,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     stage, layers = _busiest_rank(cfg, plan)
     f = flops_per_token(cfg, plan.seq_len)
     tokens_mb = plan.micro_batch_size * local_seq_len(plan)  # this rank's tokens
-    fwd = (layers * f["layer"] + (f["head"] if stage == p - 1 else 0)) * tokens_mb / t
+    fwd = (layers * f["layer"] + (f["head"] if stage == head_rank(plan) else 0)) * tokens_mb / t
     extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
     width = min(cfg.d_model / t, tokens_mb)
     slowdown = max(1.0, n / hw.gpus_per_node) if hw.shared_host else 1.0

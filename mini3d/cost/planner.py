@@ -2,7 +2,7 @@
 
 The search walks tp (dividing n_heads, n_kv_heads and d_ff), pp (at most n_layers), dp = n / (tp * pp) (dividing
 the global batch), micro-batch size and count, schedule (1F1B; GPipe; interleaved with 2..8 virtual
-stages), ZeRO stage (0-2, and 3 without pipelining) and recompute (none, selective, full), with
+stages; the zero-bubble ZB-H1 and, with two chunks per rank, ZB-V), ZeRO stage (0-2, and 3 without pipelining) and recompute (none, selective, full), with
 sequence parallelism whenever tp > 1 (it only saves memory in this model), and context parallelism
 (cp dividing the GPUs, 2*cp dividing seq_len) for sequences of at least `LONG_SEQUENCE` tokens,
 where activations rather than model states decide what fits. Every layout passes
@@ -36,7 +36,7 @@ def _divisors(n: int) -> list[int]:
 
 def describe(plan: Plan) -> str:
     """Short name of a layout, e.g. 'tp8 pp2 dp1 | 32 x mb1 | 1f1b | zero0 | recompute selective'."""
-    sched = plan.schedule + (f" v{plan.virtual_stages}" if plan.schedule == "interleaved" else "")
+    sched = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
     cp = f" cp{plan.cp}" if plan.cp > 1 else ""
     return (f"tp{plan.tp}{cp} pp{plan.pp} dp{plan.dp} | {plan.micro_batches} x mb{plan.micro_batch_size}"
             f" | {sched} | zero{plan.zero} | recompute {plan.recompute}"
@@ -59,8 +59,9 @@ def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: i
                 continue
             for b in [b for b in _divisors(global_batch // dp) if b <= max_micro_batch]:
                 m = global_batch // (dp * b)
-                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
-                    ("interleaved", v) for v in range(2, 9) if cfg.n_layers % (pp * v) == 0]
+                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1)] + [
+                    ("interleaved", v) for v in range(2, 9) if cfg.n_layers % (pp * v) == 0] + (
+                    [("zbv", 2)] if cfg.n_layers % (2 * pp) == 0 else [])
                 zeros = (0,) if dp == 1 else ((0, 1, 2, 3) if pp == 1 else (0, 1, 2))
                 for sched, v in scheds:
                     for zero in zeros:

@@ -2,9 +2,12 @@
 
     mini3d schedule --pp 4 --micro-batches 8 --schedule 1f1b
     mini3d schedule --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2 --json
+    mini3d schedule --pp 4 --micro-batches 8 --schedule zb-h1
 
 Forward and backward are costed 1 and 2 units per full-model slice (a backward computes two
-matmuls per forward matmul); for the interleaved schedule each chunk costs 1/v of that.
+matmuls per forward matmul); split schedules (zb-h1, zbv) cost B (input gradient) and W (weight
+gradients) 1 unit each; with v chunks per rank each chunk costs 1/v of that. The grid itself
+draws every action one unit wide.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import sys
 from fractions import Fraction
 
 from .rules import check
-from .schedules import KINDS, make_schedule, schedule_problems
+from .schedules import KINDS, MULTI_CHUNK, make_schedule, schedule_problems
 from .simulator import bubble_formula, simulate
 
 
@@ -26,7 +29,8 @@ def register(subparsers):
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches m per step")
     p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(KINDS)}")
     p.add_argument("--virtual-stages", type=int, default=None,
-                   help="model chunks per rank v (interleaved only; default 2 there, else 1)")
+                   help="model chunks per rank v (interleaved, looped-bfs: default 2; zbv: 2; "
+                        "else 1)")
     p.add_argument("--transfers", action="store_true", help="list every rank's sends/receives too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -34,7 +38,7 @@ def register(subparsers):
 
 
 def run(args) -> int:
-    v = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
+    v = args.virtual_stages or (2 if args.schedule in MULTI_CHUNK else 1)
     problems = schedule_problems(args.schedule, args.pp, args.micro_batches, v)
     if problems:
         print(f"mini3d schedule: bad input (--pp {args.pp} --micro-batches {args.micro_batches} "
@@ -43,19 +47,27 @@ def run(args) -> int:
         return 2
     sched = make_schedule(args.schedule, args.pp, args.micro_batches, v)
     result = check(sched)
-    sim = simulate(sched, Fraction(1, v), Fraction(2, v))
+    sim = simulate(sched, Fraction(1, v), Fraction(2, v))  # split: t_w = half the backward
     formula = bubble_formula(args.schedule, args.pp, args.micro_batches, v)
+    base = None  # 1F1B's bubble at the same p, m, for the split schedules
+    if sched.split and not schedule_problems("1f1b", args.pp, args.micro_batches):
+        base = simulate(make_schedule("1f1b", args.pp, args.micro_batches), 1, 2).bubble_fraction
     if args.json:
         print(json.dumps({"schedule": sched.to_dict(), "check": {
             "ok": result.ok, "problems": result.problems,
-            "peak_in_flight": result.peak_in_flight},
-            "bubble_fraction": float(sim.bubble_fraction), "bubble_formula": float(formula),
+            "peak_in_flight": result.peak_in_flight, "peak_awaiting_w": result.peak_awaiting_w},
+            "bubble_fraction": float(sim.bubble_fraction),
+            "bubble_formula": None if formula is None else float(formula),
+            "bubble_1f1b": None if base is None else float(base),
             "makespan_units": float(sim.makespan)}, indent=1))
     else:
         print(sched.format_grid(transfers=args.transfers))
         print(f"check: {result}")
-        print(f"simulated bubble fraction {float(sim.bubble_fraction):.4f} "
-              f"(closed form {formula} = {float(formula):.4f}; t_fwd=1, t_bwd=2 per full slice)")
+        costs = "t_fwd=1, t_bwd=2 per full slice" + (" (B=1, W=1)" if sched.split else "")
+        closed = "no closed form" if formula is None else f"closed form {formula} = {float(formula):.4f}"
+        print(f"simulated bubble fraction {float(sim.bubble_fraction):.4f} ({closed}; {costs})")
+        if base is not None:
+            print(f"1f1b at the same pp, micro-batches: bubble fraction {float(base):.4f}")
     return 0 if result.ok else 1
 
 

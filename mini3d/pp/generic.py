@@ -51,11 +51,12 @@ class BlockStage(nn.Module):
 
 
 def stages_from_blocks(blocks, pp_rank: int, p: int, v: int = 1, loss_fn=None,
-                       boundaries=None) -> dict:
-    """{global stage id: BlockStage} for pipeline rank `pp_rank` (v chunks for interleaved)."""
+                       boundaries=None, placement: str = "loop") -> dict:
+    """{global stage id: BlockStage} for pipeline rank `pp_rank` (v chunks; `placement` "v" for
+    the zbv schedule, see `partition.stage_rank`)."""
     blocks = list(blocks)
     out = {}
-    for spec in local_specs(pp_rank, len(blocks), p, v, boundaries):
+    for spec in local_specs(pp_rank, len(blocks), p, v, boundaries, placement):
         out[spec.stage] = BlockStage([blocks[i] for i in spec.layers], spec.layers,
                                      loss_fn if spec.last else None)
     return out

@@ -54,6 +54,12 @@ class PipeP2P:
         comm.recv(buf, self.axis, self.axis.ranks[peer_index], dtype=self.dtype)
         return buf
 
+    def irecv(self, peer_index: int):
+        """Post a receive of one boundary tensor from `peer_index`: (buffer, work); read the buffer
+        only after `work.wait()`."""
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        return buf, comm.recv(buf, self.axis, self.axis.ranks[peer_index], async_op=True)
+
     def exchange(self, tensor: torch.Tensor, peer_index: int) -> torch.Tensor:
         """Send `tensor` to `peer_index` and receive one from it, in the order that cannot hang:
         the lower pp index sends then receives; the higher receives then sends."""

@@ -1,7 +1,9 @@
 """Which layers each pipeline stage holds, and the stage modules built from them.
 
 There are p * v stages (model chunks). Stage s lives on pipeline rank s % p as chunk s // p (for
-v > 1, Megatron's round-robin: rank r holds stages r, r+p, ...). Stage 0 also holds the embedding;
+v > 1, Megatron's round-robin: rank r holds stages r, r+p, ...), or, with placement "v" (the ZB-V
+schedule), in a V: chunk c of rank r is stage c p + r for even c, (c + 1) p - 1 - r for odd c, so
+rank 0 holds the first and the last stage and the hand-over p-1 -> p stays on rank p-1. Stage 0 also holds the embedding;
 the last stage holds the final LayerNorm, the output head and the loss.
 
 Default split: balanced by layer count. When n_layers does not divide evenly (v = 1 only), the
@@ -13,6 +15,8 @@ Example, 8 layers, p = 2, v = 2 (stages of 2 layers):
 
     stage 0 -> rank 0 chunk 0 layers [0, 1] (first)     stage 1 -> rank 1 chunk 0 layers [2, 3]
     stage 2 -> rank 0 chunk 1 layers [4, 5]             stage 3 -> rank 1 chunk 1 layers [6, 7] (last)
+
+and with placement "v": stage 2 -> rank 1 chunk 1, stage 3 -> rank 0 chunk 1 (last).
 """
 
 from __future__ import annotations
@@ -30,6 +34,19 @@ class StageSpec:
     layers: tuple  # global layer ids, in order
     first: bool  # holds the embedding (input: token ids)
     last: bool  # holds the head and the loss
+
+
+PLACEMENTS = ("loop", "v")
+
+
+def stage_rank(stage: int, p: int, placement: str = "loop") -> int:
+    """The pipeline rank that holds global stage `stage` (see the module docstring)."""
+    if placement == "loop":
+        return stage % p
+    if placement == "v":
+        chunk, i = divmod(stage, p)
+        return i if chunk % 2 == 0 else p - 1 - i
+    raise ValueError(f"placement={placement!r} is unknown (choose {', '.join(PLACEMENTS)})")
 
 
 def partition_problems(n_layers: int, p: int, v: int = 1, boundaries=None) -> list[str]:
@@ -67,20 +84,23 @@ def partition_layers(n_layers: int, p: int, v: int = 1, boundaries=None) -> list
     return [list(range(a, b)) for a, b in zip(starts, ends)]
 
 
-def stage_specs(n_layers: int, p: int, v: int = 1, boundaries=None) -> list[StageSpec]:
+def stage_specs(n_layers: int, p: int, v: int = 1, boundaries=None,
+                placement: str = "loop") -> list[StageSpec]:
     """Every stage's `StageSpec`, indexed by global stage id."""
     parts = partition_layers(n_layers, p, v, boundaries)
     n = p * v
-    return [StageSpec(s, s % p, s // p, tuple(parts[s]), s == 0, s == n - 1) for s in range(n)]
+    return [StageSpec(s, stage_rank(s, p, placement), s // p, tuple(parts[s]), s == 0, s == n - 1)
+            for s in range(n)]
 
 
-def local_specs(pp_rank: int, n_layers: int, p: int, v: int = 1, boundaries=None) -> list[StageSpec]:
+def local_specs(pp_rank: int, n_layers: int, p: int, v: int = 1, boundaries=None,
+                placement: str = "loop") -> list[StageSpec]:
     """The v stages pipeline rank `pp_rank` holds, by chunk."""
-    return [s for s in stage_specs(n_layers, p, v, boundaries) if s.pp_rank == pp_rank]
+    return [s for s in stage_specs(n_layers, p, v, boundaries, placement) if s.pp_rank == pp_rank]
 
 
 def build_stages(cfg, seed: int, pp_rank: int, p: int, v: int = 1, boundaries=None,
-                 device=None) -> dict:
+                 device=None, placement: str = "loop") -> dict:
     """{stage id: GPT module holding that stage's layers}, with the reference initialisation;
     on device "meta": shapes only, no values (`mini3d.tp.materialize_reference` gives them).
     `device` None means the CPU (said explicitly: never torch's default device, see
@@ -91,12 +111,12 @@ def build_stages(cfg, seed: int, pp_rank: int, p: int, v: int = 1, boundaries=No
 
     device = torch.device(device if device is not None else "cpu")
     out = {}
-    for spec in local_specs(pp_rank, cfg.n_layers, p, v, boundaries):
+    for spec in local_specs(pp_rank, cfg.n_layers, p, v, boundaries, placement):
         with device:  # modules' parameters are created here; init copies the CPU reference values
             out[spec.stage] = GPT(cfg, seed, layers=spec.layers, first=spec.first,
                                   last=spec.last, init=device.type != "meta")
     return out
 
 
-__all__ = ["StageSpec", "partition_layers", "partition_problems", "stage_specs", "local_specs",
+__all__ = ["StageSpec", "PLACEMENTS", "stage_rank", "partition_layers", "partition_problems", "stage_specs", "local_specs",
            "build_stages"]

@@ -2,13 +2,19 @@
 
 Rules, per rank r (an action is "earlier" when it comes before in r's list):
 
-1. placement: every action's stage lives on r (stage % p == r), every transfer names the right peer;
-2. completeness: each F(s, mb) and B(s, mb) appears exactly once;
+1. placement: every action's stage lives on r (`Schedule.rank_of`), every transfer names the
+   right peer;
+2. completeness: each F(s, mb) and B(s, mb) appears exactly once, and in a split schedule (one
+   with W actions) each W(s, mb) too;
 3. inputs: F(s, mb) needs RECV_F(s, mb) earlier (or F(s-1, mb) earlier when s-1 is also on r);
    B(s, mb) needs F(s, mb) earlier and RECV_B(s, mb) earlier (or B(s+1, mb) when s+1 is on r);
+   W(s, mb) needs B(s, mb) earlier (B before W);
    SEND_F(s, mb) needs F(s, mb) earlier; SEND_B(s, mb) needs B(s, mb) earlier;
 4. matching: every send has exactly one receive at the peer, and vice versa;
-5. memory: the peak of (forwards - backwards) on r stays within the schedule's promised bound.
+5. memory: a micro-batch's activations on a stage live from its F to its last backward action
+   (B, or W in a split schedule: W keeps the saved tensors it needs alive); the peak number alive
+   on r stays within the schedule's promised bound. `peak_in_flight` reports it per rank, and
+   `peak_awaiting_w` how many of those had their B done and wait only for their W.
 
 Deadlock freedom is then shown by executing the lists with *blocking rendezvous* semantics, the
 strictest reading of send/recv (a send returns only once the peer's matching receive runs, as for
@@ -35,8 +41,9 @@ class CheckResult:
     ok: bool
     problems: list = field(default_factory=list)
     deadlock: str | None = None
-    peak_in_flight: list = field(default_factory=list)  # per rank: max (forwards - backwards)
+    peak_in_flight: list = field(default_factory=list)  # per rank: max activations alive
     rounds: int = 0  # rendezvous rounds the blocking simulation needed
+    peak_awaiting_w: list = field(default_factory=list)  # per rank: max alive only for a W
 
     def __str__(self) -> str:
         if self.ok:
@@ -45,19 +52,39 @@ class CheckResult:
         return "FAILED:\n  " + "\n  ".join(self.problems)
 
 
-def _rule_problems(s: Schedule) -> tuple[list[str], list[int]]:
-    out, peaks = [], []
-    S, want = s.n_stages, Counter()
+def in_flight(s: Schedule) -> tuple[list[int], dict]:
+    """(peak per rank, peak per stage) of micro-batch activations alive: from a stage's F to its
+    last backward action (W in a split schedule, else B), counted over each rank's compute list.
+    Per rank it counts chunk activations (with v chunks per rank, one chunk is 1/v of its layers)."""
+    free_at = "W" if s.split else "B"
+    ranks, stages = [], {}
+    for acts in s.actions:
+        live, peak, by_stage = 0, 0, {}
+        for a in acts:
+            if a.op in ("F", free_at):
+                step = 1 if a.op == "F" else -1
+                live += step
+                by_stage[a.stage] = by_stage.get(a.stage, 0) + step
+                stages[a.stage] = max(stages.get(a.stage, 0), by_stage[a.stage])
+                peak = max(peak, live)
+        ranks.append(peak)
+    return ranks, stages
+
+
+def _rule_problems(s: Schedule) -> tuple[list[str], list[int], list[int]]:
+    out, waits = [], []
+    S, want, split = s.n_stages, Counter(), s.split
     for st in range(S):
         for mb in range(s.m):
-            want[("F", st, mb)] += 1
-            want[("B", st, mb)] += 1
+            for op in ("F", "B", "W") if split else ("F", "B"):
+                want[(op, st, mb)] += 1
     got = Counter()
+    peaks = in_flight(s)[0]
     for r, acts in enumerate(s.actions):
-        seen, live, peak = set(), 0, 0
+        seen, wait, wait_peak = set(), 0, 0
         for i, a in enumerate(acts):
             where = f"rank {r} step {i} ({a})"
-            if not (0 <= a.stage < S and 0 <= a.mb < s.m) or a.stage % s.p != r:
+            if not (0 <= a.stage < S and 0 <= a.mb < s.m) or s.rank_of(a.stage) != r:
                 out.append(f"{where}: stage {a.stage} / micro-batch {a.mb} is not held by rank {r}")
                 continue
             for need in _needs(s, r, a):
@@ -71,9 +98,10 @@ def _rule_problems(s: Schedule) -> tuple[list[str], list[int]]:
             seen.add(key)
             if a.is_compute:
                 got[key] += 1
-                live += 1 if a.op == "F" else -1
-                peak = max(peak, live)
-        peaks.append(peak)
+                wait += 1 if split and a.op == "B" else -1 if a.op == "W" else 0
+                wait_peak = max(wait_peak, wait)
+        waits.append(wait_peak)
+        peak = peaks[r]
         if s.in_flight_bound and peak > s.in_flight_bound[r]:
             out.append(f"rank {r}: {peak} micro-batches in flight exceeds the bound "
                        f"{s.in_flight_bound[r]}")
@@ -81,7 +109,7 @@ def _rule_problems(s: Schedule) -> tuple[list[str], list[int]]:
         if got[key] != want[key]:
             out.append(f"{key[0]}{key[1]}.{key[2]} runs {got[key]} times (expected {want[key]})")
     out += _unmatched(s)
-    return out, peaks
+    return out, peaks, waits
 
 
 def _peer(s: Schedule, a: Action) -> int | None:
@@ -103,6 +131,8 @@ def _needs(s: Schedule, r: int, a: Action) -> list[tuple]:
             return [("F", st, mb)]
         nxt = ("B", st + 1, mb) if s.rank_of(st + 1) == r else ("RECV_B", st, mb)
         return [("F", st, mb), nxt]
+    if a.op == "W":
+        return [("B", st, mb)]
     if a.op == "SEND_F":
         return [("F", st, mb)]
     if a.op == "SEND_B":
@@ -188,11 +218,11 @@ def _describe_hang(s: Schedule, pos: list[int]) -> str:
 
 def check(schedule: Schedule) -> CheckResult:
     """Verify the rules and simulate blocking point-to-point matching (see the module docstring)."""
-    problems, peaks = _rule_problems(schedule)
+    problems, peaks, waits = _rule_problems(schedule)
     deadlock, rounds = _rendezvous(schedule)
     if deadlock:
         problems.append(deadlock)
-    return CheckResult(not problems, problems, deadlock, peaks, rounds)
+    return CheckResult(not problems, problems, deadlock, peaks, rounds, waits)
 
 
-__all__ = ["check", "CheckResult"]
+__all__ = ["check", "CheckResult", "in_flight"]

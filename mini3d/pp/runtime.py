@@ -10,14 +10,23 @@
   the micro-batches in `.grad` (the caller zeroes them between steps, like any optimizer loop);
 * a stage's saved input, output and received gradient are dropped as soon as its backward is done,
   so the activations alive on a stage are exactly its in-flight micro-batches; the runtime tracks
-  their peak per stage (`StepResult.peak_in_flight`);
+  their peak per stage (`StepResult.peak_in_flight`) and per rank (`peak_chunks`);
+* split backward (schedules with W actions, `zero_bubble.py`): B computes only the gradient of the
+  stage input and sends it at once; the autograd graph, with every tensor W needs, stays alive
+  until W computes the weight gradients (`split_backward.py`); the micro-batch counts as in
+  flight until its W;
 * each action's start and end (time.perf_counter, one clock for all local processes) is recorded
   (`StepResult.timeline`), and `topo.log.context` is set to {step, action, stage, mb} before each
   action so every logged transfer says which action issued it.
 
 Transfers: receives block; sends are non-blocking by default (`async_send=True`, see
 `p2p.SendQueue`) and all complete before `step` returns. The schedule's order is proven safe even
-with blocking sends (`check()`), which `async_send=False` uses.
+with blocking sends (`check()`), which `async_send=False` uses. With `async_recv` (default: for
+split schedules, when sends are non-blocking too) a receive is posted where the list has it and
+waited for by the action that needs its tensor: a split schedule lists some receives before a
+compute that does not need them (a W, or the next F), which then runs while the message travels.
+The wait is recorded in the timeline under the receive's name. Still deadlock-free: every wait is
+for a send that comes earlier in the global order `check()` executes.
 
 Data-parallel hook (minimal on purpose): `step(..., dp=obj)` where `obj` has a `no_sync()` context
 manager (like DistributedDataParallel), or a dict {stage: obj} with one per stage. Every backward of
@@ -37,6 +46,7 @@ import torch
 from mini3d import comm
 
 from .p2p import PipeP2P, SendQueue
+from .split_backward import backward_input
 
 
 @dataclass
@@ -47,11 +57,12 @@ class StepResult:
     timeline: list = field(default_factory=list)  # [(start, end, action string)], perf_counter s
     peak_in_flight: dict = field(default_factory=dict)  # {stage: max micro-batches alive}
     pp_rank: int = 0
+    peak_chunks: int = 0  # max chunk activations alive on this rank, all its stages together
 
     def busy_s(self, compute_only: bool = True) -> float:
-        """Seconds spent in actions (forward/backward only, by default)."""
+        """Seconds spent in actions (F, B and W only, by default)."""
         return sum(e - s for s, e, a in self.timeline
-                   if not compute_only or a[0] in "FB")
+                   if not compute_only or a[0] in "FBW")
 
 
 class PipelineRuntime:
@@ -61,9 +72,10 @@ class PipelineRuntime:
     or (b, T / tp, d_model) under sequence parallelism; its gradient has the same shape."""
 
     def __init__(self, stages: dict, schedule, topo, act_shape, dtype=torch.float32, device=None,
-                 async_send: bool = True):
+                 async_send: bool = True, async_recv: bool | None = None):
         self.schedule, self.topo = schedule, topo
         self.async_send = async_send  # non-blocking sends (see p2p.SendQueue); False: blocking
+        self.async_recv = (schedule.split and async_send) if async_recv is None else async_recv
         self.pp_rank = topo.pp.index
         want = schedule.stages_of(self.pp_rank)
         if sorted(stages) != want:
@@ -89,6 +101,7 @@ class PipelineRuntime:
         for a in sched.actions[self.pp_rank]:
             if log is not None:
                 log.context = {"step": step, "action": str(a), "stage": a.stage, "mb": a.mb}
+            st.await_inputs(a)  # posted receives this action needs (async_recv)
             t0 = time.perf_counter()
             st.run(a)
             st.timeline.append((t0, time.perf_counter(), str(a)))
@@ -104,7 +117,7 @@ class PipelineRuntime:
             comm.broadcast(buf, self.topo.pp, src_index=last_rank)
             loss = buf[0]
         return StepResult(None if loss is None else float(loss), st.timeline,
-                          dict(st.peak), self.pp_rank)
+                          dict(st.peak), self.pp_rank, st.peak_chunks)
 
 
 class _StepState:
@@ -116,14 +129,18 @@ class _StepState:
         self.last_stage = rt.schedule.n_stages - 1
         self.inputs, self.outputs = {}, {}  # (stage, mb) -> tensor saved for the backward
         self.grad_out, self.grad_in = {}, {}  # received output grads / input grads to send
-        self.live, self.peak = Counter(), Counter()
+        self.live, self.peak, self.peak_chunks = Counter(), Counter(), 0
         self.losses, self.timeline = [], []
         self.sends = SendQueue()
-        last_b = {}
-        for i, a in enumerate(rt.schedule.actions[rt.pp_rank]):
-            if a.op == "B":
-                last_b[a.stage] = i
-        self.last_backward = {(s, rt.schedule.actions[rt.pp_rank][i].mb) for s, i in last_b.items()}
+        self.posted = {}  # (stage, mb, "F" or "B") -> (work, receive action) of a posted receive
+        acts = rt.schedule.actions[rt.pp_rank]
+        self.split = {(a.stage, a.mb) for a in acts if a.op == "W"}  # B now, W later
+        self.pending = {}  # (stage, mb) -> split_backward.PendingWeightGrad, from B to W
+        last = {}  # stage -> its last action producing weight gradients
+        for a in acts:
+            if a.op == "W" or (a.op == "B" and (a.stage, a.mb) not in self.split):
+                last[a.stage] = (a.stage, a.mb)
+        self.last_backward = set(last.values())
 
     def run(self, a):
         key = (a.stage, a.mb)
@@ -131,16 +148,36 @@ class _StepState:
             self.forward(a.stage, a.mb)
         elif a.op == "B":
             self.backward(a.stage, a.mb)
+        elif a.op == "W":
+            self.weight(a.stage, a.mb)
         elif a.op == "SEND_F":
             self.send(self.outputs[key], a.peer)
+        elif a.op == "RECV_F" and self.rt.async_recv:
+            self.inputs[key], work = self.rt.p2p.irecv(a.peer)
+            self.posted[(a.stage, a.mb, "F")] = (work, a)
         elif a.op == "RECV_F":
             self.inputs[key] = self.rt.p2p.recv(a.peer).requires_grad_()
+        elif a.op == "RECV_B" and self.rt.async_recv:
+            self.grad_out[key], work = self.rt.p2p.irecv(a.peer)
+            self.posted[(a.stage, a.mb, "B")] = (work, a)
         elif a.op == "SEND_B":
             self.send(self.grad_in.pop(key), a.peer)
         elif a.op == "RECV_B":
             self.grad_out[key] = self.rt.p2p.recv(a.peer)
         else:
             raise ValueError(f"unknown action {a}")
+
+    def await_inputs(self, a):
+        """Wait for the posted receive whose tensor action `a` (F or B) reads, timing the wait."""
+        got = self.posted.pop((a.stage, a.mb, a.op), None) if a.op in ("F", "B") else None
+        if got is None:
+            return
+        work, recv = got
+        t0 = time.perf_counter()
+        work.wait()
+        self.timeline.append((t0, time.perf_counter(), str(recv)))
+        if a.op == "F":
+            self.inputs[(a.stage, a.mb)].requires_grad_()
 
     def send(self, tensor, peer: int):
         if self.rt.async_send:
@@ -163,6 +200,7 @@ class _StepState:
             self.inputs[(s + 1, mb)] = out.detach().requires_grad_()  # local hand-over (p == 1)
         self.live[s] += 1
         self.peak[s] = max(self.peak[s], self.live[s])
+        self.peak_chunks = max(self.peak_chunks, sum(self.live.values()))
 
     def _sync_context(self, s: int, mb: int):
         dp = self.dp.get(s) if isinstance(self.dp, dict) else self.dp
@@ -172,17 +210,30 @@ class _StepState:
 
     def backward(self, s: int, mb: int):
         out = self.outputs.pop((s, mb))
-        with self._sync_context(s, mb):
-            if s == self.last_stage:
-                (out / self.m).backward()  # global loss = mean of the m micro-batch losses
-            else:
-                torch.autograd.backward(out, self.grad_out.pop((s, mb)))
         inp = self.inputs.pop((s, mb), None)
+        if (s, mb) in self.split:  # B: the input gradient only; W later (no dp sync here)
+            grad = (torch.tensor(1.0 / self.m, device=self.rt.device) if s == self.last_stage
+                    else self.grad_out.pop((s, mb)))
+            dinp, self.pending[(s, mb)] = backward_input(
+                out, grad, inp, list(self.rt.stages[s].parameters()))
+        else:
+            with self._sync_context(s, mb):
+                if s == self.last_stage:
+                    (out / self.m).backward()  # global loss = mean of the m micro-batch losses
+                else:
+                    torch.autograd.backward(out, self.grad_out.pop((s, mb)))
+            dinp = None if inp is None else inp.grad
+            self.live[s] -= 1
         if s > 0:
             if self.rt.schedule.rank_of(s - 1) == self.rt.pp_rank:
-                self.grad_out[(s - 1, mb)] = inp.grad  # local hand-over (p == 1)
+                self.grad_out[(s - 1, mb)] = dinp  # local hand-over
             else:
-                self.grad_in[(s, mb)] = inp.grad
+                self.grad_in[(s, mb)] = dinp
+
+    def weight(self, s: int, mb: int):
+        """W: the weight gradients of a micro-batch whose B ran; releases its graph."""
+        with self._sync_context(s, mb):
+            self.pending.pop((s, mb)).run()
         self.live[s] -= 1
 
 

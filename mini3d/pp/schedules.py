@@ -9,16 +9,23 @@ Megatron's round-robin assignment: rank r holds stages r, r+p, r+2p, ...). Actio
 
     F(s, mb)            forward of stage s on micro-batch mb            printed  F1.0
     B(s, mb)            backward of stage s on micro-batch mb           printed  B1.0
+    W(s, mb)            weight gradients of stage s on micro-batch mb   printed  W1.0
     SEND_F(s, mb, q)    send stage s's output to rank q (holds s+1)     printed  sF1.0>2
     RECV_F(s, mb, q)    receive stage s's input from rank q (holds s-1) printed  rF1.0<0
     SEND_B(s, mb, q)    send the gradient of stage s's input to q       printed  sB1.0>0
     RECV_B(s, mb, q)    receive the gradient of stage s's output from q printed  rB1.0<2
 
-So SEND_F(s) pairs with RECV_F(s+1) and SEND_B(s) with RECV_B(s-1). A transfer between two stages on
+When a schedule has W actions (the zero-bubble kinds, `zero_bubble.py`), B computes only the gradient
+of the stage input (what the upstream stage waits for) and W the weight gradients later; without W,
+B is the whole backward. So SEND_F(s) pairs with RECV_F(s+1) and SEND_B(s) with RECV_B(s-1).
+
+Placement: by default stage s lives on rank s % p ("loop"); the V-shaped schedule (zbv) places
+chunk c of rank r at stage c p + r for even c and (c + 1) p - 1 - r for odd c ("v": rank 0 holds the
+first and the last stage), see `partition.stage_rank`. A transfer between two stages on
 the same rank (only when p == 1) needs no action: the runtime hands the tensor over locally.
 
 The compute order comes from the published schedules (GPipe; 1F1B of PipeDream-Flush / Megatron;
-Megatron's interleaved 1F1B). The transfers are then placed by `add_transfers`: it times the
+Megatron's interleaved 1F1B; looped BFS of Lamy-Poirier 2022; ZB-H1 and ZB-V of Qi et al. 2023). The transfers are then placed by `add_transfers`: it times the
 compute order with unit costs, lists every compute and transfer in one global time order, and gives
 each rank the projection of that list. Any execution of such projections with blocking send/recv is
 deadlock-free, because the global list itself is one valid execution in which every transfer finds
@@ -30,8 +37,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-KINDS = ("gpipe", "1f1b", "interleaved")
-COMPUTE = ("F", "B")
+from .partition import stage_rank
+
+KINDS = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
+MULTI_CHUNK = ("interleaved", "looped-bfs", "zbv")  # kinds with v > 1 chunks per rank
+COMPUTE = ("F", "B", "W")
+
+
+def placement_of(kind: str) -> str:
+    """How `kind` places stages on ranks: "v" for zbv, else "loop" (see partition.stage_rank)."""
+    return "v" if kind == "zbv" else "loop"
+
 TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _SHORT = {"SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
 
@@ -39,7 +55,7 @@ _SHORT = {"SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
 class Action(NamedTuple):
     """One step of one pipeline rank; `peer` is the other pipeline rank of a transfer."""
 
-    op: str  # F, B, SEND_F, RECV_F, SEND_B or RECV_B
+    op: str  # F, B, W, SEND_F, RECV_F, SEND_B or RECV_B
     stage: int  # global stage (model chunk) id
     mb: int  # micro-batch index
     peer: int | None = None  # pipeline rank at the other end (transfers only)
@@ -63,6 +79,10 @@ def B(stage: int, mb: int) -> Action:
     return Action("B", stage, mb)
 
 
+def W(stage: int, mb: int) -> Action:
+    return Action("W", stage, mb)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-pipeline-rank ordered action lists for p ranks, m micro-batches, v chunks per rank."""
@@ -72,17 +92,23 @@ class Schedule:
     m: int  # micro-batches per step
     v: int  # model chunks (virtual stages) per rank
     actions: tuple  # actions[r] is rank r's tuple of Actions, in execution order
-    in_flight_bound: tuple = ()  # promised peak of (forwards - backwards) per rank
+    in_flight_bound: tuple = ()  # promised peak of micro-batches alive (F to last B/W) per rank
+    placement: str = "loop"  # "loop": stage s on rank s % p; "v": see partition.stage_rank
 
     @property
     def n_stages(self) -> int:
         return self.p * self.v
 
+    @property
+    def split(self) -> bool:
+        """True when backwards are split into B (input gradient) and W (weight gradients)."""
+        return any(a.op == "W" for acts in self.actions for a in acts)
+
     def rank_of(self, stage: int) -> int:
-        return stage % self.p
+        return stage_rank(stage, self.p, self.placement)
 
     def stages_of(self, rank: int) -> list[int]:
-        return [rank + c * self.p for c in range(self.v)]
+        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
 
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.is_compute]
@@ -93,38 +119,53 @@ class Schedule:
     def to_dict(self) -> dict:
         return {"kind": self.kind, "p": self.p, "m": self.m, "v": self.v,
                 "actions": [[str(a) for a in acts] for acts in self.actions],
-                "in_flight_bound": list(self.in_flight_bound)}
+                "in_flight_bound": list(self.in_flight_bound), "placement": self.placement}
 
 
 def schedule_problems(kind: str, p: int, m: int, v: int = 1) -> list[str]:
-    """Why (kind, p, m, v) has no schedule; mirrors the pipeline rules of `Plan.problems`."""
+    """Why (kind, p, m, v) has no schedule; `Plan.problems` reports the same messages."""
     out = [f"{n}={x} must be a positive integer" for n, x in (("pp", p), ("micro_batches", m),
            ("virtual_stages", v)) if not isinstance(x, int) or x < 1]
     if kind not in KINDS:
         out.append(f"schedule={kind!r} is unknown (choose {', '.join(KINDS)})")
     if out:
         return out
-    if kind == "1f1b" and p > 1 and m < p:
-        out.append(f"1f1b needs micro_batches >= pp, got micro_batches={m} < pp={p}")
+    if kind in ("1f1b", "zb-h1") and p > 1 and m < p:
+        out.append(f"{kind} needs micro_batches >= pp, got micro_batches={m} < pp={p} "
+                   f"(use --micro-batches {p} or more)")
     if kind == "interleaved":
+        rounds = max(1, m // p)
         if v < 2:
             out.append(f"interleaved needs virtual_stages >= 2, got {v}")
-        if m % p:
-            out.append(f"interleaved needs micro_batches={m} to be a multiple of pp={p}")
-    elif v != 1:
-        out.append(f"virtual_stages={v} needs schedule interleaved (got schedule={kind!r})")
+        if m % rounds:
+            fits = sorted({p * rounds, m - m % rounds, p})
+            out.append(f"interleaved needs micro_batches={m} to be a multiple of its rounds "
+                       f"max(1, micro_batches // pp={p}) = {rounds} (e.g. {fits})")
+    elif kind == "zbv" and v != 2:
+        out.append(f"zbv needs exactly virtual_stages=2 (two chunks per rank in a V), got {v}")
+    elif kind not in MULTI_CHUNK and v != 1:
+        out.append(f"virtual_stages={v} needs schedule interleaved, looped-bfs or zbv "
+                   f"(got schedule={kind!r})")
     return out
 
 
 def in_flight_bound(kind: str, p: int, m: int, v: int, rank: int) -> int:
     """The most micro-batch chunks (forwards not yet backwarded) `rank` holds at once under `kind`:
-    GPipe m; 1F1B min(m, p - rank); interleaved 1F1B its warm-up 2 (p - rank - 1) + (v - 1) p plus
-    the one in flight, at most m v. Each builder below promises it (`Schedule.in_flight_bound`,
-    verified by `rules.check`), and the memory estimator counts activations with it."""
+    GPipe m; looped BFS m v (every chunk forward first); 1F1B min(m, p - rank); ZB-H1 min(m, p) (a
+    micro-batch lives until its W, which rank r runs r micro-batches late); interleaved 1F1B its
+    warm-up 2 (p - rank - 1) + (v - 1) g plus the one in flight, at most m v, with g = p when p
+    divides m (else PyTorch's round m // max(1, m // p)). Each builder promises it
+    (`Schedule.in_flight_bound`, verified by `rules.check`), and the memory estimator counts
+    activations with it. ZB-V's bound is counted on its schedule (`mini3d.pp.zero_bubble`)."""
     if kind == "gpipe":
         return m
+    if kind == "looped-bfs":
+        return m * v
+    if kind == "zb-h1":
+        return min(m, p)
     if kind == "interleaved":
-        return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v)
+        g = m // max(1, m // p)
+        return min(2 * (p - rank - 1) + (v - 1) * g + 1, m * v)
     return min(p - rank, m)
 
 
@@ -151,24 +192,25 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
-    """Megatron's interleaved 1F1B (Narayanan et al. 2021): rank r holds stages r, r+p, ...; the
-    k-th forward on a rank runs chunk (k // p) % v on micro-batch (k // (p v)) p + k % p, so groups
-    of p micro-batches go through one chunk before the next; backwards walk the chunks in reverse.
-    Warm-up is 2 (p - r - 1) + (v - 1) p forwards. Needs m to be a multiple of p."""
-    total = m * v
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): rank r holds stages r, r+p, ...;
+    micro-batches go through a chunk in rounds of g = m // max(1, m // p) (g = p when p divides
+    m, Megatron's case; otherwise PyTorch's relaxation, which needs g to divide m): the k-th
+    forward on a rank runs chunk (k // g) % v on micro-batch (k // (g v)) g + k % g, and backwards
+    walk the chunks in reverse. Warm-up is 2 (p - r - 1) + (v - 1) g forwards."""
+    total, g = m * v, m // max(1, m // p)
 
     def mb_of(k):
-        return (k // (p * v)) * p + k % p
+        return (k // (g * v)) * g + k % g
 
     orders = []
     for r in range(p):
         def fwd(k):
-            return F(((k // p) % v) * p + r, mb_of(k))
+            return F(((k // g) % v) * p + r, mb_of(k))
 
         def bwd(k):
-            return B((v - 1 - (k // p) % v) * p + r, mb_of(k))
+            return B((v - 1 - (k // g) % v) * p + r, mb_of(k))
 
-        warm = min(2 * (p - r - 1) + (v - 1) * p, total)
+        warm = min(2 * (p - r - 1) + (v - 1) * g, total)
         order = [fwd(k) for k in range(warm)]
         for i in range(total - warm):
             order += [fwd(warm + i), bwd(i)]
@@ -178,8 +220,22 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     return add_transfers("interleaved", p, m, v, orders, bounds)
 
 
+def looped_bfs(p: int, m: int, v: int) -> Schedule:
+    """Breadth-first looping (Lamy-Poirier 2022), as PyTorch's ScheduleLoopedBFS orders it: rank r
+    runs every micro-batch through its chunk 0, then chunk 1, ...; then the backwards, last chunk
+    first, micro-batches in reverse order. Like GPipe, all m v chunk activations stay alive."""
+    orders = []
+    for r in range(p):
+        stages = [c * p + r for c in range(v)]
+        order = [F(s, i) for s in stages for i in range(m)]
+        order += [B(s, i) for s in reversed(stages) for i in reversed(range(m))]
+        orders.append(order)
+    return add_transfers("looped-bfs", p, m, v, orders,
+                         tuple(in_flight_bound("looped-bfs", p, m, v, r) for r in range(p)))
+
+
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The schedule `kind` ("gpipe", "1f1b" or "interleaved") for p ranks, m micro-batches, v chunks."""
+    """The schedule `kind` (one of KINDS) for p ranks, m micro-batches, v chunks per rank."""
     problems = schedule_problems(kind, p, m, v)
     if problems:
         raise ValueError("; ".join(problems))
@@ -187,11 +243,24 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
         return gpipe(p, m)
     if kind == "1f1b":
         return one_f_one_b(p, m)
+    if kind == "looped-bfs":
+        return looped_bfs(p, m, v)
+    if kind in ("zb-h1", "zbv"):
+        from .zero_bubble import zb_h1, zbv
+
+        return zb_h1(p, m) if kind == "zb-h1" else zbv(p, m)
     return interleaved_1f1b(p, m, v)
 
 
+def _unit_costs(orders) -> dict:
+    """Every compute action one time unit (B and W too when split): the grid's and the transfer
+    placement's clock, as keyword arguments of `simulator.time_compute`."""
+    split = any(a.op == "W" for order in orders for a in order)
+    return {"t_fwd": 1, "t_bwd": 2 if split else 1, "t_w": 1}
+
+
 def add_transfers(kind: str, p: int, m: int, v: int, orders: list[list[Action]],
-                  bounds: tuple = ()) -> Schedule:
+                  bounds: tuple = (), placement: str = "loop") -> Schedule:
     """Insert the sends/receives that per-rank compute orders imply, in a deadlock-free order.
 
     Every compute action is timed with unit costs (`simulator.time_compute`); a transfer is placed
@@ -200,14 +269,14 @@ def add_transfers(kind: str, p: int, m: int, v: int, orders: list[list[Action]],
     from .simulator import time_compute
 
     n_stages = p * v
-    times = time_compute(orders, p, n_stages, 1, 1, 0)
+    times = time_compute(orders, p, n_stages, t_p2p=0, placement=placement, **_unit_costs(orders))
     events = []  # (time, priority, rank, tiebreak, [(rank, action), ...])
     for r, order in enumerate(orders):
         for i, (a, (start, end)) in enumerate(zip(order, times[r])):
             events.append((start, 1, r, i, [(r, a)]))
             nxt = a.stage + 1 if a.op == "F" else a.stage - 1
-            if 0 <= nxt < n_stages and nxt % p != r:
-                q = nxt % p
+            if a.op != "W" and 0 <= nxt < n_stages and stage_rank(nxt, p, placement) != r:
+                q = stage_rank(nxt, p, placement)
                 send, recv = ("SEND_F", "RECV_F") if a.op == "F" else ("SEND_B", "RECV_B")
                 pair = [(r, Action(send, a.stage, a.mb, q)), (q, Action(recv, nxt, a.mb, r))]
                 events.append((end, 0, r, i, pair))
@@ -216,12 +285,12 @@ def add_transfers(kind: str, p: int, m: int, v: int, orders: list[list[Action]],
     for *_, items in events:
         for r, a in items:
             actions[r].append(a)
-    return Schedule(kind, p, m, v, tuple(tuple(a) for a in actions), tuple(bounds))
+    return Schedule(kind, p, m, v, tuple(tuple(a) for a in actions), tuple(bounds), placement)
 
 
 def format_grid(schedule: Schedule, transfers: bool = False) -> str:
-    """Rank-by-step grid. Without transfers, compute actions sit in unit-time columns (forward and
-    backward both one unit) so bubbles show as dots; with transfers, each rank's full list in order."""
+    """Rank-by-step grid. Without transfers, compute actions sit in unit-time columns (F, B and W
+    one unit each) so bubbles show as dots; with transfers, each rank's full list in order."""
     from .simulator import time_compute
 
     p = schedule.p
@@ -229,7 +298,8 @@ def format_grid(schedule: Schedule, transfers: bool = False) -> str:
         rows = [[str(a) for a in schedule.actions[r]] for r in range(p)]
     else:
         orders = [schedule.compute(r) for r in range(p)]
-        times = time_compute(orders, p, schedule.n_stages, 1, 1, 0)
+        times = time_compute(orders, p, schedule.n_stages, t_p2p=0, placement=schedule.placement,
+                             **_unit_costs(orders))
         width = max((int(e) for t in times for _, e in t), default=0)
         rows = [["."] * width for _ in range(p)]
         for r in range(p):
@@ -241,5 +311,6 @@ def format_grid(schedule: Schedule, transfers: bool = False) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Action", "Schedule", "KINDS", "F", "B", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "make_schedule", "schedule_problems", "add_transfers", "format_grid", "in_flight_bound"]
+__all__ = ["Action", "Schedule", "KINDS", "F", "B", "W", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "looped_bfs", "placement_of", "make_schedule", "schedule_problems", "add_transfers",
+           "format_grid", "in_flight_bound"]

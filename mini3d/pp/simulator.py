@@ -5,6 +5,11 @@ its own order, one at a time; an action starts when its rank is free and its inp
 
     F(s, mb) needs F(s-1, mb) done   (+ t_p2p when s-1 lives on another rank)
     B(s, mb) needs B(s+1, mb) done   (+ t_p2p likewise); B(last, mb) needs F(last, mb)
+    W(s, mb) needs B(s, mb) done     (same rank)
+
+`t_bwd` is always the cost of a whole backward. In a split schedule (one with W actions) B costs
+t_bwd - t_w (the input gradient) and W costs t_w (the weight gradients); t_w defaults to t_bwd / 2
+(one matmul for each of the two gradients of every forward matmul).
 
 Transfers are modelled as a latency `t_p2p` on the edge that does not occupy either rank (the sends
 and receives of a real run overlap with compute, or are tiny next to it on CPU). Costs are per
@@ -18,6 +23,9 @@ GPipe and 1F1B (p-1)/(m+p-1); interleaved 1F1B (p-1)/(v m+p-1).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
+
+from .partition import stage_rank
 
 
 class Stuck(RuntimeError):
@@ -32,9 +40,27 @@ def _per_stage(t, n_stages: int, name: str) -> list:
     return [t] * n_stages
 
 
-def time_compute(orders, p: int, n_stages: int, t_fwd, t_bwd, t_p2p=0) -> list[list[tuple]]:
-    """(start, end) of every compute action in `orders` (per-rank lists of F/B Actions)."""
+def _costs(orders, n_stages: int, t_fwd, t_bwd, t_w) -> dict:
+    """{op: per-stage cost list}; B is the input-gradient part when the orders have W actions."""
     tf, tb = _per_stage(t_fwd, n_stages, "t_fwd"), _per_stage(t_bwd, n_stages, "t_bwd")
+    if not any(a.op == "W" for order in orders for a in order):
+        return {"F": tf, "B": tb, "W": tb}
+    tw = [b * Fraction(1, 2) for b in tb] if t_w is None else _per_stage(t_w, n_stages, "t_w")
+    return {"F": tf, "B": [b - w for b, w in zip(tb, tw)], "W": tw}
+
+
+def _dependency(a, n_stages: int):
+    if a.op == "F":
+        return ("F", a.stage - 1, a.mb) if a.stage > 0 else None
+    if a.op == "W":
+        return ("B", a.stage, a.mb)
+    return ("F", a.stage, a.mb) if a.stage == n_stages - 1 else ("B", a.stage + 1, a.mb)
+
+
+def time_compute(orders, p: int, n_stages: int, t_fwd, t_bwd, t_p2p=0, t_w=None,
+                 placement: str = "loop") -> list[list[tuple]]:
+    """(start, end) of every compute action in `orders` (per-rank lists of F/B/W Actions)."""
+    cost = _costs(orders, n_stages, t_fwd, t_bwd, t_w)
     done: dict[tuple, object] = {}  # (op, stage, mb) -> end time
     times = [[] for _ in orders]
     pos, free = [0] * len(orders), [0] * len(orders)
@@ -44,20 +70,15 @@ def time_compute(orders, p: int, n_stages: int, t_fwd, t_bwd, t_p2p=0) -> list[l
         for r, order in enumerate(orders):
             while pos[r] < len(order):
                 a = order[pos[r]]
-                if a.op == "F":
-                    dep = ("F", a.stage - 1, a.mb) if a.stage > 0 else None
-                    cost = tf[a.stage]
-                else:
-                    last = a.stage == n_stages - 1
-                    dep = ("F", a.stage, a.mb) if last else ("B", a.stage + 1, a.mb)
-                    cost = tb[a.stage]
+                dep = _dependency(a, n_stages)
                 if dep is not None and dep not in done:
                     break
                 ready = 0 if dep is None else done[dep]
-                if t_p2p and dep is not None and dep[1] % p != a.stage % p:
+                if t_p2p and dep is not None and \
+                        stage_rank(dep[1], p, placement) != stage_rank(a.stage, p, placement):
                     ready = ready + t_p2p  # (skipped when 0, so Fraction costs stay exact)
                 start = max(free[r], ready)
-                free[r] = start + cost
+                free[r] = start + cost[a.op][a.stage]
                 done[(a.op, a.stage, a.mb)] = free[r]
                 times[r].append((start, free[r]))
                 pos[r] += 1
@@ -86,11 +107,13 @@ class SimResult:
                              for row in self.timeline]}
 
 
-def simulate(schedule, t_fwd, t_bwd, t_p2p=0.0) -> SimResult:
-    """Time `schedule` with per-stage forward/backward costs (scalars or lists of n_stages)."""
+def simulate(schedule, t_fwd, t_bwd, t_p2p=0.0, t_w=None) -> SimResult:
+    """Time `schedule` with per-stage forward / whole-backward costs (scalars or lists of n_stages)
+    and, for split schedules, the weight-gradient share `t_w` of each backward."""
     p = schedule.p
     orders = [schedule.compute(r) for r in range(p)]
-    times = time_compute(orders, p, schedule.n_stages, t_fwd, t_bwd, t_p2p)
+    times = time_compute(orders, p, schedule.n_stages, t_fwd, t_bwd, t_p2p, t_w,
+                         getattr(schedule, "placement", "loop"))
     timeline = [[(s, e, a) for (s, e), a in zip(times[r], orders[r])] for r in range(p)]
     makespan = max((e for row in times for _, e in row), default=0)
     busy = [sum((e - s for s, e in row), 0) for row in times]
@@ -99,15 +122,26 @@ def simulate(schedule, t_fwd, t_bwd, t_p2p=0.0) -> SimResult:
     return SimResult(timeline, makespan, bubble, busy)
 
 
-def bubble_formula(kind: str, p: int, m: int, v: int = 1):
-    """Closed-form bubble fraction: (p-1)/(m+p-1), or (p-1)/(v m+p-1) for interleaved."""
-    from fractions import Fraction
+def bubble_formula(kind: str, p: int, m: int, v: int = 1, t_fwd=1, t_bwd=2, t_w=None):
+    """Closed-form bubble fraction, or None where there is none (zbv: simulate it).
 
-    if kind == "interleaved":
+    GPipe, 1F1B: (p-1)/(m+p-1). Interleaved and looped BFS (m >= p): (p-1)/(v m+p-1).
+    ZB-H1 (Qi et al. 2023), costs per whole stage: each rank idles (p-1)(t_F + t_B - t_W) where
+    t_B = t_bwd - t_W is the input-gradient part, against m (t_F + t_bwd) of work; it holds while
+    t_W <= t_F + t_B (a deferred W never outlasts the gap it fills). The other forms need no costs."""
+    if kind in ("interleaved", "looped-bfs"):
         return Fraction(p - 1, v * m + p - 1)
     if kind in ("gpipe", "1f1b"):
         return Fraction(p - 1, m + p - 1)
-    raise ValueError(f"schedule={kind!r} is unknown (choose gpipe, 1f1b, interleaved)")
+    if kind == "zb-h1":
+        tw = t_bwd * Fraction(1, 2) if t_w is None else t_w
+        idle = (p - 1) * (t_fwd + (t_bwd - tw) - tw)
+        idle = Fraction(idle) if isinstance(idle, int) else idle  # exact for int costs
+        return idle / (m * (t_fwd + t_bwd) + idle)
+    if kind == "zbv":
+        return None
+    raise ValueError(f"schedule={kind!r} is unknown (choose gpipe, 1f1b, interleaved, "
+                     f"looped-bfs, zb-h1, zbv)")
 
 
 __all__ = ["simulate", "SimResult", "bubble_formula", "time_compute", "Stuck"]

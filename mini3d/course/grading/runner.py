@@ -11,7 +11,7 @@ import random
 import traceback
 
 from . import (data_parallel, grad_norm, hangs, long_sequences, memory, pipeline, plan_search,
-               rank_grid, recompute, tensor_parallel)
+               rank_grid, recompute, tensor_parallel, zero_bubble)
 from .core import Check, CheckFailed, Context, Exercise, Outcome, load_impl
 from .scenario import run_scenario
 
@@ -116,7 +116,7 @@ def run_check(ex: Exercise, check: Check, impl_name: str, seed: int, shortcut: b
 
 
 def all_exercises() -> list[Exercise]:
-    exs = (memory.EXERCISES + pipeline.EXERCISES + rank_grid.EXERCISES + recompute.EXERCISES
+    exs = (memory.EXERCISES + pipeline.EXERCISES + zero_bubble.EXERCISES + rank_grid.EXERCISES + recompute.EXERCISES
            + hangs.EXERCISES + data_parallel.EXERCISES + tensor_parallel.EXERCISES
            + plan_search.EXERCISES + grad_norm.EXERCISES + long_sequences.EXERCISES)
     return sorted(exs, key=lambda e: e.chapter)  # stable: course order

@@ -5,6 +5,8 @@ from __future__ import annotations
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import simulate
 
+from .pipeline import chunks_for
+
 
 def pp_simulate_fn():
     """`simulate_fn(kind, p, m, v, bwd_ratio)` backed by `mini3d.pp` (make_schedule + simulate).
@@ -12,7 +14,7 @@ def pp_simulate_fn():
     Costs are per model chunk: a forward of one chunk takes 1/v, its backward bwd_ratio/v, so the
     total work per micro-batch is the same for every v and only the bubble changes."""
     def simulate_fn(kind, p, m, v=1, bwd_ratio=2.0):
-        v = v if kind == "interleaved" else 1
+        v = chunks_for(kind, v)  # split schedules: B and W each half of the backward
         return simulate(make_schedule(kind, p, m, v), 1.0 / v, float(bwd_ratio) / v)
 
     return simulate_fn

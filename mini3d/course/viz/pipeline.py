@@ -4,6 +4,8 @@ A timeline is plain data, one list per pipeline rank of `(start, end, action)`, 
 `mini3d.pp.simulator.simulate(...).timeline` holds. An action may be an object with `op`, `stage`
 and `mb` attributes (`mini3d.pp.schedules.Action`), a dict with those keys, or its printed form
 ("F1.0" = forward of stage 1 on micro-batch 0). Transfers, if present, are drawn as thin grey bars.
+In a split schedule (zb-h1, zbv) B is the input-gradient pass and W the weight-gradient pass, drawn
+in its own colour: the Gantt then shows W filling what would otherwise be bubble.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from .theme import ACTION_COLORS, new_figure
 
 _PRINTED = re.compile(r"^([A-Za-z_]+?)(\d+)\.(\d+)")
 _SHORT_OPS = {"sF": "SEND_F", "rF": "RECV_F", "sB": "SEND_B", "rB": "RECV_B"}
+COMPUTE_OPS = ("F", "B", "W")  # what counts as work; everything else is a transfer or idle
 
 
 def parse_action(a) -> tuple[str, int, int]:
@@ -37,7 +40,7 @@ def idle_gaps(timeline: Sequence[Sequence]) -> list[list[tuple[float, float]]]:
     makespan = max((float(e) for row in timeline for _, e, _ in row), default=0.0)
     gaps = []
     for row in timeline:
-        busy = sorted((float(s), float(e)) for s, e, a in row if parse_action(a)[0] in ("F", "B"))
+        busy = sorted((float(s), float(e)) for s, e, a in row if parse_action(a)[0] in COMPUTE_OPS)
         out, t = [], 0.0
         for s, e in busy:
             if s > t + 1e-12:
@@ -58,22 +61,40 @@ def bubble_from_timeline(timeline: Sequence[Sequence]) -> float:
     return idle / (len(timeline) * makespan)
 
 
+SCHEDULE_MENU = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
+
+
+def chunks_for(kind: str, v: int) -> int:
+    """The chunks per rank the explorer uses for `kind`: the slider's v where the schedule takes
+    any (interleaved, looped BFS), 2 for zbv's V, else 1."""
+    return v if kind in ("interleaved", "looped-bfs") else 2 if kind == "zbv" else 1
+
+
+FORMS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v·m+p-1)",
+         "looped-bfs": "(p-1)/(v·m+p-1)",
+         "zb-h1": "(p-1)(t_F+t_B-t_W) / (m(t_F+t_B+t_W) + (p-1)(t_F+t_B-t_W))"}
+
+
 def bubble_formula_text(kind: str, p: int, m: int, v: int = 1) -> str:
-    """The closed form the chapter teaches, evaluated: '(p-1)/(m+p-1) = 3/11 = 27.3%'."""
+    """The closed form the chapter teaches, evaluated (by `mini3d.pp.bubble_formula`):
+    '(p-1)/(m+p-1) = 3/11 = 27.3%'. ZB-H1's with t_F = t_B = t_W = 1 (a backward of 2 units split
+    in halves); ZB-V has none (simulate it)."""
     from mini3d.pp.simulator import bubble_formula
 
     value = bubble_formula(kind, p, m, v)
-    form = "(p-1)/(v·m+p-1)" if kind == "interleaved" else "(p-1)/(m+p-1)"
-    return f"{form} = {value.numerator}/{value.denominator} = {float(value):.1%}"
+    if value is None:
+        return "no closed form (simulated)"
+    return f"{FORMS[kind]} = {value.numerator}/{value.denominator} = {float(value):.1%}"
 
 
 def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = None,
                  formula: str | None = None, title: str = "Pipeline schedule",
                  time_unit: str = "units of one forward", widget: bool = False) -> go.Figure:
-    """One horizontal bar per action (forward blue, backward orange) per pipeline rank, idle gaps in
-    light grey, and the bubble fraction annotated (computed from the timeline when not given).
+    """One horizontal bar per action (forward blue, backward orange, weight-gradient W green) per
+    pipeline rank, idle gaps in light grey, and the bubble fraction annotated (computed from the
+    timeline when not given).
 
-    Traces: 'forward', 'backward', 'transfer' (one bar per action each) and 'idle'."""
+    Traces: 'forward', 'backward', 'weight' (split schedules only), 'transfer' and 'idle'."""
     fig = new_figure(title, f"time ({time_unit})", "pipeline rank", widget=widget)
     fill_gantt(fig, timeline, bubble_fraction, formula)
     fig.update_yaxes(autorange="reversed", type="category")
@@ -86,7 +107,8 @@ def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = N
 
 # Chunk c of an interleaved schedule (stages c*p .. c*p + p-1) in its own shade, darkest first.
 CHUNK_SHADES = {"forward": ["#3b6fb6", "#8fb3e3", "#1f3d66", "#c5d8f2"],
-                "backward": ["#e8893a", "#f5c18f", "#9c4f12", "#fbe0c4"]}
+                "backward": ["#e8893a", "#f5c18f", "#9c4f12", "#fbe0c4"],
+                "weight": ["#5a9e5f", "#a8d5ab", "#2f5e33", "#d5ecd6"]}
 
 
 def _trace_name(kind: str, chunk: int) -> str:
@@ -104,11 +126,11 @@ def trace_colors() -> dict[str, str]:
 def gantt_traces(timeline: Sequence[Sequence]) -> dict[str, dict]:
     """Bar data per trace name: {'forward': {x, base, y, text}, 'backward': ..., 'idle': ...}."""
     p = max(len(timeline), 1)
-    out = {k: dict(x=[], base=[], y=[], text=[]) for k in ("forward", "backward", "transfer", "idle")}
+    out = {k: dict(x=[], base=[], y=[], text=[]) for k in ("forward", "backward", "weight", "transfer", "idle")}
     for r, row in enumerate(timeline):
         for s, e, a in row:
             op, stage, mb = parse_action(a)
-            key = {"F": "forward", "B": "backward"}.get(op, "transfer")
+            key = {"F": "forward", "B": "backward", "W": "weight"}.get(op, "transfer")
             if key != "transfer":
                 key = _trace_name(key, stage // p)  # interleaving: rank r holds stages r, r+p, ...
             d = out.setdefault(key, dict(x=[], base=[], y=[], text=[]))
@@ -136,7 +158,7 @@ def fill_gantt(fig: go.Figure, timeline, bubble_fraction=None, formula=None):
     with fig.batch_update() if isinstance(fig, go.FigureWidget) else _nullctx():
         fig.data = []
         for name, d in traces.items():
-            if not d["x"] and name == "transfer":
+            if not d["x"] and name in ("transfer", "weight"):
                 continue
             fig.add_bar(orientation="h", name=name, x=d["x"], base=d["base"], y=d["y"], text=d["text"],
                         textposition="inside", insidetextanchor="middle",
@@ -177,5 +199,6 @@ def gpipe_timeline(p: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0) -> li
     return timeline
 
 
-__all__ = ["gantt_figure", "gantt_traces", "trace_colors", "CHUNK_SHADES", "fill_gantt", "idle_gaps", "bubble_from_timeline",
-           "bubble_formula_text", "parse_action", "gpipe_timeline"]
+__all__ = ["gantt_figure", "gantt_traces", "trace_colors", "CHUNK_SHADES", "fill_gantt", "idle_gaps",
+           "bubble_from_timeline", "bubble_formula_text", "parse_action", "gpipe_timeline", "chunks_for",
+           "SCHEDULE_MENU", "COMPUTE_OPS"]

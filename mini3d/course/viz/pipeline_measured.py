@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from .pipeline import bubble_from_timeline, gantt_traces, parse_action, trace_colors
+from .pipeline import COMPUTE_OPS, bubble_from_timeline, gantt_traces, parse_action, trace_colors
 from .theme import TEMPLATE_NAME
 
 
@@ -29,28 +29,46 @@ def measured_timeline(results: Sequence[dict], compute_only: bool = False) -> li
     t0 = min(s for row in rows.values() for s, _, _ in row)
     out = []
     for p in sorted(rows):
-        keep = [(s, e, a) for s, e, a in rows[p] if not compute_only or parse_action(a)[0] in ("F", "B")]
+        keep = [(s, e, a) for s, e, a in rows[p]
+                if not compute_only or parse_action(a)[0] in COMPUTE_OPS]
         out.append([(1e3 * (s - t0), 1e3 * (e - t0), a) for s, e, a in keep])
     return out
 
 
 def stage_costs(timeline: Sequence[Sequence], n_stages: int | None = None) -> tuple[list, list]:
-    """Mean duration of the forwards and of the backwards of each stage: (t_fwd, t_bwd) lists
-    indexed by stage, in the timeline's unit."""
+    """Mean duration of the forwards and of the whole backwards of each stage: (t_fwd, t_bwd)
+    lists indexed by stage, in the timeline's unit (a split schedule's B + W; `weight_costs` gives
+    the W part)."""
+    acc = _durations(timeline)
+    n = n_stages or 1 + max(stage for _, stage in acc)
+    mean = lambda k: sum(acc[k]) / len(acc[k]) if acc[k] else 0.0  # noqa: E731
+    return ([mean(("F", s)) for s in range(n)],
+            [mean(("B", s)) + mean(("W", s)) for s in range(n)])
+
+
+def weight_costs(timeline: Sequence[Sequence], n_stages: int) -> list | None:
+    """Mean duration of each stage's W (weight gradients), or None when the timeline has no W."""
+    acc = _durations(timeline)
+    if not any(op == "W" for op, _ in acc):
+        return None
+    return [sum(acc[("W", s)]) / len(acc[("W", s)]) if acc[("W", s)] else 0.0
+            for s in range(n_stages)]
+
+
+def _durations(timeline) -> dict:
     acc = defaultdict(list)
     for row in timeline:
         for s, e, a in row:
             op, stage, _ = parse_action(a)
-            if op in ("F", "B"):
+            if op in COMPUTE_OPS:
                 acc[(op, stage)].append(float(e) - float(s))
-    n = n_stages or 1 + max(stage for _, stage in acc)
-    mean = lambda k: sum(acc[k]) / len(acc[k]) if acc[k] else 0.0  # noqa: E731
-    return [mean(("F", s)) for s in range(n)], [mean(("B", s)) for s in range(n)]
+    return acc
 
 
 def measured_vs_simulated(results: Sequence[dict], kind: str, p: int, m: int, v: int = 1) -> dict:
     """{'measured', 'simulated' (timelines in ms), 'measured_bubble', 'simulated_bubble',
-    't_fwd', 't_bwd' (ms per stage), 'measured_makespan', 'simulated_makespan'}.
+    't_fwd', 't_bwd' (ms per stage; t_bwd is B + W for a split schedule), 't_w' (W ms per stage,
+    or None), 'measured_makespan', 'simulated_makespan'}.
 
     The simulation times the same `make_schedule(kind, p, m, v)` with the measured per-stage costs
     and no transfer time; the measured bubble counts every non-compute moment (waiting on a receive,
@@ -59,11 +77,12 @@ def measured_vs_simulated(results: Sequence[dict], kind: str, p: int, m: int, v:
 
     measured = measured_timeline(results)
     t_fwd, t_bwd = stage_costs(measured, p * v)
-    sim = simulate(make_schedule(kind, p, m, v), t_fwd, t_bwd)
+    t_w = weight_costs(measured, p * v)
+    sim = simulate(make_schedule(kind, p, m, v), t_fwd, t_bwd, t_w=t_w)
     simulated = [[(float(s), float(e), str(a)) for s, e, a in row] for row in sim.timeline]
     span = lambda tl: max(e for row in tl for _, e, _ in row)  # noqa: E731
     return dict(measured=measured, simulated=simulated, measured_bubble=bubble_from_timeline(measured),
-                simulated_bubble=float(sim.bubble_fraction), t_fwd=t_fwd, t_bwd=t_bwd,
+                simulated_bubble=float(sim.bubble_fraction), t_fwd=t_fwd, t_bwd=t_bwd, t_w=t_w,
                 measured_makespan=span(measured), simulated_makespan=span(simulated))
 
 
@@ -81,7 +100,7 @@ def gantt_panels(panels: dict, time_unit: str = "units of one forward", title: s
     colors, shown = trace_colors(), set()
     for i, n in enumerate(names, start=1):
         for name, d in gantt_traces(panels[n]).items():
-            if not d["x"] and name == "transfer":
+            if not d["x"] and name in ("transfer", "weight"):
                 continue
             fig.add_bar(orientation="h", name=name, x=d["x"], base=d["base"], y=d["y"], text=d["text"],
                         textposition="inside", insidetextanchor="middle", legendgroup=name,
@@ -103,4 +122,5 @@ def gantt_panels(panels: dict, time_unit: str = "units of one forward", title: s
     return fig
 
 
-__all__ = ["measured_timeline", "stage_costs", "measured_vs_simulated", "gantt_panels"]
+__all__ = ["measured_timeline", "stage_costs", "weight_costs", "measured_vs_simulated",
+           "gantt_panels"]

@@ -34,7 +34,7 @@ CATEGORY_COLORS = {
 AXIS_COLORS = {"tp": "#2e9e5b", "pp": "#c8553d", "dp": "#3b6fb6", "mp": "#8e6bbf",
                "embedding": "#b59a2a"}
 # Pipeline actions.
-ACTION_COLORS = {"F": "#3b6fb6", "B": "#e8893a", "idle": "#e6e6e6"}
+ACTION_COLORS = {"F": "#3b6fb6", "B": "#e8893a", "W": "#5a9e5f", "idle": "#e6e6e6"}
 CAPACITY_COLOR = "#c0392b"
 
 

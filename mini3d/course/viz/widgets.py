@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipywidgets as W
 
 from .memory import memory_breakdown_figure
-from .pipeline import bubble_formula_text, fill_gantt, gantt_figure
+from .pipeline import SCHEDULE_MENU, bubble_formula_text, chunks_for, fill_gantt, gantt_figure
 from .theme import CAPACITY_COLOR, GIB, as_breakdown, new_figure, to_gib
 
 POW2 = [1, 2, 4, 8, 16, 32, 64]
@@ -68,7 +68,7 @@ def _guard(status, fn):
 
 def schedule_view(simulate_fn, kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.0) -> dict:
     """Simulate one step: {'timeline', 'bubble_fraction', 'makespan', 'formula'}."""
-    v = v if kind == "interleaved" else 1
+    v = chunks_for(kind, v)
     res = simulate_fn(kind, p, m, v, bwd_ratio)
     timeline = _get(res, "timeline")
     makespan = max((float(e) for row in timeline for _, e, _ in row), default=0.0)
@@ -80,7 +80,7 @@ def schedule_explorer(simulate_fn, kind: str = "1f1b", p: int = 4, m: int = 4, v
                       bwd_ratio: float = 2.0):
     """Sliders for p, m, v, the schedule and the backward/forward cost ratio over a live Gantt."""
     controls = dict(
-        kind=W.Dropdown(options=["gpipe", "1f1b", "interleaved"], value=kind, description="schedule"),
+        kind=W.Dropdown(options=list(SCHEDULE_MENU), value=kind, description="schedule"),
         p=W.IntSlider(value=p, min=1, max=8, description="stages p"),
         m=W.IntSlider(value=m, min=1, max=32, description="micro-batches m"),
         v=W.IntSlider(value=v, min=1, max=4, description="chunks v"),
