@@ -194,7 +194,7 @@ def cmd_train(args) -> int:
 
     spec = spec.replace(stop_on_signal=True)  # Ctrl-C / SIGTERM: stop at a step boundary
     if torchrun:  # the local launcher's failure handling, among the ranks (mini3d.diagnose)
-        from .diagnose import torchrun as under_torchrun
+        from . import torchrun_train as under_torchrun
 
         return under_torchrun.train(spec, args.device, derived)
     from .stop import launcher_signals

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from mini3d import cli
-from mini3d.diagnose import torchrun
+from mini3d import torchrun_train as torchrun
 
 CASES = [  # (flags, a piece of the message that names the value)
     # campaign: tracebacks after the workers started
@@ -59,7 +59,7 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--global-batch 0", "global_batch=0 must be a positive integer"),
     ("--seq-len 0", "seq_len=0 must be a positive integer"),
     ("--seq-len 129", "seq_len=129 exceeds the model's max_seq_len=128"),
-    ("--virtual-stages 2", "virtual_stages=2 needs --schedule interleaved"),
+    ("--virtual-stages 2", "virtual_stages=2 needs schedule interleaved"),
     ("--pp 2 --micro-batches 1", "1f1b needs micro_batches >= pp"),
     ("--pp 2 --micro-batches 2 --zero 3", "zero=3 with pp=2 is refused"),
     ("--bucket-mb 0", "bucket_mb=0.0 must be > 0"),

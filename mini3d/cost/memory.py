@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
 from ..dp.buckets import transient_grad_bytes
-from ..pp.partition import partition_layers, stage_rank
+from ..pp.partition import partition_layers
+from ..pp.placement import stage_rank
 from ..pp.schedules import in_flight_bound, placement_of
 from ..tp.layers import padded_size
 

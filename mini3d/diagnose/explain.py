@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..comm import COLLECTIVES
-from .history import diverged_behind_abort, diverging_rank, own_error, process_state
+from .history import (describe_op, diverged_behind_abort, diverging_rank, own_error,
+                      process_state)
 from .run_dir import Run, _event, death, doing, entered, load_run, seq_key, who
-from .watchdog import describe_op
 
 
 

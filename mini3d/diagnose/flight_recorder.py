@@ -23,7 +23,7 @@ import os
 import pickle
 import re
 
-from .watchdog import FLIGHT_RECORDER_PREFIX
+FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # + world rank: PyTorch's flight recorder dump files
 
 
 def read_dumps(run_dir: str) -> dict[int, dict]:

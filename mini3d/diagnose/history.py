@@ -93,5 +93,19 @@ def diverged_behind_abort(run, dead: int):
     return diverging_rank(run, sorted(run.dumps))
 
 
-__all__ = ["VICTIM_ERRORS", "own_error", "process_state", "self_divergence", "diverging_rank",
+def describe_op(ev: dict) -> str:
+    """'all_reduce #41 on the dp group [1, 3] (step 2, mb 0)' from an event dict."""
+    op = ev["op"]
+    if op in ("send", "recv"):
+        arrow = "to" if op == "send" else "from"
+        s = f"{op} #{ev['seq']} {arrow} rank {ev['peer']} on the {ev['axis']} axis"
+    else:
+        s = f"{op} #{ev['seq']} on the {ev['axis']} group {list(ev['group'])}"
+    s += f" shape {tuple(ev['shape'])}"
+    ctx = ev.get("context") or {}
+    if ctx:
+        s += " (" + ", ".join(f"{k} {v}" for k, v in ctx.items()) + ")"
+    return s
+
+__all__ = ["describe_op", "VICTIM_ERRORS", "own_error", "process_state", "self_divergence", "diverging_rank",
            "diverged_behind_abort"]

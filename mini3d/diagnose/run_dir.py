@@ -16,8 +16,7 @@ import signal
 from dataclasses import dataclass, field
 
 from ..grid import Grid
-from .history import process_state
-from .watchdog import describe_op
+from .history import describe_op, process_state
 
 
 @dataclass

@@ -36,10 +36,11 @@ import sys
 import threading
 import time
 
+from .flight_recorder import FLIGHT_RECORDER_PREFIX
+from .history import describe_op
 from ..launch import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
 
 RECENT_EVENTS = 256  # events per dump: enough to align sequence numbers across a group
-FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # + world rank: PyTorch's flight recorder dump files
 
 
 def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl") -> dict[str, str]:
@@ -225,21 +226,6 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def describe_op(ev: dict) -> str:
-    """'all_reduce #41 on the dp group [1, 3] (step 2, mb 0)' from an event dict."""
-    op = ev["op"]
-    if op in ("send", "recv"):
-        arrow = "to" if op == "send" else "from"
-        s = f"{op} #{ev['seq']} {arrow} rank {ev['peer']} on the {ev['axis']} axis"
-    else:
-        s = f"{op} #{ev['seq']} on the {ev['axis']} group {list(ev['group'])}"
-    s += f" shape {tuple(ev['shape'])}"
-    ctx = ev.get("context") or {}
-    if ctx:
-        s += " (" + ", ".join(f"{k} {v}" for k, v in ctx.items()) + ")"
-    return s
 
 
 def start_watchdog(topo, run_dir: str, hang_timeout: float = 300.0, fault: str | None = None,

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .placement import PLACEMENTS, stage_rank  # noqa: F401  (re-exported)
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -34,19 +36,6 @@ class StageSpec:
     layers: tuple  # global layer ids, in order
     first: bool  # holds the embedding (input: token ids)
     last: bool  # holds the head and the loss
-
-
-PLACEMENTS = ("loop", "v")
-
-
-def stage_rank(stage: int, p: int, placement: str = "loop") -> int:
-    """The pipeline rank that holds global stage `stage` (see the module docstring)."""
-    if placement == "loop":
-        return stage % p
-    if placement == "v":
-        chunk, i = divmod(stage, p)
-        return i if chunk % 2 == 0 else p - 1 - i
-    raise ValueError(f"placement={placement!r} is unknown (choose {', '.join(PLACEMENTS)})")
 
 
 def partition_problems(n_layers: int, p: int, v: int = 1, boundaries=None) -> list[str]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from .partition import stage_rank
+from .placement import stage_rank
 
 
 class Stuck(RuntimeError):

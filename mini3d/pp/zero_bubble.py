@@ -23,7 +23,7 @@ ZB-H1, and `ScheduleZBVZeroBubble`); tests/test_pp_torch_orders.py compares the 
 
 from __future__ import annotations
 
-from .schedules import B, F, W, add_transfers
+from .actions import B, F, W, add_transfers
 
 
 def zb_h1(p: int, m: int):
