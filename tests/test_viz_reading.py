@@ -94,3 +94,10 @@ def test_memory_calculator_says_gpus_and_node_crossings(tp, pp, dp, expect):
     w = widgets.memory_calculator(fake_estimate, tp=tp, pp=pp, dp=dp)
     assert (w.controls["tp"].value, w.controls["pp"].value, w.controls["dp"].value) == (tp, pp, dp)
     assert expect in w.status.value
+
+
+def test_zero_explorer_labels_one_total_however_many_ranks():
+    w = widgets.zero_explorer(fake_estimate, capacity_gib=80)
+    w.controls["dp"].value = 64  # 64 equal bars: 64 identical totals would print over each other
+    (total,) = [t for t in w.figure.data if t.name == "total"]
+    assert len(total.text) == 64 and [t for t in total.text if t] == [total.text[0]]

@@ -192,6 +192,8 @@ def zero_explorer(estimate_fn, models=("gpt-1.3b", "gpt-7b", "gpt-22b"), model="
             return
         src = memory_breakdown_figure({f"dp rank {r}": view["breakdown"] for r in range(dp)},
                                       capacity_gib * GIB, title="")
+        total = next(t for t in src.data if t.name == "total")  # equal bars: label the first only
+        total.text = list(total.text[:1]) + [""] * (dp - 1)
         src.add_scatter(x=[f"dp rank {r}" for r in range(dp)], y=[to_gib(base["total"])] * dp,
                         mode="markers", marker=dict(symbol="line-ew-open", size=30, color="#222"),
                         name="without ZeRO")
