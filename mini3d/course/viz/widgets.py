@@ -146,7 +146,7 @@ def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-
     """Model, tp, pp, dp, ZeRO, micro-batches and recomputation controls over one rank's memory bar;
     the status line gives the GPU count (tp x pp x dp), the nodes and which groups cross them."""
     controls = dict(
-        model=W.Dropdown(options=list(models), value=model, description="model"),
+        model=W.Dropdown(options=list(dict.fromkeys([*models, model])), value=model, description="model"),
         tp=W.SelectionSlider(options=POW2[:5], value=tp, description="tp"),
         pp=W.SelectionSlider(options=POW2, value=pp, description="pp"),
         dp=W.SelectionSlider(options=POW2, value=dp, description="dp"),
