@@ -105,7 +105,7 @@ def _fill_scatter(fig, rows, capacity_bytes):
         sel = [r for r in rows if bool(r["fits"]) == fits]
         fig.add_scatter(x=[r["step_time_s"] for r in sel], y=[to_gib(r["memory_bytes"]) for r in sel],
                         mode="markers+text", name="fits" if fits else "does not fit",
-                        marker=dict(size=10, color=color), textposition="top center",
+                        marker=dict(size=10, color=color), textposition="top right",  # the best is leftmost
                         text=[f"best: tp{r['tp']} pp{r['pp']} dp{r['dp']}" if r is best else "" for r in sel],
                         hovertext=[r["layout"] for r in sel],
                         hovertemplate="%{hovertext}<br>%{x:.3f} s, %{y:.1f} GiB<extra></extra>")
