@@ -137,7 +137,8 @@ def test_plan_explorer_directions():
     best = scatter.layout.meta["best"]
     assert best["layout"] == "tp2" and "best tp2" in box.status.value
     assert [t.name for t in scatter.data] == ["fits", "does not fit"]
-    assert list(scatter.data[1].text) == ["tp1 pp1 dp8"]
+    assert list(scatter.data[1].text) == [""]  # only the best layout is labelled on the plot
+    assert [t for t in scatter.data[0].text if t] == ["best: tp2 pp1 dp4"] and scatter.data[0].textposition == "top right"
     t8 = best["step_time_s"]
     box.controls["gpus"].value = 32
     t32 = scatter.layout.meta["best"]["step_time_s"]

@@ -94,3 +94,25 @@ def test_memory_calculator_says_gpus_and_node_crossings(tp, pp, dp, expect):
     w = widgets.memory_calculator(fake_estimate, tp=tp, pp=pp, dp=dp)
     assert (w.controls["tp"].value, w.controls["pp"].value, w.controls["dp"].value) == (tp, pp, dp)
     assert expect in w.status.value
+
+
+def test_zero_explorer_labels_one_total_however_many_ranks():
+    w = widgets.zero_explorer(fake_estimate, capacity_gib=80)
+    w.controls["dp"].value = 64  # 64 equal bars: 64 identical totals would print over each other
+    (total,) = [t for t in w.figure.data if t.name == "total"]
+    assert len(total.text) == 64 and [t for t in total.text if t] == [total.text[32]]
+
+
+def test_rank_grid_2d_view_beside_the_cube():
+    from mini3d.course.viz.grid2d import NODE_OUTLINES, rank_grid_2d_figure
+    from mini3d.course.viz.grid_links import rank_grid_explorer
+    from mini3d.grid import Grid
+
+    fig = rank_grid_2d_figure(Grid(2, 2, 2), "tp", gpus_per_node=4)
+    cells = fig.layout.meta["cells"]
+    assert len(cells) == 8 and len({(c, r) for _, c, r, _ in cells}) == 8  # one square per rank
+    assert {(rank, col, row) for rank, col, row, _ in cells} >= {(0, 0, 0), (1, 1, 0), (2, 2, 0), (4, 0, 1)}
+    assert list(fig.data[0].marker.line.color[:5]) == [NODE_OUTLINES[0]] * 4 + [NODE_OUTLINES[1]]
+    box = rank_grid_explorer(tp=2, pp=2, dp=2, gpus_per_node=4)
+    box.controls["pp"].value = 4
+    assert len(box.flat.layout.meta["cells"]) == 16 and box.flat in box.children[-1].children

@@ -12,6 +12,7 @@ import html
 
 import ipywidgets as W
 
+from .grid2d import rank_grid_2d_figure
 from .grid3d import rank_cube_figure
 
 # What each axis communicates (the chapter's comparison table, in one place).
@@ -69,6 +70,7 @@ def rank_grid_explorer(tp: int = 2, pp: int = 2, dp: int = 2, color_by: str = "t
     import plotly.graph_objects as go
 
     fig = go.FigureWidget(rank_cube_figure(Grid(tp, pp, dp, order), color_by, gpus_per_node))
+    flat = rank_grid_2d_figure(Grid(tp, pp, dp, order), color_by, gpus_per_node, widget=True)
     status = W.HTML()
 
     def update():
@@ -87,10 +89,20 @@ def rank_grid_explorer(tp: int = 2, pp: int = 2, dp: int = 2, color_by: str = "t
             fig.add_traces(list(src.data))
             fig.layout.title = src.layout.title
             fig.layout.meta = src.layout.meta
+        src2 = rank_grid_2d_figure(g, v["color_by"], v["gpus_per_node"])
+        with flat.batch_update():
+            flat.data = []
+            flat.add_traces(list(src2.data))
+            flat.layout.update(title=src2.layout.title, xaxis=src2.layout.xaxis, yaxis=src2.layout.yaxis,
+                               height=src2.layout.height, meta=src2.layout.meta)
         rows = link_table(g, v["gpus_per_node"])
         status.value = link_table_html(rows)
 
-    return _explorer(controls, fig, status, update)
+    box = _explorer(controls, fig, status, update)
+    fig.layout.width = 560
+    box.children = (*box.children[:-1], W.HBox([fig, flat]))  # the cube and its 2D view side by side
+    box.flat = flat
+    return box
 
 
 __all__ = ["TRAFFIC", "link_table", "link_table_html", "rank_grid_explorer"]

@@ -96,13 +96,17 @@ def layout_scatter_figure(rows, capacity_bytes: float | None = None, widget: boo
 
 
 def _fill_scatter(fig, rows, capacity_bytes):
+    """Markers for every layout; only the fastest fitting one is labelled on the plot (labels on
+    dozens of nearby points would cover each other), the others name themselves on hover."""
     fig.data = []
+    fitting = [r for r in rows if r["fits"]]
+    best = min(fitting, key=lambda r: r["step_time_s"]) if fitting else None
     for fits, color in ((True, "#2e9e5b"), (False, "#bbbbbb")):
         sel = [r for r in rows if bool(r["fits"]) == fits]
         fig.add_scatter(x=[r["step_time_s"] for r in sel], y=[to_gib(r["memory_bytes"]) for r in sel],
                         mode="markers+text", name="fits" if fits else "does not fit",
-                        marker=dict(size=10, color=color), textposition="top center",
-                        text=[f"tp{r['tp']} pp{r['pp']} dp{r['dp']}" for r in sel],
+                        marker=dict(size=10, color=color), textposition="top right",  # the best is leftmost
+                        text=[f"best: tp{r['tp']} pp{r['pp']} dp{r['dp']}" if r is best else "" for r in sel],
                         hovertext=[r["layout"] for r in sel],
                         hovertemplate="%{hovertext}<br>%{x:.3f} s, %{y:.1f} GiB<extra></extra>")
     fig.layout.shapes = []
@@ -127,8 +131,9 @@ def _fill_breakdown(fig, rows):
         fig.add_bar(y=labels, x=[r["breakdown"][term] for r in rows], orientation="h",
                     name=TERM_LABELS[term], marker_color=TERM_COLORS[term],
                     hovertemplate="%{y}<br>" + TERM_LABELS[term] + ": %{x:.4f} s<extra></extra>")
-    fig.update_layout(barmode="stack", yaxis=dict(autorange="reversed"),
-                      margin=dict(l=360 if rows else 70))
+    # automargin: the left margin grows to the longest layout name, so the axis title never sits on it
+    fig.update_layout(barmode="stack", margin=dict(l=70),
+                      yaxis=dict(autorange="reversed", automargin=True, title=dict(text="layout", standoff=12)))
 
 
 def plan_explorer(plan_fn, models=("gpt-1.3b", "gpt-7b", "gpt-22b", "gpt-70b"), model="gpt-7b",

@@ -146,7 +146,7 @@ def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-
     """Model, tp, pp, dp, ZeRO, micro-batches and recomputation controls over one rank's memory bar;
     the status line gives the GPU count (tp x pp x dp), the nodes and which groups cross them."""
     controls = dict(
-        model=W.Dropdown(options=list(models), value=model, description="model"),
+        model=W.Dropdown(options=list(dict.fromkeys([*models, model])), value=model, description="model"),
         tp=W.SelectionSlider(options=POW2[:5], value=tp, description="tp"),
         pp=W.SelectionSlider(options=POW2, value=pp, description="pp"),
         dp=W.SelectionSlider(options=POW2, value=dp, description="dp"),
@@ -190,9 +190,12 @@ def zero_explorer(estimate_fn, models=("gpt-1.3b", "gpt-7b", "gpt-22b"), model="
         base = _guard(status, lambda: memory_view(estimate_fn, capacity_gib, model=model, dp=dp, zero=0))
         if view is None or base is None:
             return
-        src = memory_breakdown_figure({f"dp rank {r}": view["breakdown"] for r in range(dp)},
+        # bars named by their dp index alone (short labels stay horizontal up to dp=128)
+        src = memory_breakdown_figure({str(r): view["breakdown"] for r in range(dp)},
                                       capacity_gib * GIB, title="")
-        src.add_scatter(x=[f"dp rank {r}" for r in range(dp)], y=[to_gib(base["total"])] * dp,
+        total = next(t for t in src.data if t.name == "total")  # equal bars: label the middle one only
+        total.text = ["" if r != dp // 2 else t for r, t in enumerate(total.text)]
+        src.add_scatter(x=[str(r) for r in range(dp)], y=[to_gib(base["total"])] * dp,
                         mode="markers", marker=dict(symbol="line-ew-open", size=30, color="#222"),
                         name="without ZeRO")
         _redraw_bars(fig, src)
