@@ -10,7 +10,7 @@
    matches `torch.cuda.get_device_name()` (H200 / H100 / A100, 40 or 80 GB by the device memory),
    or `--peak-tflops`. Without either (a CPU), MFU is left out.
 3. Peak memory: the run's `peak_mem_bytes` (CUDA's allocator peak; process RSS on CPU) next to
-   `mini3d.diagnose.estimator.estimate_memory(cfg, plan).total`.
+   `mini3d.cost.memory.estimate_memory(cfg, plan).total`.
 4. Two plain loops (`benchmarks/plain_loop.py`: same GPT, same batches, AdamW, no mini3d wrappers)
    in this process: pure bf16 (the strictest: no fp32 masters) and fp32 parameters under bf16
    autocast (the usual recipe); ratio = mini3d median step / the loop's median step.
@@ -33,7 +33,7 @@ import tempfile
 from mini3d.config import Plan, model_from_preset
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.model import model_flops
-from mini3d.diagnose.estimator import estimate_memory
+from mini3d.cost.memory import estimate_memory
 
 from .common import machine_description, replace_section
 from .plain_loop import plain_step_times

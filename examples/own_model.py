@@ -71,15 +71,16 @@ def loss_fn(out, y):
     return F.mse_loss(out, y)
 
 
-def make_model() -> MyNet:
+def make_model(device="cpu") -> MyNet:
     torch.manual_seed(SEED)  # every rank builds the same initial weights
-    return MyNet()
+    with torch.device("cpu"):  # the same draws on every device: initialise on the CPU, then move
+        return MyNet().to(device)
 
 
 def batch(step: int):
     """The global batch of one step: a smooth regression target."""
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(BATCH, D_IN, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(1000 + step)
+    x = torch.randn(BATCH, D_IN, generator=g, device="cpu")
     return x, torch.sin(x.sum(-1, keepdim=True)) + 0.5 * x[:, :1]
 
 
@@ -96,11 +97,11 @@ def my_slice(t, axis):
 # ---- mini3d applied to it -----------------------------------------------------------------------
 def train_dp(topo, zero: int) -> dict:
     """ZeRO over every rank: wrap the whole model (any nn.Module) with make_dp."""
-    model = make_model()
+    model = make_model(topo.device)
     net, opt = make_dp(model, topo.dp, Plan(dp=topo.dp.size, zero=zero, global_batch=BATCH), adamw)
     losses = []
     for step in range(STEPS):
-        x, y = (my_slice(t, topo.dp) for t in batch(step))
+        x, y = (my_slice(t, topo.dp).to(topo.device) for t in batch(step))
         loss = net(x, y)  # the mean over this replica's equal share; dp averages the gradients
         loss.backward()
         opt.step()
@@ -111,7 +112,7 @@ def train_dp(topo, zero: int) -> dict:
 
 def train_pp(topo, micro_batches: int = 2) -> dict:
     """Pipeline: this rank's blocks of the user's stack, the 1F1B schedule, ZeRO-1 over dp."""
-    model = make_model()
+    model = make_model(topo.device)
     stages = stages_from_blocks(model.layers, topo.pp.index, topo.pp.size, loss_fn=loss_fn)
     (stage,) = stages.values()
     net, opt = make_dp(stage, topo.dp, Plan(dp=topo.dp.size, zero=1, global_batch=BATCH), adamw)
@@ -120,7 +121,7 @@ def train_pp(topo, micro_batches: int = 2) -> dict:
                               act_shape=(b, D))
     losses = []
     for step in range(STEPS):
-        x, y = (my_slice(t, topo.dp) for t in batch(step))
+        x, y = (my_slice(t, topo.dp).to(topo.device) for t in batch(step))
         with net.no_sync():  # gradients accumulate over micro-batches; opt.step() syncs them once
             result = runtime.step(list(zip(x.chunk(micro_batches), y.chunk(micro_batches))), step)
         opt.step()
@@ -146,14 +147,14 @@ class TensorParallelResidualMLP(nn.Module):
 
 def train_tp(topo) -> dict:
     """Tensor parallelism inside each residual block, plain data parallelism across replicas."""
-    model = make_model()
+    model = make_model(topo.device)
     for i, layer in enumerate(model.layers):
         if isinstance(layer, ResidualMLP):
             model.layers[i] = TensorParallelResidualMLP(layer, topo.tp)
     net, opt = make_dp(model, topo.dp, Plan(dp=topo.dp.size, global_batch=BATCH), adamw)
     losses = []
     for step in range(STEPS):
-        x, y = (my_slice(t, topo.dp) for t in batch(step))
+        x, y = (my_slice(t, topo.dp).to(topo.device) for t in batch(step))
         loss = net(x, y)
         loss.backward()
         opt.step()
@@ -164,7 +165,7 @@ def train_tp(topo) -> dict:
 
 
 def _dp_mean(value: float, topo) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=topo.device)
     comm.all_reduce(t, topo.dp, op="avg")
     return float(t.item())
 

@@ -4,7 +4,7 @@ Chapter: 09 planning a real run (course/09_planning_a_real_run.ipynb)
 
 Build the planner's core yourself: enumerate the layouts, then every plan of the search space,
 keep those whose estimated memory fits, and rank them by estimated step time. Use
-`mini3d.diagnose.estimator.estimate_memory` and `mini3d.cost.model.estimate_cost` as helpers,
+`mini3d.cost.memory.estimate_memory` and `mini3d.cost.model.estimate_cost` as helpers,
 but not `mini3d.cost.planner` (that is the answer you are rebuilding).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.cost.model import estimate_cost  # noqa: F401  (your helpers)
-from mini3d.diagnose.estimator import estimate_memory  # noqa: F401
+from mini3d.cost.memory import estimate_memory  # noqa: F401
 
 
 def layouts(cfg: ModelConfig, n_gpus: int) -> list[tuple[int, int, int]]:

@@ -9,7 +9,17 @@ layout is the same operation as starting from the reference model: each rank sli
 Atomicity. Files are first written into `ROOT/.tmp-step-000123/` (each through a `.part` file and
 `os.replace`), then the leader renames that directory to `step-000123` and finally replaces the one-line
 `ROOT/latest` file with `os.replace`. A crash at any moment leaves `latest` naming the previous complete
-checkpoint; half-written temporary directories are ignored and cleaned by the next save.
+checkpoint; half-written temporary directories are ignored and cleaned by the next save. A checkpoint
+of the same step already in place is first renamed aside (`.old-step-000123`) and removed only after
+the new one has its name, so a crash between the two renames still leaves one (`latest_dir` finds it).
+
+Verification. Each writer hashes its file as torch.save writes it (no read-back) and the leader stores
+every file's sha256, size and tensor shapes in `meta.json["files"]`; `verify_checkpoint` checks them
+(and the shapes against the model asked for) before any worker starts. A full disk is `DiskFull`
+("no space left on ROOT while writing checkpoint step N"), and the partial directory is removed.
+
+Loading. A rank opens only the stage files that hold its parameters, once, with `mmap=True,
+weights_only=True` (no pickled code runs; tensors page in as they are sliced).
 
 Why not `torch.distributed.checkpoint` (DCP)? DCP reshards DTensors; mini3d's shards are plain tensors
 whose layout (heads split inside a fused qkv, padded vocabulary, flat ZeRO shards) DCP cannot describe
@@ -19,6 +29,8 @@ layout load any checkpoint. DCP would be the choice for sharded saves of very la
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -26,6 +38,39 @@ import shutil
 import torch
 
 LATEST = "latest"
+SUMS = ".sum.json"  # a writer's sidecar in the temporary directory, merged into meta.json
+ASIDE = ".old-"  # prefix of a replaced checkpoint until its successor has its name
+
+
+class DiskFull(RuntimeError):
+    """The file system of the checkpoint root is full; the partial checkpoint was removed."""
+
+
+class _HashingFile:
+    """The file object torch.save writes through: hashes the bytes as they go, and lets a write
+    error such as ENOSPC surface as OSError (torch's own file writer reports it as "unexpected pos").
+    MINI3D_TEST_DISK_FULL_AFTER=N fails like a full disk once N bytes are written (tests)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+        self.error = None  # torch's zip writer may turn our OSError into "unexpected pos": keep it
+        limit = os.environ.get("MINI3D_TEST_DISK_FULL_AFTER")
+        self.limit = int(limit) if limit else None
+
+    def write(self, b) -> int:
+        try:
+            if self.limit is not None and self.bytes + len(b) > self.limit:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            n = self.f.write(b)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self.sha.update(b)
+        self.bytes += len(b)
+        return n
+
+    def flush(self):
+        self.f.flush()
 
 
 def _fsync_dir(path: str):
@@ -56,17 +101,41 @@ class CheckpointWriter:
     def begin(self):
         os.makedirs(self.root, exist_ok=True)
         for name in os.listdir(self.root):  # leftovers of an interrupted save
+            path = os.path.join(self.root, name)
             if name.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
+            elif name.startswith(ASIDE):  # a commit died between its renames
+                final = os.path.join(self.root, name[len(ASIDE):])
+                if os.path.isfile(os.path.join(final, "meta.json")):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    shutil.rmtree(final, ignore_errors=True)
+                    os.rename(path, final)
         os.makedirs(self.tmp)
+
+    def _full(self, err: OSError):
+        shutil.rmtree(self.tmp, ignore_errors=True)  # give the space back now, not at the next save
+        return DiskFull(f"no space left on {self.root} while writing checkpoint step {self.step} "
+                        f"(the partial checkpoint was removed; the previous one stays)")
 
     def write(self, name: str, obj):
         part = os.path.join(self.tmp, name + ".part")
-        with open(part, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, os.path.join(self.tmp, name))
+        hashed = None
+        try:
+            with open(part, "wb") as f:
+                hashed = _HashingFile(f)
+                torch.save(obj, hashed)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(part, os.path.join(self.tmp, name))
+            tensors = {k: list(v.shape) for k, v in (obj.get("model") or {}).items()}
+            _write_json(os.path.join(self.tmp, name + SUMS),
+                        {"sha256": hashed.sha.hexdigest(), "bytes": hashed.bytes, "tensors": tensors})
+        except (OSError, RuntimeError) as e:
+            cause = hashed.error if hashed is not None and hashed.error is not None else e
+            if getattr(cause, "errno", None) == errno.ENOSPC:
+                raise self._full(cause) from e
+            raise
         pause = os.environ.get("MINI3D_TEST_PAUSE_IN_SAVE")  # tests kill a save mid-way
         if pause:
             import time
@@ -74,13 +143,24 @@ class CheckpointWriter:
             time.sleep(float(pause))
 
     def commit(self, meta: dict):
-        with open(os.path.join(self.tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        files = {}
+        for name in sorted(os.listdir(self.tmp)):
+            if name.endswith(SUMS):
+                with open(os.path.join(self.tmp, name)) as f:
+                    files[name[:-len(SUMS)]] = json.load(f)
+                os.remove(os.path.join(self.tmp, name))
+        try:
+            _write_json(os.path.join(self.tmp, "meta.json"), {**meta, "files": files})
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._full(e) from e
+            raise
         _fsync_dir(self.tmp)
-        if os.path.exists(self.final):
-            shutil.rmtree(self.final)
+        aside = None
+        if os.path.exists(self.final):  # the same step again: keep the old one until the new is in
+            aside = os.path.join(self.root, ASIDE + step_dir_name(self.step))
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(self.final, aside)
         os.rename(self.tmp, self.final)
         latest_tmp = os.path.join(self.root, LATEST + ".part")
         with open(latest_tmp, "w") as f:
@@ -89,6 +169,15 @@ class CheckpointWriter:
             os.fsync(f.fileno())
         os.replace(latest_tmp, os.path.join(self.root, LATEST))
         _fsync_dir(self.root)
+        if aside:
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_json(path: str, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def latest_dir(root: str) -> str | None:
@@ -100,8 +189,23 @@ def latest_dir(root: str) -> str | None:
             name = f.read().strip()
     except FileNotFoundError:
         return None
-    path = os.path.join(root, name)
-    return path if os.path.isfile(os.path.join(path, "meta.json")) else None
+    for path in (os.path.join(root, name), os.path.join(root, ASIDE + name)):
+        if os.path.isfile(os.path.join(path, "meta.json")):  # the aside copy: a crash mid-commit
+            return path
+    return None
+
+
+def prune_checkpoints(root: str, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints under `root` (never the one `latest`
+    names); returns the deleted directories. Leader only, after a commit."""
+    newest = latest_dir(root)
+    steps = sorted(n for n in os.listdir(root) if n.startswith("step-")
+                   and os.path.isfile(os.path.join(root, n, "meta.json")))
+    doomed = [os.path.join(root, n) for n in steps[:max(0, len(steps) - keep)]]
+    doomed = [d for d in doomed if newest is None or os.path.abspath(d) != os.path.abspath(newest)]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 def read_meta(ckpt: str) -> dict:
@@ -109,23 +213,120 @@ def read_meta(ckpt: str) -> dict:
         return json.load(f)
 
 
-def read_states(ckpt: str) -> dict:
-    """Merge every stage file into one {name: tensor} model dict and one {name: {moment: tensor}}."""
-    model, optim = {}, {}
-    for name in sorted(os.listdir(ckpt)):
-        if name.startswith("stage") and name.endswith(".pt"):
-            part = torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)
-            model.update(part["model"])
-            optim.update(part.get("optim", {}))
-    return {"model": model, "optim": optim}
+def stage_files(ckpt: str, names=None) -> list[str]:
+    """The stage files of `ckpt`; with `names`, only those holding one of these tensors (from the
+    index in meta.json; every file for a checkpoint without one)."""
+    files = sorted(n for n in os.listdir(ckpt) if n.startswith("stage") and n.endswith(".pt"))
+    if names is None:
+        return files
+    try:
+        index = read_meta(ckpt).get("files") or {}
+    except (OSError, ValueError):
+        index = {}
+    names = set(names)
+    return [f for f in files if f not in index or names & set(index[f].get("tensors", ()))]
+
+
+def read_parts(ckpt: str, names=None) -> list[dict]:
+    """The stage files `stage_files(ckpt, names)` selects, each loaded once, memory-mapped."""
+    return [torch.load(os.path.join(ckpt, f), map_location="cpu", weights_only=True, mmap=True)
+            for f in stage_files(ckpt, names)]
+
+
+def read_states(ckpt: str, names=None) -> dict:
+    """Merge the stage files into one {name: tensor} model dict, one {name: {moment: tensor}}, the
+    optimizer step and the RNG state (of the first file read)."""
+    model, optim, step, rng = {}, {}, 0, None
+    for part in read_parts(ckpt, names):
+        model.update(part["model"])
+        optim.update(part.get("optim", {}))
+        step = max(step, int(part.get("optim_step", 0)))
+        rng = part.get("rng") if rng is None else rng
+    return {"model": model, "optim": optim, "optim_step": step, "rng": rng}
 
 
 def shape_mismatch(meta: dict, cfg_dict: dict) -> list[str]:
     """Model fields that differ between a checkpoint and the requested model, each naming both values."""
     fields = ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len", "d_ff")
+    family = ("family", "n_kv_heads", "tie_embeddings", "activation", "rope_base", "norm_eps")
     saved = meta["model"]
-    return [f"{k}: checkpoint has {saved[k]}, the flags ask for {cfg_dict[k]}"
-            for k in fields if saved.get(k) != cfg_dict.get(k)]
+    return [f"{k}: checkpoint has {saved.get(k)}, the flags ask for {cfg_dict.get(k)}"
+            for k in fields + family
+            if (k in fields or k in saved) and saved.get(k) != cfg_dict.get(k)]
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def reference_shapes(cfg) -> dict:
+    """{reference name: shape} of the full model `cfg` describes (built on the meta device)."""
+    from .model import GPT
+
+    with torch.device("meta"):
+        return {n: list(p.shape) for n, p in GPT(cfg, init=False).named_parameters()}
+
+
+def verify_checkpoint(ckpt: str, cfg=None) -> list[str]:
+    """Every reason `ckpt` cannot be resumed, each naming the file: meta.json missing or not valid
+    JSON, a stage file missing, of another size or checksum than meta.json records, not loadable,
+    or (with `cfg`) holding tensors that are missing or of another shape than the model needs.
+    Reads every byte (for the checksums) but loads tensors memory-mapped."""
+    try:
+        meta = read_meta(ckpt)
+        if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "model" not in meta:
+            return [f"{ckpt}/meta.json lacks the step or the model config (not a mini3d checkpoint?)"]
+    except FileNotFoundError:
+        return [f"{ckpt}/meta.json is missing"]
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return [f"{ckpt}/meta.json is not valid JSON ({str(e).splitlines()[0][:80]})"]
+    files = meta.get("files")
+    names = sorted(set(files if isinstance(files, dict) else ()) | set(stage_files(ckpt)))
+    out, shapes = [], {}
+    if not names:
+        return [f"{ckpt} holds no stage*.pt file"]
+    for name in names:
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            out.append(f"{path} is missing (meta.json lists it)")
+            continue
+        want = files.get(name) if isinstance(files, dict) else None
+        if want and os.path.getsize(path) != want.get("bytes"):
+            out.append(f"{path} holds {os.path.getsize(path)} bytes, meta.json records "
+                       f"{want.get('bytes')} (truncated or replaced)")
+            continue
+        if want and _sha256(path) != want.get("sha256"):
+            out.append(f"{path}: sha256 differs from meta.json's (the file was changed or corrupted)")
+            continue
+        try:
+            part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            shapes.update({k: list(v.shape) for k, v in part["model"].items()})
+        except Exception as e:  # a refused pickle, a broken zip, no "model": all the same to us
+            out.append(f"{path} is not a loadable checkpoint file ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:80] if str(e) else ''})")
+    import dataclasses
+
+    if cfg is not None and not out and not shape_mismatch(meta, dataclasses.asdict(cfg)):
+        ref = reference_shapes(cfg)  # (another config is shape_mismatch's to report, by field)
+        where = {n: f for f in names for n in ((files or {}).get(f) or {}).get("tensors", ())}
+        for n in sorted(ref):
+            if n not in shapes:
+                out.append(f"{ckpt} holds no tensor {n} (the model needs shape {ref[n]})")
+            elif shapes[n] != ref[n]:
+                out.append(f"{ckpt}/{where.get(n, 'stage*.pt')}: {n} has shape {shapes[n]}, "
+                           f"the model needs {ref[n]}")
+        out = out[:5] + ([f"... and {len(out) - 5} more"] if len(out) > 5 else [])
+    return out
+
+
+def restore_rng(state):
+    """Put back the host RNG state a checkpoint's writer saved (nothing for older checkpoints)."""
+    if state is not None:
+        torch.set_rng_state(state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,14 +336,18 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
 
 
 def _names(chunks) -> dict:
-    """{parameter: reference name} over this rank's model chunks (names are the full model's)."""
-    return {p: n for chunk in chunks for n, p in chunk.named_parameters()}
+    """{parameter: reference name} over this rank's model chunks (names are the full model's; a
+    tied head's copy on the last stage is saved and restored as the embedding it equals)."""
+    from .model import canonical_name
+
+    return {p: canonical_name(n, chunk.cfg) for chunk in chunks for n, p in chunk.named_parameters()}
 
 
-def gather_full_state(chunks, optimizer, topo) -> tuple[dict, dict, int]:
+def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict, dict, int]:
     """(weights, moments, optimizer step) of this rank's chunks at full shape, keyed by reference
     name. Weights come from the fp32 master copies (so bf16 runs resume exactly). Collective over
-    the dp and tp axes: every rank must call it."""
+    the dp and tp axes: every rank must call it, but only a rank with `keep` (a writer) builds the
+    full host copies; the others take part in each gather and drop its result at once."""
     from . import comm
     from .tp import unshard_like
 
@@ -159,9 +364,12 @@ def gather_full_state(chunks, optimizer, topo) -> tuple[dict, dict, int]:
             full = shard
             if sharded:
                 full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-                comm.all_gather(full, shard.contiguous(), topo.dp)
+                comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
             for p, local in group.views(full):
-                value = unshard_like(p, local.float(), topo).cpu()
+                value = unshard_like(p, local.float(), topo)
+                if not keep:
+                    continue
+                value = value.cpu()
                 if key == "weight":
                     weights[names[p]] = value
                 else:

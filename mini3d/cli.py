@@ -13,17 +13,13 @@ import os
 import sys
 
 from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
+from .model_args import add_family_args, family_overrides
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
+from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_OOM, bad_input  # noqa: F401
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
-SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli")
-
-
-def bad_input(problems: list[str], command: str = "train") -> int:
-    print(f"mini3d {command}: bad input: " + "; ".join(problems) + ". Nothing was started.",
-          file=sys.stderr)
-    return EXIT_BAD_INPUT
+SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
+                      "mini3d.sample", "mini3d.hf")
 
 
 def add_model_args(p: argparse.ArgumentParser):
@@ -34,12 +30,17 @@ def add_model_args(p: argparse.ArgumentParser):
     g.add_argument("--heads", type=int, help="attention heads")
     g.add_argument("--vocab", type=int, help="vocabulary size")
     g.add_argument("--ffn", type=int, help="MLP width (default 4 x hidden)")
+    add_family_args(g)
 
 
 def model_from_args(args) -> ModelConfig:
     over = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.hidden),
                               ("n_heads", args.heads), ("vocab_size", args.vocab),
                               ("d_ff", args.ffn)) if v is not None}
+    over.update(family_overrides(args))
+    if "n_heads" in over and "n_kv_heads" not in over and PRESETS.get(args.model) and \
+            PRESETS[args.model].n_kv_heads == PRESETS[args.model].n_heads:
+        over["n_kv_heads"] = 0  # still one key/value head per query head
     if "d_model" in over and "d_ff" not in over:
         over["d_ff"] = 4 * over["d_model"]
     if over:
@@ -52,6 +53,8 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     g.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     g.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention over "
+                                                    "2*cp zig-zag chunks of each sequence)")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     g.add_argument("--schedule", default="1f1b",
                    help="gpipe, 1f1b, interleaved, looped-bfs, zb-h1 or zbv (zbv: --virtual-stages 2)")
@@ -63,6 +66,9 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--dtype", default="float32", help="float32 or bf16")
     g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm regions (tp > 1)")
     g.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size in MiB")
+    g.add_argument("--grad-dtype", default="float32",
+                   help="bf16 runs: accumulate and reduce gradients in float32 (default) or bf16 "
+                        "(half the gradient memory and dp traffic, rounded at every sum)")
     g.add_argument("--attention", default="explicit",
                    help="explicit (written out, keeps the s x s matrix: what the course measures) "
                         "or sdpa (torch's fused scaled_dot_product_attention: for real runs)")
@@ -73,7 +79,8 @@ def plan_from_args(args) -> Plan:
                 micro_batches=args.micro_batches, virtual_stages=args.virtual_stages,
                 recompute=args.recompute, dtype=args.dtype, global_batch=args.global_batch,
                 seq_len=args.seq_len, sequence_parallel=args.sequence_parallel,
-                bucket_mb=args.bucket_mb, attention=args.attention)
+                bucket_mb=args.bucket_mb, attention=args.attention, grad_dtype=args.grad_dtype,
+                cp=args.cp)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a GPT with tp x pp x dp processes",
                        description="Train on the embedded corpus (or --data). Run plainly it spawns "
-                                   "tp*pp*dp local processes; under torchrun it uses the environment.")
+                                   "tp*cp*pp*dp local processes; under torchrun it uses the environment.")
     add_model_args(t)
     add_plan_args(t)
     r = t.add_argument_group("run")
@@ -90,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--grad-clip", type=float, default=0.0, metavar="NORM",
                    help="clip the global gradient norm to NORM (0: off; 1.0 is usual)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--data", help="a text file to train on (default: the embedded corpus)")
+    r.add_argument("--data", help="a text file, or a `mini3d prepare` shard directory (default: the "
+                                  "embedded corpus)")
     r.add_argument("--device", default="auto", help="auto, cpu or cuda")
     r.add_argument("--log-jsonl", metavar="FILE", help="one JSON object per optimizer step")
     r.add_argument("--save", metavar="DIR", help="write checkpoints under DIR (at the end, and "
@@ -98,11 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
     r.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint under DIR "
                                                    "(any layout); --steps is the total to reach")
-    r.add_argument("--world-size", type=int, help="number of processes (default tp*pp*dp)")
+    r.add_argument("--init-from-hf", metavar="HF_DIR", help="start from a local Hugging Face GPT-2 / "
+                   "Llama directory (its config.json sets the model; see mini3d import-hf)")
+    r.add_argument("--world-size", type=int, help="number of processes (default tp*cp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     from .diagnose.cli import add_train_args
+    from .run_cli import add_run_args
 
+    add_run_args(t)  # tokenizer, validation, lr schedule, metrics, long runs
     add_train_args(t)  # mini3d.diagnose: --hang-timeout --run-dir --inject-fault --memory-budget ...
     t.set_defaults(func=cmd_train)
     for name in SUBCOMMAND_MODULES:
@@ -127,61 +139,60 @@ def add_grade_command(sub):
 
 
 def cmd_train(args) -> int:
-    from .data import check_data_path
     from .launch import LaunchError, LaunchTimeout, WorkerError, choose_device, in_torchrun
 
     try:
         cfg = model_from_args(args)
     except PlanError as e:
         return bad_input(e.problems)
+    if args.init_from_hf:  # the HF directory's config.json is the model
+        from .hf import HFError, hf_config
+
+        try:
+            cfg = hf_config(args.init_from_hf)
+        except HFError as e:
+            return bad_input([f"--init-from-hf: {e}"])
+        if args.resume:
+            return bad_input(["--init-from-hf and --resume both say where the weights come from "
+                              "(give one)"])
     plan = plan_from_args(args)
     torchrun = in_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or plan.world_size)
-    problems = plan.problems(cfg, world)
-    if args.steps < 1:
-        problems.append(f"steps={args.steps} must be >= 1")
-    if args.grad_clip < 0:
-        problems.append(f"grad_clip={args.grad_clip} must be >= 0 (0 turns clipping off)")
-    data_problem = check_data_path(args.data)
-    if data_problem:
-        problems.append(data_problem)
-    if cfg.vocab_size < 256:
-        problems.append(f"vocab_size={cfg.vocab_size} is smaller than the byte vocabulary (256)")
     from .diagnose.cli import diagnose_problems, diagnose_spec
 
+    from .run_cli import run_options
+
+    cfg, options, problems = run_options(args, cfg)  # tokenizer, eval, schedule, metrics
+    spec = run_from_args(args, cfg, plan, {**diagnose_spec(args), **options})
+    problems = spec.problems(world) + problems
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
     if args.dry_run:  # mini3d.diagnose: validate, map, deadlock proof, memory; starts nothing
         from .diagnose.dryrun import dry_run
 
         return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node)
-    resume = None
     if args.resume:
         resume, resume_problems = check_resume(args.resume, cfg, args.steps)
         problems += resume_problems
+        spec = spec.replace(resume=resume)
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-        choose_device(args.device, local)
+        choose_device(args.device, local, per_process=torchrun)
     except LaunchError as e:
         problems.append(str(e))
     if problems:
         return bad_input(problems)
 
-    from .train import make_spec, reporter_records, summary_line, train_worker
+    from .train import summary_line, train_worker
 
-    spec = make_spec(cfg, plan, steps=args.steps, lr=args.lr, seed=args.seed, data=args.data,
-                     grad_clip=args.grad_clip,
-                     log_jsonl=args.log_jsonl, progress=not args.no_progress, save=args.save,
-                     save_every=args.save_every, resume=resume,
-                     **diagnose_spec(args))  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
     if torchrun:
         from .diagnose.watchdog import nccl_env
         from .launch import init_from_env
 
-        os.environ.update(nccl_env(spec["hang_timeout"], spec["run_dir"]))
+        os.environ.update(nccl_env(spec.hang_timeout, spec.run_dir))
         init_from_env(args.device)
         result = train_worker(spec)
         if result["reporter"]:
-            print(summary_line(result["records"], plan), flush=True)
+            print(summary_line(result["records"], plan, result["device"]), flush=True)
         return EXIT_OK
     try:
         results = launch_train(spec, world, args.device, args.timeout)
@@ -189,25 +200,51 @@ def cmd_train(args) -> int:
         if e.message.startswith("OutOfMemory: "):  # the report is the whole story; no traceback
             print(f"mini3d train: {e.message[len('OutOfMemory: '):]}", file=sys.stderr)
             return EXIT_OOM
-        print(f"mini3d train: {e}\n(per-rank state: mini3d explain-hang {spec['run_dir']})",
-              file=sys.stderr)
-        return EXIT_FAILED
+        return report_failure(e, spec.run_dir, EXIT_FAILED)
     except LaunchTimeout as e:
-        print(f"mini3d train: {e}", file=sys.stderr)
-        return EXIT_HUNG
-    print(summary_line(reporter_records(results), plan), flush=True)
+        return report_failure(e, spec.run_dir, EXIT_HUNG)
+    reporter = next(r for r in results if r["reporter"])
+    print(summary_line(reporter["records"], plan, reporter["device"]), flush=True)
+    if not args.run_dir:  # the default (temporary) run directory served its purpose
+        import shutil
+
+        shutil.rmtree(spec.run_dir, ignore_errors=True)
     return EXIT_OK
+
+
+def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
+    """Print the failure culprit first (mini3d.diagnose.report), else the launcher's exception."""
+    from .diagnose.report import failure_report
+
+    lines = failure_report(run_dir)
+    if lines is None:
+        lines = [str(exc)] + ([f"(per-rank state: mini3d explain-hang {run_dir})"] if run_dir else [])
+    print("mini3d train: " + "\n".join(lines), file=sys.stderr, flush=True)
+    return code
+
+
+def run_from_args(args, cfg: ModelConfig, plan: Plan, diagnose: dict):
+    """The RunConfig that `mini3d train`'s flags ask for (not validated yet: see cmd_train)."""
+    from .run_config import RunConfig
+
+    return RunConfig(model=cfg, plan=plan, steps=args.steps, lr=args.lr, seed=args.seed,
+                     grad_clip=args.grad_clip, data=args.data, log_jsonl=args.log_jsonl,
+                     progress=not args.no_progress, save=args.save, save_every=args.save_every,
+                     init_from_hf=args.init_from_hf, **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
 
 
 def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, list[str]]:
     """(checkpoint directory, problems) for --resume ROOT."""
     import dataclasses
 
-    from .checkpoint import latest_dir, read_meta, shape_mismatch
+    from .checkpoint import latest_dir, read_meta, shape_mismatch, verify_checkpoint
 
     ckpt = latest_dir(root)
     if ckpt is None:
         return None, [f"--resume {root!r} holds no complete checkpoint"]
+    broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
+    if broken:
+        return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
     meta = read_meta(ckpt)
     out = []
     diff = shape_mismatch(meta, dataclasses.asdict(cfg))
@@ -219,13 +256,14 @@ def check_resume(root: str, cfg: ModelConfig, steps: int) -> tuple[str | None, l
     return ckpt, out
 
 
-def launch_train(spec: dict, world: int, device: str = "auto", timeout: float = 3600):
+def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
+    """Spawn `world` local processes running `train_worker(spec)` (a RunConfig)."""
     from .diagnose.watchdog import nccl_env
     from .launch import launch
     from .train import train_worker
 
-    run_dir = spec.get("run_dir")
-    env = nccl_env(spec["hang_timeout"], run_dir) if run_dir else None
+    run_dir = spec.run_dir
+    env = nccl_env(spec.hang_timeout, run_dir) if run_dir else None
     return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
 
 

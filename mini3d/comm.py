@@ -13,6 +13,12 @@ Two byte counts are kept per event:
   (n-1)/n * bytes of the full tensor, broadcast bytes (pipelined), send = bytes, recv = 0.
 
 Ops on a one-member group return at once and record nothing: there is nothing to communicate.
+
+Every op first checks its tensors (`check_tensors`): all on the axis' device (`Axis.device`, the
+rank's device) and of one dtype (the one the caller expects, when it says). NCCL rejects a CPU tensor
+and gloo a meta one, but only deep inside the library and only when the op runs on that backend;
+the check fails on any backend, before anything is issued, with a message naming the op, the axis
+and the devices, so a CPU run under MINI3D_STRICT_DEVICE=1 catches what a GPU run would.
 The wrappers are thin on purpose; the cost is one small object and two clock reads per op.
 """
 
@@ -79,15 +85,15 @@ class CommLog:
     def begin(self, axis, op: str, tensor: torch.Tensor, nbytes: int, wire: int,
               peer: int | None = None, seq_key: str | None = None) -> tuple[int, Event]:
         key = (axis.name, seq_key or op)
-        self._seq[key] += 1
-        ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
-                   str(tensor.dtype).replace("torch.", ""), nbytes, wire, time.perf_counter(),
-                   peer=peer, context=dict(self.context))
-        self.bytes_by_axis[axis.name] += nbytes
-        self.wire_bytes_by_axis[axis.name] += wire
-        self.count_by_axis_op[(axis.name, op)] += 1
-        eid = next(self._ids)
-        with self.lock:
+        with self.lock:  # the watchdog thread reads the counters (seq_counts) while we issue
+            self._seq[key] += 1
+            ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
+                       str(tensor.dtype).replace("torch.", ""), nbytes, wire, time.perf_counter(),
+                       peer=peer, context=dict(self.context))
+            self.bytes_by_axis[axis.name] += nbytes
+            self.wire_bytes_by_axis[axis.name] += wire
+            self.count_by_axis_op[(axis.name, op)] += 1
+            eid = next(self._ids)
             self.pending[eid] = ev
             self.events.append(ev)
         return eid, ev
@@ -99,18 +105,20 @@ class CommLog:
 
     def retract(self, eid: int, ev: Event, seq_key: str | None = None):
         """Undo `begin` for an op that will not be issued (fault injection: a skipped collective)."""
-        self._seq[(ev.axis, seq_key or ev.op)] -= 1
-        self.bytes_by_axis[ev.axis] -= ev.bytes
-        self.wire_bytes_by_axis[ev.axis] -= ev.wire_bytes
-        self.count_by_axis_op[(ev.axis, ev.op)] -= 1
         with self.lock:
+            self._seq[(ev.axis, seq_key or ev.op)] -= 1
+            self.bytes_by_axis[ev.axis] -= ev.bytes
+            self.wire_bytes_by_axis[ev.axis] -= ev.wire_bytes
+            self.count_by_axis_op[(ev.axis, ev.op)] -= 1
             self.pending.pop(eid, None)
             if self.events and self.events[-1] is ev:
                 self.events.pop()
 
     def seq_counts(self) -> dict[str, int]:
-        """Ops issued so far per "axis/op-kind" key (p2p keys name the peer, e.g. "pp/p2p->3")."""
-        return {f"{a}/{k}": n for (a, k), n in self._seq.items()}
+        """Ops issued so far per "axis/op-kind" key (p2p keys name the peer, e.g. "pp/p2p->3").
+        Safe from another thread (the watchdog): read under the lock `begin` writes under."""
+        with self.lock:
+            return {f"{a}/{k}": n for (a, k), n in self._seq.items()}
 
     def count(self, axis: str, op: str) -> int:
         return self.count_by_axis_op[(axis, op)]
@@ -150,6 +158,50 @@ DONE = _Done()
 SKIP = object()  # returned by a fault hook: do not issue this op at all (see diagnose/faults.py)
 
 
+def ring_steps(op: str, n: int) -> int:
+    """Sequential messages one rank sends in op's ring algorithm over n members, each paying one
+    link latency: an all-reduce is a reduce-scatter (n-1 steps) then an all-gather (n-1 more), so
+    2(n-1); an all-gather or reduce-scatter alone n-1; a send 1 (Thakur, Rabenseifner and Gropp
+    2005, the alpha term of the ring algorithms)."""
+    if n <= 1:
+        return 0
+    return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "send": 1}[op]
+
+
+def ring_wire_bytes(op: str, n: int, nbytes: int) -> int:
+    """Bytes one rank sends in op's ring algorithm over n members, for a full tensor of `nbytes`:
+    each step moves nbytes/n, so 2(n-1)/n * nbytes for an all-reduce, (n-1)/n * nbytes for an
+    all-gather or reduce-scatter, nbytes for a send (the `wire_bytes` of the event log). Integer
+    sizes give the log's integer bytes; float sizes (the cost model's) are not rounded."""
+    if op == "send":
+        return nbytes
+    if n <= 1:
+        return 0
+    steps = ring_steps(op, n)
+    return steps * nbytes // n if isinstance(nbytes, int) else steps * nbytes / n
+
+
+class DeviceMismatch(RuntimeError):
+    """A collective / p2p op got a tensor on the wrong device or of the wrong dtype."""
+
+
+def check_tensors(axis, op: str, *tensors: torch.Tensor, dtype: torch.dtype | None = None):
+    """Raise DeviceMismatch unless every tensor is on `axis.device` (when the axis knows it) and
+    all share one dtype (`dtype`, when given)."""
+    want = getattr(axis, "device", None)
+    for t in tensors:
+        if want is not None and t.device != want:
+            raise DeviceMismatch(
+                f"{op} on the {axis.name} axis {list(axis.ranks)}: a tensor of shape "
+                f"{tuple(t.shape)} is on {t.device}, but this rank's tensors live on {want} "
+                f"(create it with device=..., or .to(device) first; NCCL needs CUDA tensors)")
+    dtypes = {t.dtype for t in tensors} | ({dtype} if dtype is not None else set())
+    if len(dtypes) > 1:
+        raise DeviceMismatch(f"{op} on the {axis.name} axis {list(axis.ranks)}: tensors of dtypes "
+                             f"{sorted(str(d) for d in dtypes)} in one op"
+                             + (f" (expected {dtype})" if dtype is not None else ""))
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -174,41 +226,54 @@ def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, 
     return None
 
 
-def all_reduce(tensor: torch.Tensor, axis, op: str = "sum", async_op: bool = False):
+def _reduce_op(op: str, name: str, allowed=tuple(_REDUCE)):
+    if op not in allowed:
+        raise ValueError(f"{name}: op={op!r} is not supported (choose {', '.join(allowed)})")
+
+
+def all_reduce(tensor: torch.Tensor, axis, op: str = "sum", async_op: bool = False,
+               dtype: torch.dtype | None = None):
     """In-place all-reduce over the axis' group. `op="avg"` divides the sum by the group size."""
+    _reduce_op(op, "all_reduce")
+    check_tensors(axis, "all_reduce", tensor, dtype=dtype)
     n = axis.size
     if n == 1:
         return DONE if async_op else None
     b = _nbytes(tensor)
     after = (lambda: tensor.div_(n)) if op == "avg" else None
     rop = _REDUCE["sum"] if op == "avg" else _REDUCE[op]
-    return _run(axis, "all_reduce", tensor, b, 2 * (n - 1) * b // n,
+    return _run(axis, "all_reduce", tensor, b, ring_wire_bytes("all_reduce", n, b),
                 lambda t: dist.all_reduce(t, op=rop, group=axis.group, async_op=async_op),
                 async_op, after=after)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, axis, async_op: bool = False):
+def all_gather(output: torch.Tensor, input: torch.Tensor, axis, async_op: bool = False,
+               dtype: torch.dtype | None = None):
     """Gather equal shards along dim 0: output = cat([input of each member, by axis index])."""
+    check_tensors(axis, "all_gather", output, input, dtype=dtype)
     n = axis.size
     if n == 1:
         output.copy_(input)
         return DONE if async_op else None
     b = _nbytes(output)
-    return _run(axis, "all_gather", output, b, (n - 1) * b // n,
+    return _run(axis, "all_gather", output, b, ring_wire_bytes("all_gather", n, b),
                 lambda t: _all_gather(t, input, group=axis.group, async_op=async_op),
                 async_op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis, op: str = "sum",
-                   async_op: bool = False):
-    """Sum `input` over the group and keep this member's dim-0 shard in `output`."""
+                   async_op: bool = False, dtype: torch.dtype | None = None):
+    """Sum (`op="sum"`) or average (`"avg"`) `input` over the group and keep this member's dim-0
+    shard in `output`; any other op is an error (it would otherwise be summed silently)."""
+    _reduce_op(op, "reduce_scatter", ("sum", "avg"))
+    check_tensors(axis, "reduce_scatter", output, input, dtype=dtype)
     n = axis.size
     if n == 1:
         output.copy_(input)
         return DONE if async_op else None
     b = _nbytes(input)
     after = (lambda: output.div_(n)) if op == "avg" else None
-    return _run(axis, "reduce_scatter", input, b, (n - 1) * b // n,
+    return _run(axis, "reduce_scatter", input, b, ring_wire_bytes("reduce_scatter", n, b),
                 lambda t: _reduce_scatter(output, t, op=_REDUCE["sum"], group=axis.group,
                                                      async_op=async_op),
                 async_op, after=after)
@@ -216,6 +281,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis, op: str = "s
 
 def broadcast(tensor: torch.Tensor, axis, src_index: int = 0, async_op: bool = False):
     """Broadcast from the member at `src_index` along the axis."""
+    check_tensors(axis, "broadcast", tensor)
     if axis.size == 1:
         return DONE if async_op else None
     b = _nbytes(tensor)
@@ -224,15 +290,19 @@ def broadcast(tensor: torch.Tensor, axis, src_index: int = 0, async_op: bool = F
                                          async_op=async_op), async_op)
 
 
-def send(tensor: torch.Tensor, axis, peer: int, async_op: bool = False):
+def send(tensor: torch.Tensor, axis, peer: int, async_op: bool = False,
+         dtype: torch.dtype | None = None):
     """Point-to-point send to world rank `peer` (a member of the axis' group)."""
+    check_tensors(axis, "send", tensor, dtype=dtype)
     b = _nbytes(tensor)
     fn = (lambda t: dist.isend(t, peer)) if async_op else (lambda t: dist.send(t, peer))
     return _run(axis, "send", tensor, b, b, fn, async_op, peer=peer, seq_key=f"p2p->{peer}")
 
 
-def recv(tensor: torch.Tensor, axis, peer: int, async_op: bool = False):
+def recv(tensor: torch.Tensor, axis, peer: int, async_op: bool = False,
+         dtype: torch.dtype | None = None):
     """Point-to-point receive into `tensor` from world rank `peer`."""
+    check_tensors(axis, "recv", tensor, dtype=dtype)
     b = _nbytes(tensor)
     fn = (lambda t: dist.irecv(t, peer)) if async_op else (lambda t: dist.recv(t, peer))
     return _run(axis, "recv", tensor, b, 0, fn, async_op, peer=peer, seq_key=f"p2p<-{peer}")
@@ -241,5 +311,5 @@ def recv(tensor: torch.Tensor, axis, peer: int, async_op: bool = False):
 def barrier(axis):
     if axis.size == 1:
         return
-    t = torch.zeros(1)
+    t = torch.zeros(1, device=axis.device or "cpu")  # only recorded: a barrier carries no data
     _run(axis, "barrier", t, 0, 0, lambda _: dist.barrier(group=axis.group), False)

@@ -8,6 +8,9 @@ Batches are a pure function of (seed, step): step s draws its global batch of wi
 generator seeded with (seed, s), so the data position is just the step number (a resumed run sees
 exactly the batches an uninterrupted run would), and every rank can compute the global batch itself
 and keep its own slice (dp replica, micro-batch) without any communication.
+
+`--data DIR` reads the token shards `mini3d prepare` wrote (mini3d.shards), memory-mapped: a rank
+reads only the windows of its own micro-batches, never the dataset.
 """
 
 from __future__ import annotations
@@ -44,34 +47,100 @@ def unigram_entropy(tokens: torch.Tensor) -> float:
     return float(-(p * p.log()).sum())
 
 
-class Batches:
-    """Deterministic sampler of (input, target) windows: `global_batch` sequences of `seq_len`."""
+class TensorTokens:
+    """Tokens held in memory (a text file or the embedded corpus), as one segment."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int = 0):
-        if len(tokens) < seq_len + 2:
-            raise ValueError(f"the data has {len(tokens)} tokens, fewer than seq_len+2={seq_len + 2}")
-        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens, self.lengths = tokens, [len(tokens)]
+
+    def read(self, segment: int, start: int, n: int) -> torch.Tensor:
+        return self.tokens[start:start + n]
+
+
+class Batches:
+    """Deterministic sampler of (input, target) windows: `global_batch` sequences of `seq_len`.
+
+    `tokens` is a tensor, or a source of segments (`lengths`, `read(segment, start, n)`, e.g. the
+    memory-mapped shards of `mini3d.shards.ShardTokens`); a window never crosses two segments, and
+    only the windows a rank uses are read. `stream` separates independent batch sequences of the
+    same seed (0: training, 1: validation)."""
+
+    def __init__(self, tokens, seq_len: int, global_batch: int, seed: int = 0, stream: int = 0):
+        self.source = TensorTokens(tokens) if isinstance(tokens, torch.Tensor) else tokens
+        self.starts = [max(0, n - seq_len - 1) for n in self.source.lengths]  # windows per segment
+        if sum(self.starts) < 1:
+            raise ValueError(f"the data has {max(self.source.lengths, default=0)} tokens in its "
+                             f"largest piece, fewer than seq_len+2={seq_len + 2}")
+        self.cum = torch.tensor([0] + self.starts, device="cpu").cumsum(0)  # host-side index
+        self.seq_len, self.global_batch, self.seed, self.stream = seq_len, global_batch, seed, stream
+
+    def _starts(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step + self.stream * 7_919_000_017)
+        return torch.randint(0, int(self.cum[-1]), (self.global_batch,), generator=g, device="cpu")
+
+    def _windows(self, starts: torch.Tensor):
+        rows = []
+        for s in starts.tolist():
+            seg = int(torch.searchsorted(self.cum, s, right=True)) - 1
+            rows.append(self.source.read(seg, s - int(self.cum[seg]), self.seq_len + 1))
+        w = torch.stack(rows).long()
+        return w[:, :-1], w[:, 1:]
 
     def global_batch_at(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y), each (global_batch, seq_len); y is x shifted by one token."""
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.global_batch,), generator=g)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)
-        w = self.tokens[idx]
-        return w[:, :-1], w[:, 1:]
+        return self._windows(self._starts(step))
 
     def micro_batches(self, step: int, dp_index: int, dp: int, micro_batches: int):
         """This replica's micro-batches of step `step`: a list of (x, y), each (b, seq_len)."""
-        x, y = self.global_batch_at(step)
         per_replica = self.global_batch // dp
-        x = x[dp_index * per_replica:(dp_index + 1) * per_replica]
-        y = y[dp_index * per_replica:(dp_index + 1) * per_replica]
+        x, y = self._windows(self._starts(step)[dp_index * per_replica:(dp_index + 1) * per_replica])
         return list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))
+
+
+def open_tokens(data: str | None, tokenizer, split: str = "train"):
+    """The token source of `--data`: a shard directory (memory-mapped, `split`), or a text file
+    (or the embedded corpus) tokenised with `tokenizer` into memory (no split: None for "val")."""
+    if data is not None and os.path.isdir(data):
+        from .shards import ShardTokens, read_header
+
+        header = read_header(data)
+        return ShardTokens(data, split, header) if header[split]["tokens"] else None
+    if split != "train":
+        return None
+    if tokenizer is None or tokenizer.name == "bytes":
+        return load_tokens(data)
+    text = embedded_corpus().decode("utf-8") if data is None else open(data, encoding="utf-8").read()
+    return torch.tensor(tokenizer.encode(text), dtype=torch.long, device="cpu")
+
+
+def shard_tokenizer(data: str | None) -> str | None:
+    """The tokenizer a shard directory was made with (None for a text file or no --data)."""
+    if data is None or not os.path.isdir(data):
+        return None
+    from .shards import read_header, tokenizer_name
+
+    return tokenizer_name(data, read_header(data))
+
+
+def has_validation_split(data: str | None) -> bool:
+    if data is None or not os.path.isdir(data):
+        return False
+    from .shards import read_header
+
+    return read_header(data)["val"]["tokens"] > 0
 
 
 def check_data_path(path: str | None) -> str | None:
     """A problem with `--data`, or None."""
     if path is None:
+        return None
+    if os.path.isdir(path):
+        from .shards import ShardError, read_header
+
+        try:
+            read_header(path)
+        except ShardError as e:
+            return str(e)
         return None
     if not os.path.isfile(path):
         return f"--data {path!r} does not exist or is not a file"

@@ -1,10 +1,13 @@
-"""The rank grid: world rank <-> (tp, pp, dp) coordinates, and every process group derived from it.
+"""The rank grid: world rank <-> (tp, cp, pp, dp) coordinates, and every process group derived from it.
 
 The grid is built once, from one `torch.arange(world).view(...)`, and every group is read off it, so
 the groups cannot disagree with the coordinates. The default order makes tp vary fastest (neighbouring
-ranks, i.e. GPUs on one NVLink node, share a tp group), then dp, then pp (stages are farthest apart).
+ranks, i.e. GPUs on one NVLink node, share a tp group), then cp (context parallelism: the ring
+attention's K/V exchange every layer, next-fastest), then dp, then pp (stages are farthest apart).
+An order string names the axes fastest first; one without cp (the older "tp-dp-pp" form) places cp
+right after tp. "tp-dp-cp-pp" puts cp next to dp instead.
 
-Worked example: 8 ranks, tp=2, pp=2, dp=2, order "tp-dp-pp" (the view is (pp, dp, tp)):
+Worked example: 8 ranks, tp=2, pp=2, dp=2, order "tp-dp-pp" (cp=1; the view is (pp, dp, cp, tp)):
 
     rank : 0  1  2  3  4  5  6  7
     tp   : 0  1  0  1  0  1  0  1
@@ -19,6 +22,19 @@ Worked example: 8 ranks, tp=2, pp=2, dp=2, order "tp-dp-pp" (the view is (pp, dp
 
 With 4 GPUs per node, ranks 0-3 form node 0 and 4-7 node 1: every tp group stays inside a node, and
 the pp groups are the ones that cross between nodes. `describe()` prints this map.
+
+Worked example with context parallelism: 8 ranks, tp=2, cp=2, pp=2, order "tp-cp-dp-pp":
+
+    rank : 0  1  2  3  4  5  6  7
+    tp   : 0  1  0  1  0  1  0  1
+    cp   : 0  0  1  1  0  0  1  1
+    pp   : 0  0  0  0  1  1  1  1
+
+    cp groups        [0, 2] [1, 3] [4, 6] [5, 7]       ring attention's K/V p2p, every layer
+    dp_cp groups     [0, 2] [1, 3] [4, 6] [5, 7]       parameter gradients: cp ranks hold the
+                                                       same weights, so they sync like dp replicas
+    mp groups        [0, 1, 4, 5] [2, 3, 6, 7]         one model replica (tp x pp); the sequence is
+                                                       split over cp, so a replica is tp x cp x pp
 """
 
 from __future__ import annotations
@@ -27,51 +43,56 @@ from dataclasses import dataclass, field
 
 import torch
 
-AXES = ("tp", "pp", "dp")
-DEFAULT_ORDER = "tp-dp-pp"
+AXES = ("tp", "cp", "pp", "dp")
+DEFAULT_ORDER = "tp-cp-dp-pp"
 
 
 def _parse_order(order: str) -> tuple[str, ...]:
-    names = tuple(order.split("-"))
+    names = list(order.split("-"))
+    if "cp" not in names and "tp" in names:  # the three-axis form: cp goes right after tp
+        names.insert(names.index("tp") + 1, "cp")
     if sorted(names) != sorted(AXES):
-        raise ValueError(f"order={order!r} must name tp, pp and dp once each, e.g. {DEFAULT_ORDER!r}")
-    return names
+        raise ValueError(f"order={order!r} must name tp, cp, pp and dp once each (cp may be left "
+                         f"out: it then follows tp), e.g. {DEFAULT_ORDER!r}")
+    return tuple(names)
 
 
 class Grid:
     """Pure description of the rank grid (no process groups): coordinates and group membership."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, order: str = DEFAULT_ORDER):
-        self.sizes = {"tp": tp, "pp": pp, "dp": dp}
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, order: str = DEFAULT_ORDER,
+                 cp: int = 1):
+        self.sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         self.order = _parse_order(order)  # fastest-varying axis first
-        self.world_size = tp * pp * dp
+        self.world_size = tp * cp * pp * dp
         slow_to_fast = tuple(reversed(self.order))
         self._dims = slow_to_fast
-        self.ranks = torch.arange(self.world_size).view(*(self.sizes[a] for a in slow_to_fast))
+        self.ranks = torch.arange(self.world_size, device="cpu").view(*(self.sizes[a] for a in slow_to_fast))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'tp': i, 'pp': j, 'dp': k} of a world rank."""
+        """{'tp': i, 'pp': j, 'dp': k} of a world rank, and 'cp': c when cp > 1 (so layouts without
+        context parallelism report the coordinates they always did)."""
         idx = (self.ranks == rank).nonzero()
         if idx.numel() == 0:
             raise ValueError(f"rank {rank} is outside a grid of {self.world_size} ranks")
-        return {a: int(i) for a, i in zip(self._dims, idx[0])}
+        return {a: int(i) for a, i in zip(self._dims, idx[0]) if a != "cp" or self.sizes["cp"] > 1}
 
-    def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
-        c = {"tp": tp, "pp": pp, "dp": dp}
+    def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
+        c = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
         return int(self.ranks[tuple(c[a] for a in self._dims)])
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group of one axis, as lists of world ranks ordered by that axis' coordinate.
 
-        Axes: tp, pp, dp; `mp` (tp x pp: one model replica); `embedding` (first and last stage)."""
+        Axes: tp, cp, pp, dp; `mp` (tp x pp: the ranks that hold one model replica's weights
+        together, at one cp coordinate); `dp_cp` (cp x dp: the ranks holding the same weights, over
+        which parameter gradients are summed); `embedding` (first and last stage)."""
         if axis in AXES:
-            d = self._dims.index(axis)
-            moved = self.ranks.movedim(d, -1).reshape(-1, self.sizes[axis])
-            return sorted(moved.tolist())
+            return self._span((axis,))
         if axis == "mp":
-            d = self._dims.index("dp")
-            moved = self.ranks.movedim(d, 0).reshape(self.sizes["dp"], -1)
-            return sorted(sorted(g) for g in moved.tolist())
+            return self._span(("tp", "pp"))
+        if axis == "dp_cp":
+            return self._span(("dp", "cp"))
         if axis == "embedding":
             out = []
             for g in self.groups("pp"):
@@ -79,6 +100,17 @@ class Grid:
                 out.append(ends)
             return out
         raise ValueError(f"unknown axis {axis!r}")
+
+    def _span(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """Groups of ranks that differ only in the coordinates of `axes` (members by coordinate for
+        one axis, by world rank for several)."""
+        dims = [self._dims.index(a) for a in axes]
+        size = 1
+        for a in axes:
+            size *= self.sizes[a]
+        moved = self.ranks.movedim(dims, list(range(-len(dims), 0))).reshape(-1, size)
+        groups = moved.tolist()
+        return sorted(groups) if len(axes) == 1 else sorted(sorted(g) for g in groups)
 
     def group_of(self, rank: int, axis: str) -> list[int]:
         for g in self.groups(axis):
@@ -94,37 +126,52 @@ class Grid:
         return [g for g in self.groups(axis) if len({r // gpus_per_node for r in g}) > 1]
 
     def describe(self, gpus_per_node: int | None = None) -> str:
-        """A printable rank map; flags tp groups that cross a node boundary."""
+        """A printable rank map; flags tp groups (and notes cp groups) that cross a node boundary.
+        The cp axis is shown only when cp > 1."""
         s = self.sizes
-        lines = [f"grid tp={s['tp']} pp={s['pp']} dp={s['dp']} (world {self.world_size}, "
-                 f"order {'-'.join(self.order)}, fastest first)"]
+        shown = tuple(a for a in AXES if a != "cp" or s["cp"] > 1)
+        lines = [" ".join(f"{a}={s[a]}" for a in ("tp",) + shown[1:] if a in shown)]
+        lines[0] = (f"grid {lines[0]} (world {self.world_size}, order "
+                    f"{'-'.join(a for a in self.order if a in shown)}, fastest first)")
         lines.append("rank  " + " ".join(f"{r:>3}" for r in range(self.world_size)))
-        for a in AXES:
+        for a in shown:
             lines.append(f"{a:<5} " + " ".join(f"{self.coords(r)[a]:>3}" for r in range(self.world_size)))
         if gpus_per_node:
             lines.append("node  " + " ".join(f"{r // gpus_per_node:>3}" for r in range(self.world_size)))
-        for a in AXES + ("mp",):
+        for a in shown + ("mp",) + (("dp_cp",) if s["cp"] > 1 else ()):
             lines.append(f"{a} groups: " + " ".join(str(g) for g in self.groups(a)))
         if gpus_per_node:
-            bad = self.crossing_groups("tp", gpus_per_node)
-            if bad:
-                lines.append(f"WARNING: tp groups {bad} cross a node boundary ({gpus_per_node} GPUs "
-                             f"per node): every layer's all-reduce would leave NVLink; make tp <= "
-                             f"{gpus_per_node} and keep tp fastest in the order")
-            else:
-                lines.append(f"every tp group stays inside one node ({gpus_per_node} GPUs per node)")
+            lines += self._node_notes(gpus_per_node)
         return "\n".join(lines)
+
+    def _node_notes(self, gpus_per_node: int) -> list[str]:
+        out = []
+        bad = self.crossing_groups("tp", gpus_per_node)
+        if bad:
+            out.append(f"WARNING: tp groups {bad} cross a node boundary ({gpus_per_node} GPUs "
+                       f"per node): every layer's all-reduce would leave NVLink; make tp <= "
+                       f"{gpus_per_node} and keep tp fastest in the order")
+        else:
+            out.append(f"every tp group stays inside one node ({gpus_per_node} GPUs per node)")
+        cp_bad = self.crossing_groups("cp", gpus_per_node) if self.sizes["cp"] > 1 else []
+        if cp_bad:
+            out.append(f"note: cp groups {cp_bad} cross a node boundary: ring attention's K/V "
+                       f"exchange (every layer, forward and backward) runs over the inter-node "
+                       f"network and hides behind compute only if a block's attention takes longer "
+                       f"than its transfer; keep tp*cp <= {gpus_per_node} to stay inside a node")
+        return out
 
 
 @dataclass
 class Axis:
     """One rank's view of one axis: its group, members, and position."""
 
-    name: str  # tp, pp, dp, mp or embedding
+    name: str  # tp, cp, pp, dp, dp_cp, mp or embedding
     ranks: tuple[int, ...]  # world ranks of the group, by coordinate along the axis
     index: int  # this rank's position in `ranks`
     group: object = None  # torch ProcessGroup (None when the group has one member)
     log: object = None  # the process' CommLog (see comm.py)
+    device: torch.device | None = None  # where this rank's tensors on the axis live (checked by comm)
 
     @property
     def size(self) -> int:
@@ -158,6 +205,16 @@ class Topology:
         return self.axes["dp"]
 
     @property
+    def cp(self) -> Axis:
+        return self.axes["cp"]
+
+    @property
+    def dp_cp(self) -> Axis:
+        """The ranks that hold the same parameters (cp x dp): parameter gradients are averaged and
+        ZeRO shards over this group. Without context parallelism it is the dp axis itself."""
+        return self.axes["dp"] if self.axes["cp"].size == 1 else self.axes["dp_cp"]
+
+    @property
     def coords(self) -> dict[str, int]:
         return self.grid.coords(self.rank)
 
@@ -172,14 +229,14 @@ def build_topology(grid: Grid, rank: int, device: torch.device | str = "cpu", lo
 
     log = log if log is not None else CommLog(rank)
     topo = Topology(grid, rank, torch.device(device), log=log)
-    for name in AXES + ("mp", "embedding"):
+    for name in AXES + ("mp", "embedding") + (("dp_cp",) if grid.sizes["cp"] > 1 else ()):
         mine = None
         for g in grid.groups(name):
             pg = dist.new_group(g) if (make_groups and len(g) > 1) else None
             if rank in g:
                 mine = (g, pg)
         g, pg = mine if mine else ([rank], None)
-        topo.axes[name] = Axis(name, tuple(g), g.index(rank), pg, log)
+        topo.axes[name] = Axis(name, tuple(g), g.index(rank), pg, log, topo.device)
     # the whole job; group None is torch's default (world) group
-    topo.axes["world"] = Axis("world", tuple(range(grid.world_size)), rank, None, log)
+    topo.axes["world"] = Axis("world", tuple(range(grid.world_size)), rank, None, log, topo.device)
     return topo

@@ -1,15 +1,28 @@
-"""The reference GPT: pre-LayerNorm, causal self-attention, GELU MLP, untied output head, no dropout.
+"""The reference model: one pre-norm decoder-only transformer code path for every family.
+
+`ModelConfig.family` picks the parts (see mini3d.config.ModelConfig):
+
+    part            gpt2                                  llama
+    norm            LayerNorm (weight, bias)              RMSNorm (weight)
+    positions       learned table (embed.wpe)             rotary, applied to q and k (base rope_base)
+    attention       n_heads q, k and v heads              n_heads q heads, n_kv_heads k/v heads (GQA)
+    MLP             proj(gelu(fc x)), exact or tanh       proj(silu(gate x) * fc x)  (SwiGLU)
+    biases          every linear layer but the head       none
+    head            untied, or tied to embed.wte (either family: `tie_embeddings`)
+
+Parameter names are the same for both families (`blocks.3.mlp.fc.weight`); `mini3d.hf` maps them
+to and from Hugging Face's GPT2LMHeadModel / LlamaForCausalLM names.
 
 Initialisation is a pure function of (seed, parameter name): each parameter is drawn from its own
-generator, seeded from the seed and the parameter's name in the *full* model (e.g.
-`blocks.3.mlp.fc.weight`). So a pipeline stage that builds only layers 2-3 gets exactly the weights
-those layers have in the full model, and a tensor-parallel shard is sliced from the very tensor the
-single-process model would create: every parallel layout starts bit-equal to the reference.
+generator, seeded from the seed and the parameter's name in the *full* model. So a pipeline stage
+that builds only layers 2-3 gets exactly the weights those layers have in the full model, and a
+tensor-parallel shard is sliced from the very tensor the single-process model would create: every
+parallel layout starts bit-equal to the reference. A tied head is initialised under the name of the
+embedding it shares (`canonical_name`), so a last pipeline stage that holds its own copy starts equal.
 
-Choices, documented: the head is untied from the token embedding (so the first and last pipeline
-stages share no parameter and need no embedding all-reduce); dropout is absent (p=0), so parity tests
-need no RNG choreography. The attention core (scores, softmax, weighted sum) is written out so that
-its (T, T) activation is stored as in the Megatron papers; it is what selective recomputation recomputes.
+Dropout is off by default (p=0), so parity tests need no RNG choreography. The attention core
+(scores, softmax, weighted sum) is written out so that its (T, T) activation is stored as in the
+Megatron papers; it is what selective recomputation recomputes.
 """
 
 from __future__ import annotations
@@ -24,38 +37,78 @@ import torch.nn.functional as F
 from .config import ModelConfig
 
 
+def canonical_name(name: str, cfg: ModelConfig) -> str:
+    """The name a parameter has in the single-process model: a tied head's weight is the token
+    embedding's (`head.out.weight` -> `embed.wte.weight`); every other name is unchanged."""
+    return "embed.wte.weight" if cfg.tie_embeddings and name == "head.out.weight" else name
+
+
 def reference_init(name: str, shape: tuple, seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The float32 value the reference model gives parameter `name` (its name in the full model)."""
+    name = canonical_name(name, cfg)
     if name.endswith(".bias") or name.startswith("ln") or ".ln" in name:
         if (name.startswith("ln") or ".ln" in name) and name.endswith(".weight"):
-            return torch.ones(shape)
-        return torch.zeros(shape)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            return torch.ones(shape, device="cpu")
+        return torch.zeros(shape, device="cpu")
+    g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     std = 0.02
     if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
         std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
-    return torch.randn(shape, generator=g) * std
+    return torch.randn(shape, generator=g, device="cpu") * std
+
+
+def norm(cfg: ModelConfig) -> nn.Module:
+    """The family's normalisation layer over d_model."""
+    if cfg.family == "llama":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+def rotary(x: torch.Tensor, base: float, positions=None) -> torch.Tensor:
+    """Rotary position embedding of q or k, (B, n, T, hd), at `positions` (T,) (default
+    t = 0..T-1; a context-parallel rank passes its chunk's global positions): each pair of
+    features (i, i + hd/2) is rotated by the angle t * base^(-2i/hd) (the "rotate half" layout of
+    Hugging Face's Llama, whose checkpoints mini3d reads). Angles in float32."""
+    T, hd = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, hd, 2, device=x.device).float() / hd))
+    pos = torch.arange(T, device=x.device) if positions is None else positions
+    freqs = torch.outer(pos.float(), inv_freq)  # (T, hd/2)
+    angles = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention. `n_local_heads` < n_heads once tensor parallelism splits heads."""
+    """Causal self-attention with n_heads query heads and n_kv_heads key/value heads (equal for
+    gpt2); query head i reads key/value head i // (n_heads / n_kv_heads). `n_local_heads` and
+    `n_local_kv_heads` shrink once tensor parallelism splits the heads."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_local_heads = cfg.n_heads
+        self.n_local_heads, self.n_local_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # rows: [q heads | k heads | v heads]
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.rope_base = cfg.rope_base if cfg.family == "llama" else None
+        # rows: [q heads | k heads | v heads]
+        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.biases)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.biases)
+        self.drop = nn.Dropout(cfg.dropout)
         self.core = attention_core
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, T, 3C); T is the whole sequence even when x is a sequence shard
+    def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
+        # positions: (T,) global positions of x's tokens (a cp rank's chunk; default 0..T-1):
+        # rotary attention rotates by them; learned positions were added by the embedding
+        qkv = self.qkv(x)  # (B, T, q + 2kv); T is the whole sequence even when x is a sequence shard
         B, T, _ = qkv.shape
-        q, k, v = qkv.split(self.n_local_heads * self.head_dim, dim=-1)
-        q, k, v = (t.view(B, T, self.n_local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = self.core(q, k, v)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_local_heads * self.head_dim)
-        return self.proj(y)
+        hd, nq, nkv = self.head_dim, self.n_local_heads, self.n_local_kv_heads
+        q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
+        k, v = (t.view(B, T, nkv, hd).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hd)
+        if self.rope_base is not None:
+            q, k = rotary(q, self.rope_base, positions), rotary(k, self.rope_base, positions)
+        y = self.core(q, k, v)  # (B, nq, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, nq * hd)
+        return self.drop(self.proj(y))
 
 
 def attention_core(q, k, v):
@@ -63,13 +116,21 @@ def attention_core(q, k, v):
 
     Written out (rather than `F.scaled_dot_product_attention`, whose fused kernels never store the
     (T, T) attention matrix) so that the a*s^2 activation term of Korthikanti et al. is real and
-    measurable here, and selective recomputation has something to save. Shapes: q, k, v (B, nh, T, hd).
-    """
-    T = q.shape[-2]
-    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, nh, T, T)
+    measurable here, and selective recomputation has something to save. Shapes: q (B, nh, T, hd),
+    k and v (B, nkv, T, hd). With grouped-query attention (nkv < nh) the g = nh / nkv query heads
+    of one key/value head are stacked along the sequence, (B, nkv, g*T, hd), so K and V are used
+    (and saved for backward) at their own, smaller size instead of being repeated g times."""
+    B, nh, T, hd = q.shape
+    g = nh // k.shape[1]
+    if g > 1:
+        q = q.reshape(B, k.shape[1], g * T, hd)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # (B, nkv, g*T, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    if g > 1:
+        causal = causal.repeat(g, 1)
     att = torch.softmax(att.masked_fill(causal, float("-inf")), dim=-1)
-    return att @ v  # (B, nh, T, hd)
+    y = att @ v  # (B, nkv, g*T, hd)
+    return y.view(B, nh, T, hd) if g > 1 else y  # (B, nh, T, hd)
 
 
 def sdpa_core(q, k, v):
@@ -77,7 +138,7 @@ def sdpa_core(q, k, v):
     fused kernel (flash / memory-efficient on GPUs, a flash-style one on CPUs) that keeps only its
     output and a log-sum-exp per row, never the (T, T) matrix. What a real run on GPUs wants;
     equal to `attention_core` up to summation order."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 CORES = {"explicit": attention_core, "sdpa": sdpa_core}
@@ -90,40 +151,56 @@ def set_attention(model: nn.Module, kind: str) -> nn.Module:
     return model
 
 
+ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
+
+
 class MLP(nn.Module):
+    """gpt2: proj(act(fc x)). llama (SwiGLU): proj(silu(gate x) * fc x), `fc` being Llama's up
+    projection."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.biases)
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.family == "llama" else None
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.biases)
+        self.act = ACTIVATIONS[cfg.activation]
+        self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
+        h = self.fc(x)  # (B, T, f)
+        h = self.act(h) if self.gate is None else self.act(self.gate(x)) * h
+        return self.drop(self.proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.ln1 = norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ln2 = norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, positions=None):
+        x = x + self.attn(self.ln1(x), positions)
         return x + self.mlp(self.ln2(x))
 
 
 class Embedding(nn.Module):
-    """Token + learned position embeddings."""
+    """Token embeddings, + learned position embeddings (gpt2 family; llama's are rotary)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
+        self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, idx):
-        T = idx.shape[1]
-        return self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
+    def forward(self, idx, positions=None):
+        """positions: (T,) global positions of the tokens (default 0..T-1)."""
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
+            x = x + self.wpe(pos)
+        return self.drop(x)
 
 
 def cross_entropy(logits, targets):
@@ -132,11 +209,11 @@ def cross_entropy(logits, targets):
 
 
 class Head(nn.Module):
-    """Final LayerNorm, output projection and mean cross-entropy over all tokens."""
+    """Final norm, output projection and mean cross-entropy over all tokens."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = norm(cfg)
         self.out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.loss_fn = cross_entropy  # tensor parallelism swaps in the vocab-parallel version
 
@@ -145,12 +222,26 @@ class Head(nn.Module):
         return logits if targets is None else self.loss_fn(logits, targets)
 
 
+def tie_weights(model: nn.Module) -> nn.Module:
+    """Make a module holding both ends of a tied model use one Parameter for the token embedding
+    and the head (again, after a transform replaced either). A pipeline stage holding only one end
+    keeps its own copy; the trainer sums the two copies' gradients (mini3d.pp.tied)."""
+    if model.cfg.tie_embeddings and model.embed is not None and model.head is not None:
+        model.head.out.weight = model.embed.wte.weight
+    return model
+
+
 class GPT(nn.Module):
-    """The whole model, or one pipeline stage of it.
+    """The whole model of any family, or one pipeline stage of it.
 
     `layers` picks which blocks this module holds (global indices, default all); `first` adds the
     embedding (input: token ids), `last` adds the head (output: the loss when targets are given).
-    A middle stage maps hidden states (B, T, C) to hidden states."""
+    A middle stage maps hidden states (B, T, C) to hidden states. `positions` (T,) are the global
+    positions of the T tokens (under context parallelism a rank holds a zig-zag chunk of each
+    sequence); when not given, those set on the module (`self.positions`, see mini3d.cp), else 0..T-1.
+    """
+
+    positions = None  # (T,) default positions of this rank's tokens; None: 0..T-1
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, layers=None, first: bool = True,
                  last: bool = True, init: bool = True):
@@ -161,6 +252,7 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg) if first else None
         self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
         self.head = Head(cfg) if last else None
+        tie_weights(self)
         if init:  # init=False: shapes only (e.g. on the meta device; see materialize_reference)
             self.init_weights(seed)
 
@@ -169,11 +261,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(reference_init(name, tuple(p.shape), seed, self.cfg))
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, positions=None):
+        positions = self.positions if positions is None else positions
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, positions)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, positions)
         if self.head is not None:
             return self.head(x, targets)
         return x

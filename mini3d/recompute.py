@@ -15,7 +15,7 @@ saves, attributes it to the module running at that moment (tracked with forward 
 each storage once (q, k and v are views of one qkv output; parameters are not activations).
 
 Per-layer bytes for this model in float32 with no dropout (computed by
-`mini3d.diagnose.estimator.layer_activation_bytes`, which the tests compare with this ledger) (s tokens, b sequences, h hidden, a heads,
+`mini3d.cost.memory.layer_activation_bytes`, which the tests compare with this ledger) (s tokens, b sequences, h hidden, a heads,
 t tensor-parallel ranks), adapting Korthikanti's 16-bit count s*b*h*(34 + 5*a*s/h):
 
     none:      s*b*h*(16 + 48/t) + 4*a*s^2*b/t     (t=1: 64*s*b*h + 4*a*s^2*b)

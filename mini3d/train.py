@@ -1,8 +1,9 @@
 """The training loop every rank runs: build the topology, the (parallelised) model, then step.
 
-`train_worker(spec)` is what `mini3d train` runs in each process, whether the processes were spawned by
-`mini3d.launch.launch` or by torchrun. `spec` is a plain dict (picklable, JSON-able) holding the model
-config, the plan and the run options, so the same function serves the CLI, the tests and the course.
+`train_worker(run)` is what `mini3d train` runs in each process, whether the processes were spawned by
+`mini3d.launch.launch` or by torchrun. `run` is a `RunConfig` (mini3d.run_config: frozen, picklable)
+holding the model config, the plan and the run options, so the same function serves the CLI, the
+tests and the course (all build it with `make_spec`).
 
 The reporting rank (the one that computes the loss: last pipeline stage, tp_rank 0, dp_rank 0) shows a
 progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and returns the step records.
@@ -11,7 +12,6 @@ progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and retu
 from __future__ import annotations
 
 import contextlib
-import json
 import resource
 import time
 
@@ -19,36 +19,32 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .config import ModelConfig, Plan, model_from_dict, plan_from_dict
-from .data import Batches, load_tokens
+from .config import ModelConfig, Plan
+from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
 from .grid import Grid, build_topology
 import torch.nn as nn
 
-from .checkpoint import (CheckpointWriter, gather_full_state, read_meta, read_states,
-                         restore_full_state)
+from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
+                         read_states, restore_full_state, restore_rng)
+from .optim import WeightDecay, set_lr
+from .periodic import checkpoint_meta, periodic, resumed_schedule
+from .report import RunReport, model_flops_utilisation, peak_flops_per_rank
+from .tokenizer import get_tokenizer
 from .dp import make_dp, model_state_ledger
 from .launch import current_device, device_memory
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule, placement_of
+from .pp.tied import tie_across_stages
+from .cp import apply_cp, chunk_batch, set_positions
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
+from .run_config import RunConfig, make_spec
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
                  sum_replicated_grads)
-
-
-def make_spec(cfg: ModelConfig, plan: Plan, steps: int = 20, lr: float = 3e-3, seed: int = 0,
-              data: str | None = None, log_jsonl: str | None = None, progress: bool = False,
-              weight_decay: float = 0.0, grad_clip: float = 0.0, **extra) -> dict:
-    """Everything a worker needs, as a plain dict."""
-    import dataclasses
-
-    return dict(model=dataclasses.asdict(cfg), plan=plan.to_dict(), steps=steps, lr=lr, seed=seed,
-                data=data, log_jsonl=log_jsonl, progress=progress, weight_decay=weight_decay,
-                grad_clip=grad_clip, **extra)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -72,11 +68,15 @@ class Trainer:
     Parallelising is an ordered series of transforms (see `parallelize`)."""
 
     def __init__(self, cfg: ModelConfig, plan: Plan, topo, seed: int, lr: float,
-                 weight_decay: float = 0.0, grad_clip: float = 0.0):
+                 weight_decay: float = 0.0, grad_clip: float = 0.0, decay_embeddings: bool = False):
         self.cfg, self.plan, self.topo = cfg, plan, topo
         self.stages, self.net, self.optimizer = parallelize(
-            cfg, plan, topo, seed,
-            lambda params: adamw(params, lr, weight_decay, topo.device))
+            cfg, plan, topo, seed, lambda params: adamw(params, lr, 0.0, topo.device))
+        # weight decay on the matrices only (mini3d.optim), applied by hand before each update
+        self.decay = WeightDecay(self.optimizer, self.net.module, weight_decay, decay_embeddings)
+        self.optimizer.grad_hooks.append(
+            lambda local: self.decay.apply(self.optimizer.param_groups[0]["lr"]))
+        tie_across_stages(self.stages, cfg, plan, topo, self.optimizer)  # a tied head on another stage
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
         self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
@@ -85,6 +85,7 @@ class Trainer:
         self.chunks = [self.stages[s] for s in sorted(self.stages)]
         self.runtime = None
         self.last_result = None  # the pipeline runtime's StepResult of the latest step (pp > 1)
+        self.last_peak_grad_bytes = 0  # most gradient bytes held at once in the latest step
         if plan.pp > 1:
             schedule = make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
             act_dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
@@ -103,7 +104,10 @@ class Trainer:
         """Forward + backward over every micro-batch, then one optimizer step; returns the mean loss
         (on every rank: the pipeline broadcasts it from the last stage)."""
         dev = self.topo.device
-        micro_batches = [(x.to(dev), y.to(dev)) for x, y in micro_batches]
+        if micro_batches and len(micro_batches[0]) == 3:  # (x, y, positions): a cp rank's chunks
+            set_positions(self.chunks, micro_batches[0][2].to(dev))
+        micro_batches = [(mb[0].to(dev), mb[1].to(dev)) for mb in micro_batches]
+        self.net.meter.reset()  # peak gradient bytes of this step (see dp.ledger.GradMeter)
         # The dp gradient sync overlaps the last backward of each model chunk (interleaved
         # pipelines too: the later chunks finish first, and their buckets come first).
         if self.runtime is None:
@@ -112,6 +116,7 @@ class Trainer:
             self.last_result = self.runtime.step(micro_batches, step, dp=self.net)
             loss = self.last_result.loss
         self.optimizer.step()  # waits for the gradient sync (and its grad_hooks) first
+        self.last_peak_grad_bytes = self.net.meter.peak
         self.optimizer.zero_grad()
         return loss
 
@@ -128,25 +133,28 @@ class Trainer:
         return float(total)
 
     def mean_loss_over_dp(self, loss: float) -> float:
-        if self.topo.dp.size == 1:
+        """The mean over the replicas (and the cp ranks' equal chunks) of their mean losses."""
+        if self.topo.dp_cp.size == 1:
             return loss
-        t = torch.tensor([loss], dtype=torch.float64)
-        comm.all_reduce(t, self.topo.dp, op="avg")
+        t = torch.tensor([loss], dtype=torch.float64, device=self.topo.device)
+        comm.all_reduce(t, self.topo.dp_cp, op="avg")
         return float(t.item())
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, root: str, step: int, meta: dict):
-        """Collective: gather the full named state per pipeline stage and write it atomically."""
-        weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo)
+        """Collective: gather the full named state per pipeline stage and write it atomically
+        (only the stage's writer, tp_rank 0 and dp_rank 0, keeps the full state)."""
+        is_writer = self.topo.tp.index == 0 and self.topo.dp.index == 0 and self.topo.cp.index == 0
+        weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo,
+                                                       keep=is_writer)
         world = self.topo.axes["world"]
         writer = CheckpointWriter(root, step)
         if self.topo.rank == 0:
             writer.begin()
         comm.barrier(world)
-        if self.topo.tp.index == 0 and self.topo.dp.index == 0:
-            part = {"model": weights, "optim": moments, "optim_step": opt_step}
-            if self.topo.pp.index == 0:
-                part["rng"] = torch.get_rng_state()
+        if is_writer:
+            part = {"model": weights, "optim": moments, "optim_step": opt_step,
+                    "rng": torch.get_rng_state()}
             writer.write(f"stage{self.topo.pp.index}.pt", part)
         comm.barrier(world)
         if self.topo.rank == 0:
@@ -156,18 +164,12 @@ class Trainer:
     def load(self, ckpt: str) -> int:
         """Restore from a checkpoint written by any layout; returns the step to continue from."""
         meta = read_meta(ckpt)
-        states = read_states(ckpt)
-        opt_step = max((int(torch.load(f"{ckpt}/{n}", weights_only=True).get("optim_step", 0))
-                        for n in _stage_files(ckpt)), default=0)
+        mine = [n for chunk in self.chunks for n, _ in chunk.named_parameters()]
+        states = read_states(ckpt, mine)  # only the files holding this rank's tensors, once, mmap
         restore_full_state(self.chunks, self.optimizer, self.topo, states["model"], states["optim"],
-                           opt_step)
+                           states["optim_step"])
+        restore_rng(states["rng"])
         return int(meta["step"])
-
-
-def _stage_files(ckpt: str) -> list[str]:
-    import os
-
-    return sorted(n for n in os.listdir(ckpt) if n.startswith("stage") and n.endswith(".pt"))
 
 
 def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory):
@@ -178,8 +180,10 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     2. tensor parallelism: slice each stage's matrices for this tp rank (still shapes), then give
        each slice its value on this rank's device: the slice of the same parameter of the full
        reference model (one full parameter in host memory at a time, never the unsliced stage);
-    3. the attention core (written out, or torch's fused sdpa) and the recomputation policy;
-    4. data parallelism / ZeRO over the dp axis, which also builds the optimizer.
+    3. the attention core (written out, or torch's fused sdpa; ring attention over cp when cp > 1)
+       and the recomputation policy;
+    4. data parallelism / ZeRO over the cp x dp ranks (the dp axis when cp = 1), which also builds
+       the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
     stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta",
@@ -188,45 +192,50 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
         apply_tp(module, topo, plan)
         materialize_reference(module, topo, seed, topo.device)
         set_attention(module, plan.attention)
+        apply_cp(module, topo, plan.attention)
         apply_recompute(module, plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    net, optimizer = make_dp(root, topo.dp, plan, optimizer_factory)
+    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)
     return stages, net, optimizer
 
 
-def train_worker(spec: dict) -> dict:
-    """Run optimizer steps until step `spec["steps"]` on this rank; return what this rank saw."""
-    cfg, plan = model_from_dict(spec["model"]), plan_from_dict(spec["plan"])
+def train_worker(run: RunConfig) -> dict:
+    """Run optimizer steps until step `run.steps` on this rank; return what this rank saw."""
+    cfg, plan = run.model, run.plan
     rank = dist.get_rank()
-    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp), rank, current_device())
-    torch.manual_seed(spec["seed"])
-    tokens = load_tokens(spec.get("data"))
-    batches = Batches(tokens, plan.seq_len, plan.global_batch, spec["seed"])
-    trainer = Trainer(cfg, plan, topo, spec["seed"], spec["lr"], spec.get("weight_decay", 0.0),
-                      spec.get("grad_clip", 0.0))
-    start = trainer.load(spec["resume"]) if spec.get("resume") else 0
-    diag = diagnostics(topo, spec)  # mini3d.diagnose: hang watchdog + fault injection (if asked)
-    reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0
-    log_file = open(spec["log_jsonl"], "a" if start else "w") if (reporter and spec.get("log_jsonl")) else None
-    bar = None
-    if reporter and spec.get("progress"):
-        from tqdm.auto import tqdm
+    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), rank, current_device())
+    torch.manual_seed(run.seed)
+    tok = get_tokenizer(run.tokenizer)
+    batches = Batches(open_tokens(run.data, tok), plan.seq_len, plan.global_batch, run.seed)
+    val = open_tokens(run.data, tok, "val") if run.eval_every else None
+    val_batches = Batches(val, plan.seq_len, plan.global_batch, run.seed, stream=1) if val else None
+    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip,
+                      run.decay_embeddings)
+    start = trainer.load(run.resume) if run.resume else 0
+    if run.init_from_hf and not run.resume:
+        from .hf import init_from_hf
 
-        bar = tqdm(total=spec["steps"], initial=start, desc=f"train {describe_plan(plan)}",
-                   unit="step", disable=None)  # None: only on a terminal
+        init_from_hf(trainer, run.init_from_hf)  # each rank slices its share of the HF weights
+    schedule = resumed_schedule(run)  # the checkpoint's schedule continues exactly
+    diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
+    reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0
+    report = RunReport(run, reporter, start, f"train {describe_plan(plan)}")
+    peak = peak_flops_per_rank(topo.device, plan.dtype)  # None on CPU: no MFU
     records = []
     tokens_per_step = plan.global_batch * plan.seq_len
-    save_every = spec.get("save_every") or 0
-    collect, extra = set(spec.get("collect") or ()), {}
-    budget = parse_size(spec["memory_budget"]) if spec.get("memory_budget") else None
-    for step in range(start, spec["steps"]):
+    collect, extra = set(run.collect), {}
+    budget = parse_size(run.memory_budget) if run.memory_budget else None
+    for step in range(start, run.steps):
         topo.log.context = {"step": step}
         diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
         t0 = time.perf_counter()
+        set_lr(trainer.optimizer, schedule.at(step))
         mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
+        if plan.cp > 1:  # this cp rank's zig-zag chunks of every sequence, and their positions
+            mbs = [chunk_batch(x, y, plan.cp, topo.cp.index) for x, y in mbs]
         measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
-        loss, acts = run_step(trainer, mbs, step, measure, spec.get("run_dir"))
+        loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)
         if acts is not None and "activations" in collect:
             extra["activations"] = acts
         if budget and step == start:  # --memory-budget: the measured ledgers against the budget
@@ -235,26 +244,24 @@ def train_worker(spec: dict) -> dict:
         loss = trainer.mean_loss_over_dp(loss)
         dt = time.perf_counter() - t0
         rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "peak_mem_bytes": peak_memory_bytes(topo.device)}
+               "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": schedule.at(step),
+               "peak_grad_bytes": trainer.last_peak_grad_bytes}
         if trainer.last_grad_norm is not None:
             rec["grad_norm"] = trainer.last_grad_norm  # before clipping
-        records.append(rec)
-        if log_file:
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-        if bar:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.4f}")
+        if peak:
+            rec["mfu"] = model_flops_utilisation(cfg, plan, dt, peak)
         done = step + 1
-        if spec.get("save") and (done == spec["steps"] or (save_every and done % save_every == 0)):
-            trainer.save(spec["save"], done, {"step": done, "model": spec["model"], "plan": spec["plan"],
-                                              "seed": spec["seed"], "data_position": done})
-    if bar:
-        bar.close()
-    if log_file:
-        log_file.close()
+        rec.update(periodic(trainer, run, done, val_batches, tok, report))
+        records.append(rec)
+        report.step(rec)
+        if run.save and (done == run.steps or (run.save_every and done % run.save_every == 0)):
+            trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok))
+            if run.keep_last and topo.rank == 0:
+                prune_checkpoints(run.save, run.keep_last)
+    report.close()
     diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
+            "device": topo.device.type,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
@@ -294,7 +301,7 @@ def memory_by_category(trainer: Trainer, activations: float = 0) -> dict:
 
 
 def collected(trainer: Trainer, what: set) -> dict:
-    """Optional measurements a caller (tests, the course) asks for with spec["collect"]:
+    """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
     micro-batch by module, measured during the first step; one model chunk only)."""
@@ -310,6 +317,8 @@ def collected(trainer: Trainer, what: set) -> dict:
 
 def describe_plan(plan: Plan) -> str:
     s = f"tp{plan.tp} x pp{plan.pp} x dp{plan.dp}"
+    if plan.cp > 1:
+        s = f"tp{plan.tp} x cp{plan.cp} x pp{plan.pp} x dp{plan.dp}"
     if plan.zero:
         s += f" zero{plan.zero}"
     if plan.pp > 1:
@@ -319,14 +328,22 @@ def describe_plan(plan: Plan) -> str:
     return s
 
 
-def summary_line(records: list[dict], plan: Plan) -> str:
+def summary_line(records: list[dict], plan: Plan, device_type: str = "cpu") -> str:
     first, last = records[0], records[-1]
     n = len(records)
     mean_tps = sum(r["tokens_per_s"] for r in records[1:] or records) / max(1, len(records[1:] or records))
-    return (f"done: {n} steps on {describe_plan(plan)} ({plan.world_size} processes): loss "
-            f"{first['loss']:.4f} -> {last['loss']:.4f}, {mean_tps:,.0f} tokens/s, peak memory "
-            f"{max(r['peak_mem_bytes'] for r in records) / 2**20:,.0f} MiB per rank")
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    val_text = f", val loss {val[0]:.4f} -> {val[-1]:.4f}" if len(val) > 1 else (
+        f", val loss {val[0]:.4f}" if val else "")
+    what = "peak memory" if device_type == "cuda" else "peak memory (process RSS, not model bytes)"
+    return (f"done: {n} steps on {describe_plan(plan)} ({plan.world_size} processes, {plan.dtype}): "
+            f"loss {first['loss']:.4f} -> {last['loss']:.4f}{val_text}, {mean_tps:,.0f} tokens/s, "
+            f"{what} {max(r['peak_mem_bytes'] for r in records) / 2**20:,.0f} MiB per rank")
 
 
 def reporter_records(results: list[dict]) -> list[dict]:
     return next(r["records"] for r in results if r["reporter"])
+
+
+__all__ = ["Trainer", "parallelize", "train_worker", "make_spec", "summary_line", "reporter_records",
+           "describe_plan", "peak_memory_bytes"]

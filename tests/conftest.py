@@ -3,6 +3,12 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every process a test launches (mini3d.launch workers, `python -m mini3d` subprocesses) computes
+# with torch's default device set to meta, so a tensor created without an explicit device fails
+# as it would under NCCL / CUDA (see mini3d/launch.py). The test process itself is not affected:
+# its single-process reference computations stay ordinary CPU code. MINI3D_STRICT_DEVICE=0 turns
+# it off for a local investigation.
+os.environ.setdefault("MINI3D_STRICT_DEVICE", "1")
 
 
 @pytest.fixture

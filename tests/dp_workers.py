@@ -33,13 +33,19 @@ def _wire(log):
 
 def train_stage(topo, stage, dtype):
     """Run len(MICRO) steps; return what the tests compare (losses, grads, params, bytes, log)."""
-    model = GPT(CFG, SEED)
+    with topo.device:  # explicit: workers run with the default device set to meta (strict mode)
+        model = GPT(CFG, SEED)
     plan = Plan(dp=topo.dp.size, zero=stage, dtype=dtype, global_batch=GLOBAL_BATCH, seq_len=SEQ,
                 bucket_mb=BUCKET_MB)
     net, opt = make_dp(model, topo.dp, plan, optimizer)
     data, log = batches(), topo.log
-    out = {"loss": [], "wire": [], "ops": [], "ledger": []}
+    out = {"loss": [], "wire": [], "ops": [], "ledger": [], "grads": [], "params_before": [],
+           "peak_grad_bytes": [], "max_bucket_grad_bytes": _max_bucket_grad_bytes(net)}
     for step, m in enumerate(MICRO):
+        # test aids (collective gathers), kept out of the step's measured bytes: the weights the
+        # step starts from, to compute the float32 reference gradient at exactly these weights
+        out["params_before"].append({k: v.float() for k, v in net.full_params().items()})
+        net.meter.reset()
         w0, ops0 = _wire(log)
         first_event = len(log.events)
         mbs = data.micro_batches(step, topo.dp.index, topo.dp.size, m)
@@ -52,15 +58,14 @@ def train_stage(topo, stage, dtype):
             total += float(loss.detach())
         backward_end = net.last_hook_time if hasattr(net, "last_hook_time") else time.perf_counter()
         step_events = list(log.events)[first_event:]
-        if step == 0:
-            net.finish_grad_sync()
-            w_mid, ops_mid = _wire(log)
-            out["grads"] = {k: v.float() for k, v in net.full_grads().items()}
-            w_extra = _wire(log)[0] - w_mid  # the gather above is a test aid, not the step's cost
-        else:
-            w_extra = 0
+        net.finish_grad_sync()
+        w_mid, ops_mid = _wire(log)
+        out["grads"].append({k: v.float() for k, v in net.full_grads().items()})
+        w_extra = _wire(log)[0] - w_mid  # the gather above is a test aid, not the step's cost
         opt.step()
+        out["peak_grad_bytes"].append(net.meter.peak)
         opt.zero_grad()
+        out["meter_now"] = net.meter.now
         w1, ops1 = _wire(log)
         out["loss"].append(total)
         out["wire"].append(w1 - w0 - w_extra)
@@ -78,28 +83,45 @@ def train_stage(topo, stage, dtype):
     return out
 
 
+def _max_bucket_grad_bytes(net) -> int:
+    """Bytes of the largest bucket (ZeRO-3: unit) in the gradient dtype."""
+    groups = net.groups if hasattr(net, "groups") else net.buckets
+    return max(g.padded for g in groups) * torch.empty(0, dtype=net.grad_dtype,
+                                                       device="cpu").element_size()
+
+
 def dp_parity(dp, runs):
     """One launch: each (zero stage, dtype) in `runs`, one after the other, on the same dp group."""
     topo = build_topology(Grid(dp=dp), dist.get_rank())
     res = {(s, d): train_stage(topo, s, d) for s, d in runs}
     if topo.dp.index != 0:  # only rank 0 ships the (identical) full tensors back
         for r in res.values():
-            r.pop("params"), r.pop("grads")
+            r.pop("params"), r.pop("grads"), r.pop("params_before")
     return res
 
 
 def reference(steps=len(MICRO)):
-    """Single process, full global batch, same seed: losses, step-0 grads, final params."""
+    """Single process, full global batch, same seed: losses, grads of every step, final params."""
     model = GPT(CFG, SEED)
     opt = optimizer(list(model.parameters()))
-    data, losses, grads = batches(), [], None
+    data, losses, grads = batches(), [], []
     for step in range(steps):
         x, y = data.global_batch_at(step)
         loss = model(x, y)
         loss.backward()
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_grads_at(params: dict, step: int) -> dict:
+    """float32 gradient of step `step`'s global-batch loss at the weights `params` (single process)."""
+    model = GPT(CFG, SEED)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(params[n])
+    x, y = batches().global_batch_at(step)
+    model(x, y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}

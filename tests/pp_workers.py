@@ -20,7 +20,8 @@ def pipeline_parity(cfg, seed, kinds, m, v, batches, lr):
     for kind in kinds:
         vk = {"interleaved": v, "looped-bfs": v, "zbv": 2}.get(kind, 1)
         sched = make_schedule(kind, p, m, vk)
-        stages = build_stages(cfg, seed, topo.pp.index, p, vk, placement=sched.placement)
+        stages = build_stages(cfg, seed, topo.pp.index, p, vk, device=topo.device,
+                              placement=sched.placement)
         rt = PipelineRuntime(stages, sched, topo, act_shape=(b, T, cfg.d_model))
         named = [(n, q) for s in stages.values() for n, q in s.named_parameters()]
         opt = torch.optim.AdamW([q for _, q in named], lr=lr)
@@ -54,12 +55,13 @@ def exchange_both_ways(n):
     rank = dist.get_rank()
     topo = build_topology(Grid(pp=2), rank)
     link = PipeP2P(topo.pp, (n,), torch.float32)
-    mine = torch.arange(n, dtype=torch.float32) + 1000.0 * rank
+    mine = torch.arange(n, dtype=torch.float32, device=topo.device) + 1000.0 * rank
     got = link.exchange(mine, 1 - topo.pp.index)
-    ok_values = bool(torch.equal(got, torch.arange(n, dtype=torch.float32) + 1000.0 * (1 - rank)))
+    want = torch.arange(n, dtype=torch.float32, device=topo.device) + 1000.0 * (1 - rank)
+    ok_values = bool(torch.equal(got, want))
     order = [e.op for e in topo.log.events if e.axis == "pp"]
     try:
-        link.send(torch.zeros(3), 1 - topo.pp.index)
+        link.send(torch.zeros(3, device=topo.device), 1 - topo.pp.index)
         shape_error = None
     except ValueError as e:
         shape_error = str(e)
@@ -71,12 +73,12 @@ def blocking_sends_and_exchange(n, cfg, m, b, T):
     out = exchange_both_ways(n)
     rank = dist.get_rank()
     topo = build_topology(Grid(pp=2), rank)  # fresh groups: new_group is collective, both call it
-    g = torch.Generator().manual_seed(5)
-    mbs = [(torch.randint(0, cfg.vocab_size, (b, T), generator=g),
-            torch.randint(0, cfg.vocab_size, (b, T), generator=g)) for _ in range(m)]
+    g = torch.Generator(device="cpu").manual_seed(5)
+    mbs = [tuple(torch.randint(0, cfg.vocab_size, (b, T), generator=g, device="cpu")
+                 for _ in range(2)) for _ in range(m)]
     for kind in ("gpipe", "1f1b"):
         for async_send in (False, True):
-            stages = build_stages(cfg, 0, topo.pp.index, 2)
+            stages = build_stages(cfg, 0, topo.pp.index, 2, device=topo.device)
             rt = PipelineRuntime(stages, make_schedule(kind, 2, m), topo, (b, T, cfg.d_model),
                                  async_send=async_send)
             res = rt.step(mbs)

@@ -48,7 +48,13 @@ def reference(steps: int, grad_clip: float = 0.0, norms: list | None = None, cfg
     with grad_clip, torch's clip_grad_norm_ before each update (the grads are taken after it, and
     the norms before it are appended to `norms`)."""
     model = GPT(cfg, SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+    # torch's own per-parameter groups: decay on the weight matrices, not on biases, LayerNorms or
+    # the embeddings (what mini3d.optim.WeightDecay applies to ranges of the flat ZeRO masters)
+    decayed = [p for n, p in model.named_parameters()
+               if p.ndim >= 2 and not n.endswith(("wte.weight", "wpe.weight"))]
+    rest = [p for p in model.parameters() if all(p is not q for q in decayed)]
+    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": WEIGHT_DECAY},
+                             {"params": rest, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
     batches = Batches(load_tokens(), BASE["seq_len"], global_batch, SEED)
     losses, grads = [], []
     for step in range(steps):

@@ -11,7 +11,7 @@ import torch
 
 from mini3d.cli import main
 from mini3d.config import ModelConfig, Plan
-from mini3d.diagnose.estimator import layer_activation_bytes
+from mini3d.cost.memory import layer_activation_bytes
 from mini3d.model import GPT, attention_core, sdpa_core, set_attention
 from tests.test_recompute import CFG, _run as run_policy
 

@@ -1,18 +1,27 @@
-"""The real-browser test: JupyterLab + headless Chromium run course chapter 05 (pipeline parallelism).
+"""The real-browser test: JupyterLab + headless Chromium, as a learner meets the course.
 
-It starts JupyterLab on loopback (free port, token auth, no browser, all Jupyter state in a temp
-dir), opens course/05_pipeline_parallelism.ipynb in Debian's /usr/bin/chromium driven by Playwright,
-runs all cells (including the chapter's short live two-process pipeline run), finds the chapter's
-schedule explorer (the widget with CSS class `schedule-explorer`), types a new micro-batch count into
-its slider's readout, and checks that the bubble annotation Plotly drew in the explorer changes from
-the 1F1B value for p=4, m=4 to the value for m=16. Every process it started (server, kernels,
-browser) is ended by id, pass or fail.
+One JupyterLab server for the whole module, started the way course/README.md says (from the
+repository root, `--LabApp.default_url` pointing at chapter 00), on a temporary copy of `course/` and
+`exercises/` (so nothing the browser does can write into the checkout), on loopback with a free port,
+token auth and all Jupyter state in a temp dir. Two tests share it:
 
-Skipped only when /usr/bin/chromium or the playwright package is absent.
+- `test_launch_opens_chapter00_and_its_exercise_link`: the default URL opens chapter 00; clicking its
+  exercise link opens `exercises/count_params.py` in an editor tab.
+- `test_every_chapter_widget_moves`: a notebook made of each chapter's import cell and its main widget
+  cell (the cells tagged `imports` and `main-widget`, so it runs the chapters' own code without their
+  multi-process runs) is run once; then every slider of every explorer is moved to its extreme
+  positions (End, Home). After each move the figure must have changed (for at least one move per
+  explorer), no Python error may appear, and no two text boxes of the rendered SVG may overlap
+  (bar totals, annotations, titles, legend, tick labels against the others). Screenshots of every
+  explorer at every extreme go to a temp dir, printed in the test log.
+
+Every process it started (server, kernels, browser) is ended by id, pass or fail. Skipped only when
+/usr/bin/chromium or the playwright package is absent.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -29,14 +38,16 @@ import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]
+                  "--disable-component-update", "--disable-sync", "--enable-unsafe-swiftshader"]
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "course" / "05_pipeline_parallelism.ipynb"
-EXPLORER = ".schedule-explorer"  # the class chapter 05 gives its schedule explorer
+CHAPTER00 = "course/00_why_70b_does_not_fit.ipynb"
+README_FLAG = "--LabApp.default_url=/lab/tree/" + CHAPTER00  # the flag course/README.md gives
+EXPLORER = ".mini3d-explorer"  # the class every explorer box carries (mini3d.course explorers)
 
 if not Path(CHROMIUM).exists():
     pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)", allow_module_level=True)
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install playwright)")
+nbformat = pytest.importorskip("nbformat")
 
 
 def _free_port() -> int:
@@ -63,6 +74,13 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def _stop(proc: subprocess.Popen):
     """End the server and everything it started, by process id: TERM, then KILL what is left."""
     pids = [proc.pid] + _descendants(proc.pid)
@@ -82,31 +100,44 @@ def _stop(proc: subprocess.Popen):
             return
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+def widgets_notebook() -> nbformat.NotebookNode:
+    """Each chapter's `imports` cell and `main-widget` cell, in chapter order, in one notebook."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for path in sorted((ROOT / "course").glob("[0-9][0-9]_*.ipynb")):
+        chapter = nbformat.read(path, as_version=4)
+        for tag in ("imports", "main-widget"):
+            for cell in chapter.cells:
+                if tag in cell.get("metadata", {}).get("tags", []):
+                    nb.cells.append(nbformat.v4.new_code_cell(f"# {path.name} [{tag}]\n{cell.source}"))
+    return nb
 
 
-@pytest.fixture
-def jupyter_lab(tmp_path):
-    """(base_url, token) of a JupyterLab serving a copy of chapter 05; stopped afterwards."""
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """(base_url, token, work dir) of one JupyterLab over a copy of course/ and exercises/."""
+    tmp = tmp_path_factory.mktemp("lab")
     port, token = _free_port(), secrets.token_hex(16)
-    work = tmp_path / "work"
-    work.mkdir()
-    shutil.copy(NOTEBOOK, work / NOTEBOOK.name)
+    work = tmp / "repo"
+    shutil.copytree(ROOT / "course", work / "course", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    shutil.copytree(ROOT / "exercises", work / "exercises", ignore=shutil.ignore_patterns("__pycache__"))
+    nbformat.write(widgets_notebook(), work / "course" / "widgets.ipynb")
+    settings = tmp / "settings" / "@jupyterlab"
+    for ext, name, value in (("notebook-extension", "tracker", {"windowingMode": "none"}),  # render every cell
+                             ("apputils-extension", "notification", {"fetchNews": "false"})):
+        (settings / ext).mkdir(parents=True, exist_ok=True)
+        (settings / ext / f"{name}.jupyterlab-settings").write_text(json.dumps(value))
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"),
-               IPYTHONDIR=str(tmp_path / "ipy"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+               JUPYTER_CONFIG_DIR=str(tmp / "cfg"), JUPYTER_RUNTIME_DIR=str(tmp / "rt"),
+               IPYTHONDIR=str(tmp / "ipy"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "jupyterlab", README_FLAG, "--no-browser", "--ServerApp.ip=127.0.0.1",
            f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={work}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
-           f"--LabApp.workspaces_dir={tmp_path / 'ws'}", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-           "--LabApp.extension_manager=readonly"]
+           f"--ServerApp.root_dir={work}", f"--LabApp.user_settings_dir={tmp / 'settings'}",
+           f"--LabApp.workspaces_dir={tmp / 'ws'}", "--LabApp.news_url=",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly"]
     if os.geteuid() == 0:  # CI containers run as root; Jupyter refuses that unless told
         cmd.append("--allow-root")
-    log = open(tmp_path / "jupyter.log", "wb")
+    log = open(tmp / "jupyter.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=work)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -117,69 +148,157 @@ def jupyter_lab(tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (tmp_path / "jupyter.log").read_text())
+                    raise RuntimeError("JupyterLab did not start:\n" + (tmp / "jupyter.log").read_text())
                 time.sleep(0.5)
-        yield base, token
+        yield base, token, work
     finally:
         _stop(proc)
         log.close()
 
 
-def _bubble_text(page) -> str:
-    return page.locator(f"{EXPLORER} .js-plotly-plot .annotation-text").first.text_content(timeout=5_000) or ""
-
-
-def _wait_bubble(page, predicate, timeout_s: float) -> str:
-    deadline, text = time.time() + timeout_s, ""
-    while time.time() < deadline:
-        try:
-            text = _bubble_text(page)
-        except Exception:  # noqa: BLE001 - the plot may not exist yet
-            text = ""
-        if predicate(text):
-            return text
-        time.sleep(0.5)
-    raise AssertionError(f"bubble annotation never satisfied the check; last seen {text!r}")
-
-
-@pytest.mark.timeout(480)
-def test_chapter05_schedule_explorer_in_real_browser(jupyter_lab, tmp_path):
-    base, token = jupyter_lab
+@pytest.fixture(scope="module")
+def browser():
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+        b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}", timeout=90_000)
-            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=90_000)
-            # JupyterLab may ask which kernel to start: accept its proposal (the notebook's python3).
-            dialog = page.locator(".jp-Dialog .jp-mod-accept")
-            try:
-                dialog.wait_for(timeout=15_000)
-                dialog.click()
-            except sync_api.TimeoutError:
-                pass
-            # Run > Run All Cells from the menu bar (cells queue until the kernel is ready).
-            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-
-            # The chapter's explorer starts at 1F1B, p=4, m=4: bubble (p-1)/(m+p-1) = 3/7.
-            before = _wait_bubble(page, lambda t: "bubble = 42.9%" in t, 180)
-            readout = page.locator(EXPLORER).locator(".widget-hslider", has_text="micro-batches m") \
-                .locator(".widget-readout")
-            readout.click()
-            page.keyboard.press("Control+A")
-            page.keyboard.type("16")
-            page.keyboard.press("Enter")
-            # m=16: 3/19 = 15.8%, a smaller bubble. The kernel may still be busy with the chapter's
-            # live pipeline run (the cells after the explorer), so the redraw can take a while.
-            after = _wait_bubble(page, lambda t: "bubble = 15.8%" in t, 180)
-            value = lambda t: float(re.search(r"bubble = ([\d.]+)%", t).group(1))  # noqa: E731
-            assert value(after) < value(before), (before, after)
-            assert "3/19" in after  # the closed-form formula is shown next to the simulated value
-        except Exception:
-            page.screenshot(path=str(tmp_path / "failure.png"))
-            outputs = page.locator(".jp-OutputArea").all_inner_texts()
-            print(f"screenshot: {tmp_path / 'failure.png'}\noutputs: {outputs}")
-            raise
+            yield b
         finally:
-            browser.close()
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    d = tmp_path_factory.mktemp("browser-screenshots")
+    print(f"\nscreenshots: {d}")
+    return d
+
+
+def _accept_kernel_dialog(page, timeout_ms=15_000):
+    dialog = page.locator(".jp-Dialog .jp-mod-accept")
+    try:
+        dialog.wait_for(timeout=timeout_ms)
+        dialog.click()
+    except sync_api.TimeoutError:
+        pass
+
+
+def _fail_with_context(page, shots, name):
+    page.screenshot(path=str(shots / f"{name}-failure.png"))
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+    print(f"screenshot: {shots / (name + '-failure.png')}\nstderr outputs: {errors}")
+
+
+@pytest.mark.timeout(240)
+def test_launch_opens_chapter00_and_its_exercise_link(lab, browser, shots):
+    base, token, _ = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{base}/?token={token}", timeout=90_000)  # redirected to the default URL: chapter 00
+        page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=90_000)
+        _accept_kernel_dialog(page, 5_000)
+        link = page.locator(".jp-RenderedMarkdown a", has_text="exercises/count_params.py").first
+        link.scroll_into_view_if_needed(timeout=30_000)
+        link.click()
+        tab = page.locator(".lm-TabBar-tabLabel", has_text="count_params.py")
+        tab.wait_for(timeout=30_000)
+        page.locator(".jp-FileEditor .cm-content", has_text="def count_params").first.wait_for(timeout=30_000)
+        page.screenshot(path=str(shots / "chapter00-exercise-link.png"))
+    except Exception:
+        _fail_with_context(page, shots, "chapter00-link")
+        raise
+    finally:
+        page.close()
+
+
+# Every visible <text> of a plot as a box; ticks of one axis may touch each other (Plotly thins
+# them itself), everything else must stay clear of everything.
+_TEXT_BOXES = """(root) => [...root.querySelectorAll('svg.main-svg text')].filter(t =>
+    t.textContent.trim() && t.getClientRects().length && getComputedStyle(t).display !== 'none'
+    && getComputedStyle(t).visibility !== 'hidden' && parseFloat(getComputedStyle(t).opacity || 1) > 0
+).map(t => { const b = t.getBoundingClientRect(), g = t.closest('g[class]');
+    return {text: t.textContent.trim(), x0: b.left, y0: b.top, x1: b.right, y1: b.bottom,
+            kind: (g && /tick/.test(g.getAttribute('class'))) ? g.getAttribute('class') : 'label'}; })"""
+_SIGNATURE = """(root) => [...root.querySelectorAll('svg.main-svg')].map(s => s.innerHTML).join('|').length
+    + ':' + [...root.querySelectorAll('svg.main-svg text, .widget-html-content')].map(t => t.textContent).join('|')"""
+
+
+def overlapping_labels(boxes: list[dict], tol: float = 1.0) -> list[tuple[str, str]]:
+    """Pairs of text boxes that overlap by more than `tol` pixels both ways (ticks of one axis
+    excepted)."""
+    out = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if a["kind"] != "label" and a["kind"] == b["kind"]:
+                continue
+            if min(a["x1"], b["x1"]) - max(a["x0"], b["x0"]) > tol and min(a["y1"], b["y1"]) - max(a["y0"], b["y0"]) > tol:
+                out.append((a["text"], b["text"]))
+    return out
+
+
+def _wait_changed(page, box, before: str, timeout_s: float) -> str:
+    deadline, now = time.time() + timeout_s, before
+    while time.time() < deadline:
+        now = box.evaluate(_SIGNATURE)
+        if now != before and "computing" not in now:
+            return now
+        time.sleep(0.3)
+    return now
+
+
+def _python_errors(page) -> list[str]:
+    return page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+
+
+@pytest.mark.timeout(900)
+def test_every_chapter_widget_moves(lab, browser, shots):
+    base, token, _ = lab
+    n_widgets = len(widgets_notebook().cells) // 2
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    problems = []
+    try:
+        page.goto(f"{base}/lab/tree/course/widgets.ipynb?token={token}", timeout=90_000)
+        page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=90_000)
+        _accept_kernel_dialog(page)
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+        boxes = page.locator(EXPLORER)
+        deadline = time.time() + 300
+        while boxes.count() < n_widgets or page.locator(f"{EXPLORER} .js-plotly-plot").count() < n_widgets:
+            assert time.time() < deadline, f"{boxes.count()} of {n_widgets} explorers appeared; {_python_errors(page)}"
+            time.sleep(1)
+        for k in range(n_widgets):
+            box = boxes.nth(k)
+            box.scroll_into_view_if_needed()
+            changed = 0
+            sliders = box.locator(".widget-slider .noUi-handle")
+            for j in range(sliders.count()):
+                for key in ("End", "Home"):
+                    before = box.evaluate(_SIGNATURE)
+                    sliders.nth(j).focus()
+                    page.keyboard.press(key)
+                    after = _wait_changed(page, box, before, 30)
+                    changed += after != before
+                    box.screenshot(path=str(shots / f"explorer{k}-slider{j}-{key}.png"))
+                    clash = overlapping_labels(box.evaluate(_TEXT_BOXES))
+                    if clash:
+                        problems.append(f"explorer {k}, slider {j} at {key}: overlapping labels {clash[:3]}")
+            if not changed:
+                problems.append(f"explorer {k}: no slider move changed the figure")
+        errors = _python_errors(page)
+        assert not errors, errors
+        assert not problems, "\n".join(problems)
+    except Exception:
+        _fail_with_context(page, shots, "widgets")
+        raise
+    finally:
+        page.close()
+
+
+def test_overlap_detector_finds_overlaps():
+    """The overlap test itself can fail: two crossing boxes are found, ticks of one axis are not."""
+    a = dict(text="80 GiB", x0=0, y0=0, x1=50, y1=10, kind="label")
+    b = dict(text="GPU capacity", x0=40, y0=5, x1=120, y1=15, kind="label")
+    t1, t2 = (dict(a, kind="xtick", text=s) for s in ("1", "2"))
+    assert overlapping_labels([a, b]) == [("80 GiB", "GPU capacity")]
+    assert overlapping_labels([t1, t2]) == [] and overlapping_labels([dict(b, x0=51)]) == []
+

@@ -21,3 +21,59 @@ def test_stored_without_outputs(path):
 
 # Execution: `python -m pytest` collects every notebook under course/ and tests/notebooks/ with nbmake
 # (pyproject: --nbmake, testpaths include course/), so each chapter runs headless in CI.
+
+
+CHAPTERS = sorted((ROOT / "course").glob("[0-9][0-9]_*.ipynb"))
+_LINK = r"\]\(([^)\s]+)\)"
+
+
+def _exercises_of(path):
+    from mini3d.course import grading
+
+    return [e for e in grading.all_exercises() if e.chapter[:2] == path.name[:2]]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_every_relative_link_opens_from_a_root_server(path):
+    """Every relative link in a chapter's markdown resolves to a file in the repository, so a
+    JupyterLab started at the repository root (course/README.md) opens it; none leaves the root."""
+    import re
+
+    nb = nbformat.read(path, as_version=4)
+    links = [m for c in nb.cells if c.cell_type == "markdown" for m in re.findall(_LINK, c.source)]
+    for link in links:
+        if "://" in link or link.startswith("#"):
+            continue
+        target = (path.parent / link.split("#")[0]).resolve()
+        assert target.exists() and ROOT in target.parents, f"{path.name}: dead link {link}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_every_chapter_ends_with_a_grade_cell_for_its_exercises(path):
+    """The last cell grades exactly the chapter's exercises; the markdown before it links each one
+    with its points (as the grader counts them)."""
+    nb = nbformat.read(path, as_version=4)
+    exs = _exercises_of(path)
+    assert exs, f"{path.name}: no exercise names this chapter"
+    last, before = nb.cells[-1], nb.cells[-2]
+    assert last.cell_type == "code" and "grade_exercise(" in last.source
+    assert last.source.split("grade_exercise(")[-1].rstrip().rstrip(")") == ", ".join(f'"{e.name}"' for e in exs)
+    for e in exs:
+        assert f"](../exercises/{e.name}.py) ({e.points} points)" in before.source, (path.name, e.name)
+
+
+def _tagged(nb, tag):
+    return [c for c in nb.cells if tag in c.get("metadata", {}).get("tags", [])]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", [p for p in CHAPTERS if not p.name.startswith("08")], ids=lambda p: p.name)
+def test_main_widget_builds_from_the_imports_cell_alone(path):
+    """The browser test runs each chapter's `imports` + `main-widget` cells; they must stand alone
+    and build an explorer (chapter 08 has figures of failed runs, no explorer)."""
+    nb = nbformat.read(path, as_version=4)
+    (imports,), (widget,) = _tagged(nb, "imports"), _tagged(nb, "main-widget")
+    ns: dict = {}
+    exec(compile(imports.source, f"{path.name}[imports]", "exec"), ns)
+    box = eval(compile(widget.source, f"{path.name}[main-widget]", "eval"), ns)
+    assert "mini3d-explorer" in box._dom_classes and box.controls

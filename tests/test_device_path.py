@@ -24,7 +24,10 @@ def test_choose_device_with_mocked_cuda(monkeypatch):
     _fake_gpus(monkeypatch, 2)
     assert choose_device("auto", 1) == ("nccl", "cuda")
     assert choose_device("auto", 2) == ("nccl", "cuda")
-    assert choose_device("auto", 4) == ("gloo", "cpu")  # fewer GPUs than local ranks: fall back
+    # fewer GPUs than local ranks: an error naming the counts, never a quiet CPU fallback
+    with pytest.raises(LaunchError, match="--device auto needs 4 GPUs on this node, found 2"):
+        choose_device("auto", 4)
+    assert choose_device("cpu", 4) == ("gloo", "cpu")  # asked for on purpose
     assert choose_device("cpu", 1) == ("gloo", "cpu")
     assert choose_device("cuda", 1, backend="gloo") == ("gloo", "cuda")
     with pytest.raises(LaunchError, match="needs 4 GPUs on this node, found 2"):
@@ -35,6 +38,41 @@ def test_choose_device_with_mocked_cuda(monkeypatch):
         choose_device("cuda", 1)
     with pytest.raises(LaunchError, match="unknown"):
         choose_device("tpu", 1)
+
+
+def test_device_mapping_for_slurm_and_cuda_visible_devices(monkeypatch):
+    """torchrun / Slurm: a process that sees every GPU of the node uses LOCAL_RANK; one that sees
+    exactly one (--gpus-per-task=1) uses device 0; anything else is an exit-2 error."""
+    assert launch.device_index(3, 4, 4) == 3 and launch.device_index(3, 4, 8) == 3
+    assert launch.device_index(3, 4, 1) == 0
+    with pytest.raises(LaunchError, match="4 processes on this node .* each process sees 2"):
+        launch.device_index(3, 4, 2)
+    _fake_gpus(monkeypatch, 1)  # one visible device per process
+    assert choose_device("auto", 4, per_process=True) == ("nccl", "cuda")
+    assert choose_device("cuda", 4, per_process=True) == ("nccl", "cuda")
+    with pytest.raises(LaunchError, match="needs 4 GPUs on this node, found 1"):
+        choose_device("auto", 4)  # the local launcher's 4 processes would share one GPU
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(i))
+    monkeypatch.setenv(launch.DEVICE_ENV, "cpu")
+    launch._set_device("cuda", 3, 4)
+    assert calls == [0] and launch.current_device() == torch.device("cuda:0")
+    _fake_gpus(monkeypatch, 4)
+    launch._set_device("cuda", 3, 4)
+    assert calls == [0, 3] and launch.current_device() == torch.device("cuda:3")
+    _fake_gpus(monkeypatch, 2)
+    with pytest.raises(LaunchError, match="found 2"):
+        choose_device("cuda", 4, per_process=True)
+
+
+def test_too_few_gpus_is_exit_2_before_any_process(monkeypatch, capsys):
+    from mini3d import cli
+
+    _fake_gpus(monkeypatch, 2)
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    assert cli.main(["train", "--dp", "4", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 4 GPUs on this node" in err and "found 2" in err and "--device cpu" in err
 
 
 def test_set_device_sets_cuda_env_with_mocked_cuda(monkeypatch):

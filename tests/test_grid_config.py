@@ -78,3 +78,46 @@ def test_n_params_matches_the_model():
     for cfg in (PRESETS["tiny"], ModelConfig(n_layers=3, d_model=48, n_heads=6, vocab_size=300, d_ff=100)):
         assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.n_params()
     assert 69e9 < PRESETS["gpt-70b"].n_params() < 71e9
+
+
+@pytest.mark.parametrize("order", ["tp-cp-dp-pp", "tp-dp-cp-pp", "cp-tp-pp-dp"])
+def test_cp_axis_groups_and_the_combined_gradient_group(order):
+    g = Grid(2, 2, 2, order, cp=2)  # 16 ranks
+    assert g.world_size == 16
+    for r in range(16):
+        c = g.coords(r)
+        assert g.rank_of(**c) == r
+        grp = g.group_of(r, "cp")
+        assert [g.coords(x)["cp"] for x in grp] == [0, 1]
+        assert all({k: v for k, v in g.coords(x).items() if k != "cp"} ==
+                   {k: v for k, v in c.items() if k != "cp"} for x in grp)
+        both = g.group_of(r, "dp_cp")  # same tp and pp coordinates: the same weights
+        assert len(both) == 4 and {(g.coords(x)["tp"], g.coords(x)["pp"]) for x in both} == \
+            {(c["tp"], c["pp"])}
+        assert set(g.group_of(r, "cp")) | set(g.group_of(r, "dp")) <= set(both)
+    fastest, second = order.split("-")[:2]
+    assert g.coords(1)[fastest] == 1 and g.coords(2)[second] == 1
+
+
+def test_cp_worked_example_and_three_axis_orders():
+    g = Grid(2, 2, 1, cp=2)  # tp=2, cp=2, pp=2, default order tp-cp-dp-pp
+    assert g.order == ("tp", "cp", "dp", "pp")
+    assert g.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.groups("dp_cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.groups("mp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    import mini3d.grid as mod
+
+    for line in ("cp groups        [0, 2] [1, 3] [4, 6] [5, 7]",
+                 "dp_cp groups     [0, 2] [1, 3] [4, 6] [5, 7]"):
+        assert line in mod.__doc__
+    assert Grid(2, 2, 2, "dp-pp-tp").order == ("dp", "pp", "tp", "cp")  # cp follows tp
+    with pytest.raises(ValueError, match="cp"):
+        Grid(2, 2, 2, "tp-tp-dp-pp")
+
+
+def test_describe_notes_cp_groups_crossing_nodes():
+    assert "cp" not in Grid(2, 2, 2).describe(gpus_per_node=4).split("\n")[0]  # cp=1: as before
+    inside = Grid(2, 1, 2, cp=2).describe(gpus_per_node=4)
+    assert "cp groups: [0, 2] [1, 3] [4, 6] [5, 7]" in inside and "note: cp" not in inside
+    across = Grid(2, 1, 2, "tp-dp-cp-pp", cp=2).describe(gpus_per_node=4)
+    assert "note: cp groups [[0, 4], [1, 5], [2, 6], [3, 7]] cross a node boundary" in across

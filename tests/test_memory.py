@@ -5,7 +5,7 @@ import torch
 
 from mini3d.cli import main
 from mini3d.config import PRESETS, Plan
-from mini3d.diagnose.estimator import estimate_memory
+from mini3d.cost.memory import estimate_memory
 from mini3d.launch import launch
 from mini3d.train import make_spec, train_worker
 

@@ -267,7 +267,7 @@ def test_pp_adapter():
 
 
 def test_estimator_adapter():
-    pytest.importorskip("mini3d.diagnose.estimator")
+    pytest.importorskip("mini3d.cost.memory")
     from mini3d.course.viz.adapters import estimate_fn
 
     fn = estimate_fn(seq_len=2048)

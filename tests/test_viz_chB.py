@@ -158,6 +158,9 @@ def test_gantt_panels_one_panel_per_schedule():
     assert b["gpipe"] == pytest.approx(3 / 11) and b["1f1b"] == pytest.approx(3 / 11)
     assert b["interleaved"] == pytest.approx(3 / 19)
     fwd = [t for t in fig.data if t.name == "forward"]
-    assert len(fwd) == 3 and [len(t.x) for t in fwd] == [32, 32, 64]  # p*m forwards (x v chunks)
+    assert len(fwd) == 3 and [len(t.x) for t in fwd] == [32, 32, 32]  # p*m forwards of chunk 0
+    # interleaving's second chunk is its own trace, in its own shade (one colour per chunk)
+    (chunk1,) = [t for t in fig.data if t.name == "forward chunk 1"]
+    assert len(chunk1.x) == 32 and chunk1.marker.color != fwd[2].marker.color
     assert sum(t.showlegend for t in fig.data) == len({t.name for t in fig.data})  # one legend entry each
     assert "(" in fig.layout.xaxis3.title.text

@@ -51,7 +51,7 @@ def full_grads(trainer: Trainer, shards: list) -> dict:
         full = shard
         if sharded:
             full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-            comm.all_gather(full, shard.contiguous(), topo.dp)
+            comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO shards over cp x dp
         for p, local in group.views(full):
             out[names[p]] = unshard_like(p, local, topo).cpu()
     return out

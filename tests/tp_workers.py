@@ -21,9 +21,10 @@ BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-3
 
 
 def _batches(cfg, n, seed=1234):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g),
-             torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)) for _ in range(n)]
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [(torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g, device="cpu"),
+             torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g, device="cpu"))
+            for _ in range(n)]
 
 
 def _max_diff(full: dict, ref_model, grads: bool) -> dict[str, float]:
@@ -45,7 +46,8 @@ def _tp_events(log, run, step):
 def run_parity(topo, cfg: ModelConfig, sp: bool, seed: int = 0) -> dict:
     """Reference vs tensor-parallel GPT over STEPS AdamW steps; returns differences and events."""
     plan = Plan(tp=topo.tp.size, seq_len=SEQ, global_batch=BATCH, sequence_parallel=sp)
-    ref, model = GPT(cfg, seed), GPT(cfg, seed)
+    with topo.device:  # explicit: workers run with the default device set to meta (strict mode)
+        ref, model = GPT(cfg, seed), GPT(cfg, seed)
     apply_tp(model, topo, plan)
     log, run = topo.log, f"tp{topo.tp.size}-sp{int(sp)}"  # several runs share one topology's log
     log.context = {"run": run, "step": -1, "phase": "check"}
@@ -74,7 +76,8 @@ def run_parity(topo, cfg: ModelConfig, sp: bool, seed: int = 0) -> dict:
         out["param"].append(_max_diff(full_state_dict(model, topo), ref, grads=False))
     out["events"] = _tp_events(log, run, 0)
     # checkpoint round trip: a differently seeded sharded model loads the trained full weights
-    other = apply_tp(GPT(cfg, seed + 1), topo, plan)
+    with topo.device:
+        other = apply_tp(GPT(cfg, seed + 1), topo, plan)
     load_full_state_dict(other, topo, {n: p.detach() for n, p in ref.named_parameters()})
     back = full_state_dict(other, topo)
     out["reload_exact"] = all(torch.equal(back[n], p) for n, p in ref.named_parameters())
@@ -86,9 +89,10 @@ def _pipeline_check(topo, cfg, plan, seed):
     """Two pipeline stages (layer 0 with the embedding; layer 1 with the head), both sharded over the
     same tp axis, chained by hand as the pipeline runtime would: the boundary activation shape,
     the loss and every gradient must match the whole reference model."""
-    ref = GPT(cfg, seed)
-    s0 = apply_tp(GPT(cfg, seed, layers=[0], first=True, last=False), topo, plan)
-    s1 = apply_tp(GPT(cfg, seed, layers=[1], first=False, last=True), topo, plan)
+    with topo.device:
+        ref = GPT(cfg, seed)
+        s0 = apply_tp(GPT(cfg, seed, layers=[0], first=True, last=False), topo, plan)
+        s1 = apply_tp(GPT(cfg, seed, layers=[1], first=False, last=True), topo, plan)
     x, y = _batches(cfg, 1, seed=99)[0]
     h = s0(x)
     shape_ok = tuple(h.shape) == boundary_shape(plan, BATCH, cfg)
@@ -110,8 +114,8 @@ def _pipeline_check(topo, cfg, plan, seed):
 def mapping_checks(axis) -> dict[str, tuple[float, float]]:
     """Every public mapping against its definition: (forward error, backward error) per op.
     Inputs and upstream gradients are scaled by (tp_rank + 1) so sums and placements are visible."""
-    g = torch.Generator().manual_seed(7)
-    X, G = torch.randn(2, 8, 8, generator=g), torch.randn(2, 8, 8, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    X, G = (torch.randn(2, 8, 8, generator=g, device="cpu") for _ in range(2))
     t, i = axis.size, axis.index
     k = float(i + 1)
     s = float(sum(range(1, t + 1)))  # sum over ranks of (rank + 1)

@@ -46,23 +46,29 @@ def comm_ops(tp, pp, dp):
     """Every traced op once on the tp axis, plus send/recv along pp; returns the event log."""
     grid = Grid(tp, pp, dp)
     topo = build_topology(grid, dist.get_rank())
-    ax = topo.tp
-    x = torch.full((3, 4), float(ax.index + 1))
-    comm.all_reduce(x, ax)
-    out = torch.empty(3 * ax.size, 4)
-    comm.all_gather(out, torch.full((3, 4), float(ax.index)), ax)
-    rs = torch.empty(2, 4)
-    comm.reduce_scatter(rs, torch.ones(2 * ax.size, 4), ax)
-    w = comm.all_reduce(torch.ones(5), ax, async_op=True)
-    w.wait()
-    p = topo.pp
-    t = torch.arange(6, dtype=torch.float32)
-    if p.index == 0:
-        comm.send(t * (topo.rank + 1), p, p.peer(1))
-        got = None
-    else:
-        got = torch.empty(6)
-        comm.recv(got, p, p.peer(-1))
+    with topo.device:  # this test is about the ops, not about device placement (strict mode)
+        ax = topo.tp
+        x = torch.full((3, 4), float(ax.index + 1))
+        comm.all_reduce(x, ax)
+        out = torch.empty(3 * ax.size, 4)
+        comm.all_gather(out, torch.full((3, 4), float(ax.index)), ax)
+        rs = torch.empty(2, 4)
+        comm.reduce_scatter(rs, torch.ones(2 * ax.size, 4), ax)
+        w = comm.all_reduce(torch.ones(5), ax, async_op=True)
+        w.wait()
+        p = topo.pp
+        t = torch.arange(6, dtype=torch.float32)
+        if p.index == 0:
+            comm.send(t * (topo.rank + 1), p, p.peer(1))
+            got = None
+        else:
+            got = torch.empty(6)
+            comm.recv(got, p, p.peer(-1))
     return {"rank": topo.rank, "ar": x.tolist(), "ag": out[:, 0].tolist(), "rs": rs.tolist(),
             "recv": None if got is None else got.tolist(), "events": topo.log.snapshot(),
             "bytes": dict(topo.log.bytes_by_axis), "wire": dict(topo.log.wire_bytes_by_axis)}
+
+
+def default_device() -> str:
+    """torch's default device in this worker (meta under MINI3D_STRICT_DEVICE=1)."""
+    return str(torch.get_default_device())

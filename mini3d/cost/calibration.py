@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from ..comm import ring_steps
 from ..config import PRESETS as MODELS
 from ..config import Plan
 from .hardware import PRESETS as GPUS
@@ -149,13 +150,14 @@ PROBE_MATMULS = 12  # 12 x 8.4 MFLOP: about 1 ms on one core
 
 def measure_allreduce(sizes=(2**10, 2**14, 2**17, 2**20, 2**22), repeats: int = 9) -> dict:
     """gloo all-reduce between 2 local processes (wire bytes = 2(n-1)/n * payload = the payload for
-    n = 2): latency = the smaller median of the two smallest payloads (both are all latency),
+    n = 2): the call's latency is the smaller median of the two smallest payloads (both are all
+    latency), and `latency_s` that over the 2(n-1) = 2 ring steps it takes;
     bandwidth from the least-squares slope over all sizes (a plain line fit lets the large sizes' noise swing the intercept)."""
     from ..launch import launch
 
     res = launch(allreduce_probe, 2, list(sizes), repeats, device="cpu", timeout=120)
     worst = [max(a[1], b[1]) for a, b in zip(*res)]
-    latency = min(worst[:2])
+    latency = min(worst[:2]) / ring_steps("all_reduce", 2)  # Hardware.latency_s is one ring step
     _, per_byte = _fit_line([s for s, _ in res[0]], worst)
     bw = 1 / per_byte if per_byte > 0 else float(sizes[-1]) / worst[-1]
     return {"times": list(zip([s for s, _ in res[0]], worst)), "bandwidth": bw,

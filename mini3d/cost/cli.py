@@ -17,7 +17,7 @@ import json
 import sys
 
 from ..config import ATTENTION, DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan
-from ..diagnose.estimator import GB, estimate_all_stages
+from .memory import GB, estimate_all_stages
 from .hardware import PRESETS as GPUS
 from .hardware import load_hardware, save_hardware
 
@@ -35,6 +35,9 @@ def _model_args(p):
     g.add_argument("--vocab", type=int)
     g.add_argument("--ffn", type=int, help="MLP width d_ff (default 4 * hidden)")
     g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
+    from ..model_args import add_family_args
+
+    add_family_args(g)
 
 
 def _hw_args(p):
@@ -51,7 +54,8 @@ def _plan_args(p):
     g = p.add_argument_group("plan")
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
-    g.add_argument("--dp", type=int, help="default: gpus / (tp * pp), or 1")
+    g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention)")
+    g.add_argument("--dp", type=int, help="default: gpus / (tp * cp * pp), or 1")
     g.add_argument("--zero", type=int, default=0)
     g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     g.add_argument("--virtual-stages", type=int, default=1)
@@ -64,6 +68,9 @@ def model_from_args(args) -> ModelConfig:
     fields = {"n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
               "vocab_size": args.vocab, "d_ff": args.ffn}
     given = {k: v for k, v in fields.items() if v is not None}
+    from ..model_args import family_overrides
+
+    given.update(family_overrides(args))
     if args.model:
         if args.model not in PRESETS:
             raise BadInput(f"--model {args.model!r} is not a preset (choose from {', '.join(PRESETS)})")
@@ -90,18 +97,18 @@ def _hardware(args):
 
 
 def plan_from_args(args, cfg: ModelConfig) -> Plan:
-    dp = args.dp
+    dp, model_parallel = args.dp, args.tp * args.pp * args.cp
     if dp is None:
-        if args.gpus and args.gpus % (args.tp * args.pp):
-            raise BadInput(f"--gpus {args.gpus} is not a multiple of tp*pp = {args.tp}*{args.pp} "
-                           f"= {args.tp * args.pp}")
-        dp = args.gpus // (args.tp * args.pp) if args.gpus else 1
+        if args.gpus and args.gpus % model_parallel:
+            raise BadInput(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {args.tp}*{args.pp}"
+                           f"*{args.cp} = {model_parallel}")
+        dp = args.gpus // model_parallel if args.gpus else 1
     plan = Plan(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, schedule=args.schedule,
                 virtual_stages=args.virtual_stages, micro_batches=args.micro_batches,
                 recompute=args.recompute, dtype=args.dtype,
                 global_batch=args.global_batch or dp * args.micro_batches,
                 seq_len=args.seq_len or cfg.max_seq_len, sequence_parallel=args.sequence_parallel,
-                attention=args.attention)
+                attention=args.attention, cp=args.cp)
     problems = plan.problems(cfg, args.gpus)
     if problems:
         raise BadInput("inconsistent plan: " + "; ".join(problems))
@@ -123,7 +130,8 @@ def cmd_estimate(args) -> int:
         out["explanation"] = why_not(est)
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{cfg.name} on {plan.world_size} x {hw.name}: {describe(plan)}")
+    print(f"{cfg.name} ({cfg.family}, {cfg.n_params() / 1e9:.1f}B parameters) on "
+          f"{plan.world_size} x {hw.name}: {describe(plan)}")
     for s in stages:
         print("  " + s.summary())
     print("  " + why_not(est))

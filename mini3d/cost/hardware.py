@@ -15,6 +15,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from ..comm import ring_steps, ring_wire_bytes
+
 GiB = 2**30
 
 
@@ -29,7 +31,7 @@ class Hardware:
     nvlink_bw: float  # intra-node bytes/s per GPU per direction
     internode_bw: float  # inter-node bytes/s per GPU per direction
     gpus_per_node: int = 8
-    latency_s: float = 10e-6  # fixed cost of one collective or p2p message
+    latency_s: float = 1.5e-6  # one message (one ring step, or one p2p transfer); see collective_s
     peak_flops_fp32: float | None = None  # None: same as peak_flops (a CPU); GPUs: TF32-free fp32
     eff_max: float | None = None  # compute-efficiency override (None: calibrated A100 values)
     eff_half_width: float | None = None
@@ -41,6 +43,19 @@ class Hardware:
         if dtype == "float32" and self.peak_flops_fp32:
             return self.peak_flops_fp32
         return self.peak_flops
+
+    def collective_s(self, op: str, n: int, nbytes: float, bandwidth: float) -> float:
+        """Seconds of one ring `op` ("all_reduce", "all_gather", "reduce_scatter", "send") of a
+        full tensor of `nbytes` over n members on a link of `bandwidth` bytes/s: every one of its
+        sequential steps pays the latency, and each rank sends its ring wire bytes
+        (`mini3d.comm.ring_steps` / `ring_wire_bytes`, the conventions of the event log). A ring
+        all-reduce thus pays 2(n-1) latencies, not one: it is n-1 reduce-scatter steps then n-1
+        all-gather steps, each a message that waits for the previous one. The GPU presets' 1.5 us
+        per step makes a small all-reduce over 8 GPUs 21 us, NCCL's order of magnitude; with it the
+        two calibration rows refit to the stored efficiency constants."""
+        if n <= 1 and op != "send":
+            return 0.0
+        return ring_steps(op, n) * self.latency_s + ring_wire_bytes(op, n, nbytes) / bandwidth
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -4,9 +4,11 @@ FLOPs (per token, forward; Megatron's convention, so MFU compares with published
 
     layer  = 2 * (3h^2 + h^2 + 2hf)   qkv, attention projection, MLP fc and proj matmuls
            + 4sh                      QK^T and attention-times-V over the full s x s square
+             (llama: qkv is h(h + 2kv) with kv = n_kv_heads * head_dim, the MLP 3hf; the
+             weights of `ModelConfig.layer_weights`)
     head   = 2hV                      output projection (embedding lookups cost no FLOPs)
 
-LayerNorm, GELU, softmax and bias FLOPs are left out (well under 1% for these shapes). Model FLOPs
+Norm, GELU / SiLU, rotary, softmax and bias FLOPs are left out (well under 1% for these shapes). Model FLOPs
 are 3 * (L*layer + head) per token (backward = 2 x forward); hardware FLOPs add what recompute runs
 again: the whole layer forward under full recompute, the 4sh attention core under selective.
 
@@ -29,11 +31,23 @@ Step time, on the busiest pipeline rank:
 * shared host (mini3d's own CPU runs, `Hardware.shared_host`): with more ranks than cores, compute,
   the per-layer overhead, the optimizer AND communication (there it is CPU work: copies, gloo
   threads, Python) run world / cores times slower; GPU presets are not shared hosts.
+* context parallelism (cp > 1): every per-token cost is that of the rank's s/cp tokens (attention
+  FLOPs per token still cover the full s); ring attention sends, per layer and micro-batch, cp-1
+  K/V blocks forward and cp-1 backward plus cp float32 dK/dV accumulators (`ring_block_bytes`;
+  forward again under full recompute). Each hop overlaps the attention of the block in hand (1/cp
+  of the layer's attention core, twice that in backward): only max(0, transfer - compute) per hop
+  is exposed, plus the last accumulator hop home. The cp groups sit inside a node while
+  tp*cp <= gpus_per_node (order tp-cp-dp-pp).
 * data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter + parameter all-gather
-  (ZeRO-1/2) moving 2(d-1)/d * the stage's gradient bytes; the gradient part overlaps with the
+  (ZeRO-1/2) moving 2(d-1)/d * the stage's gradient bytes over the d = cp x dp ranks that hold
+  the same weights; the gradient part overlaps with the
   last micro-batch's backward (exposed: what does not fit, at least one bucket), the parameter
   all-gather after the optimizer step is exposed. ZeRO-3 gathers parameters twice per micro-batch,
   overlapped with all compute.
+* every collective and p2p message costs `Hardware.collective_s`: its ring wire bytes over the
+  link's bandwidth plus one latency per sequential ring step (2(n-1) for an all-reduce over n
+  ranks, n-1 for an all-gather or reduce-scatter, 1 for a send); tp collectives per layer come
+  from `mini3d.tp.comm_per_layer`, the same list the real layers issue.
 * fixed overhead: `Hardware.layer_overhead_s` per layer and micro-batch, plus
   `Hardware.token_overhead_s` per layer and token of the micro-batch, divided by tp (0 for the GPU
   presets; measured by `mini3d calibrate` on a CPU, where tiny layers are dominated by per-op costs
@@ -49,10 +63,14 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from ..comm import ring_steps, ring_wire_bytes
 from ..config import ModelConfig, Plan, PlanError
-from ..diagnose.estimator import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank,
-                                  padded_vocab, stage_layers, stage_param_count)
+from ..pp.schedules import make_schedule
+from ..pp.simulator import bubble_formula, simulate
+from ..tp.course import comm_per_layer
 from .hardware import Hardware
+from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,
+                     ring_block_bytes, sharding_degree, stage_layers, stage_param_count)
 
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
 
@@ -112,7 +130,8 @@ class CostEstimate:
         mem = {k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations",
                                                     "comm_buffers")}
         mem.update(total=self.memory.total, stage=self.memory.stage)
-        return {"model": self.model.name, "plan": self.plan.to_dict(), "hardware": self.hardware,
+        return {"model": self.model.name, "params": self.model.n_params(),
+                "family": self.model.family, "plan": self.plan.to_dict(), "hardware": self.hardware,
                 "n_gpus": self.n_gpus, "memory_per_rank_bytes": mem,
                 "capacity_bytes": self.capacity_bytes, "fits": self.fits,
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -124,10 +143,10 @@ class CostEstimate:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     """Forward FLOPs per token: one layer's matmuls + attention, its attention core, the head."""
-    h, f = cfg.d_model, cfg.d_ff
+    h = cfg.d_model
     attn = 4 * seq_len * h
-    return {"layer": 2 * (4 * h * h + 2 * h * f) + attn, "attention": attn,
-            "head": 2 * h * cfg.vocab_size}
+    matmuls = sum(cfg.layer_weights().values())  # GQA's narrower K/V; SwiGLU's three matrices
+    return {"layer": 2 * matmuls + attn, "attention": attn, "head": 2 * h * cfg.vocab_size}
 
 
 def model_flops(cfg: ModelConfig, plan: Plan) -> float:
@@ -143,32 +162,23 @@ def hardware_flops(cfg: ModelConfig, plan: Plan) -> float:
     return model_flops(cfg, plan) + cfg.n_layers * extra * plan.global_batch * plan.seq_len
 
 
-def closed_form_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
-    """Idle fraction of a pipeline step: (p-1)/(m+p-1); interleaved (p-1)/(v*m+p-1)."""
-    chunks = v * m if kind == "interleaved" else m
-    return (p - 1) / (chunks + p - 1)
-
-
 @functools.lru_cache(maxsize=4096)
 def bubble_fraction(kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.0) -> float:
-    """Bubble fraction from the pipeline simulator (uniform stages, p2p costed separately);
-    the closed forms when `mini3d.pp` is not available."""
+    """Bubble fraction from the pipeline simulator (uniform stages, p2p costed separately); for
+    uniform stages it equals the closed form `mini3d.pp.simulator.bubble_formula` (tested)."""
     if p == 1:
         return 0.0
-    try:
-        from mini3d.pp.schedules import make_schedule
-        from mini3d.pp.simulator import simulate
-    except ImportError:
-        return closed_form_bubble(kind, p, m, v)
     return float(simulate(make_schedule(kind, p, m, v), 1.0, bwd_ratio, 0.0).bubble_fraction)
 
 
 def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
     """Per-axis bandwidth: an axis whose groups span nodes runs at the inter-node speed.
-    Rank order is tp fastest, then dp, then pp (mini3d.grid), so a tp group stays in a node
-    while tp <= gpus_per_node, a dp group while tp*dp <= gpus_per_node, pp while the world does."""
+    Rank order is tp fastest, then cp, dp, pp (mini3d.grid), so a tp group stays in a node
+    while tp <= gpus_per_node, a cp group while tp*cp <= gpus_per_node, a dp (cp x dp) group
+    while tp*cp*dp <= gpus_per_node, pp while the world does."""
     g = hw.gpus_per_node
-    span = {"tp": plan.tp, "dp": plan.tp * plan.dp, "pp": plan.world_size}
+    span = {"tp": plan.tp, "cp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.dp,
+            "pp": plan.world_size}
     crosses = {a: n > g or (g % n != 0 and n > 1) for a, n in span.items()}
     return {a: (hw.internode_bw if crosses[a] else hw.nvlink_bw) for a in span}
 
@@ -185,47 +195,67 @@ def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
 def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch on
     pipeline rank `stage` (the first holds the embedding, the last the head and the loss)."""
-    t = plan.tp
+    t, sb = plan.tp, local_seq_len(plan) * plan.micro_batch_size
     if t == 1:
         return 0.0, 0.0, 0.0
     first, last = stage == 0, stage == head_rank(plan)
-    act = plan.seq_len * plan.micro_batch_size * cfg.d_model * ELEMENT_BYTES[plan.dtype]
-    wire = 2 * (t - 1) / t * act
-    per_op = wire / bw + (2 if plan.sequence_parallel else 1) * hw.latency_s
-    fwd_ops = 2 * layers + first
-    bwd_ops = (4 if plan.recompute == "full" else 2) * layers + last
-    loss_wire = 2 * (t - 1) / t * 3 * plan.seq_len * plan.micro_batch_size * 4 if last else 0.0
-    loss_s = loss_wire / bw + 2 * hw.latency_s if last else 0.0
-    return (fwd_ops * per_op + loss_s, bwd_ops * per_op,
-            (fwd_ops + bwd_ops) * wire + loss_wire)
+    c = comm_per_layer(t, plan.micro_batch_size, local_seq_len(plan), cfg.d_model, plan.sequence_parallel,
+                       ELEMENT_BYTES[plan.dtype])
+
+    def seconds(ops):
+        return sum(o["count"] * hw.collective_s(o["op"], t, o["bytes"], bw) for o in ops)
+
+    redo = plan.recompute == "full"  # the backward runs the forward's collectives again
+    act = sb * cfg.d_model * ELEMENT_BYTES[plan.dtype]
+    end_s, end_wire = hw.collective_s("all_reduce", t, act, bw), ring_wire_bytes("all_reduce", t, act)
+    loss = [4 * sb, 8 * sb] if last else []  # cross-entropy: the max, then the two sums (fp32)
+    fwd_s = layers * seconds(c["forward"]) + first * end_s + sum(
+        hw.collective_s("all_reduce", t, n, bw) for n in loss)
+    bwd_s = layers * (seconds(c["backward"]) + redo * seconds(c["forward"])) + last * end_s
+    wire = (layers * (c["forward_wire_bytes"] * (1 + redo) + c["backward_wire_bytes"])
+            + (first + last) * end_wire + sum(ring_wire_bytes("all_reduce", t, n) for n in loss))
+    return fwd_s, bwd_s, wire
 
 
 def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
     """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step."""
-    d = plan.dp
+    d = sharding_degree(plan)
     if d == 1:
         return 0.0, 0.0, 0.0
-    e = ELEMENT_BYTES[plan.dtype]
-    grads = params = n_params * e
-    frac = (d - 1) / d
+    grads = params = float(n_params * ELEMENT_BYTES[plan.dtype])
     bucket = plan.bucket_mb * 2**20
     n_buckets = max(1, math.ceil(grads / bucket))
-    if plan.zero == 0:
-        g_wire, p_wire = 2 * frac * grads, 0.0
-    elif plan.zero in (1, 2):
-        g_wire, p_wire = frac * grads, frac * params
-    else:
-        g_wire, p_wire = frac * grads, 2 * plan.micro_batches * frac * params
-    t_grad = g_wire / bw + n_buckets * hw.latency_s
-    t_last = min(t_grad, frac * min(bucket, grads) * (2 if plan.zero == 0 else 1) / bw + hw.latency_s)
+    g_op = "all_reduce" if plan.zero == 0 else "reduce_scatter"
+    g_wire = ring_wire_bytes(g_op, d, grads)
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * plan.micro_batches}[plan.zero]  # parameter all-gathers
+    p_wire = gathers * ring_wire_bytes("all_gather", d, params)
+    t_grad = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw)
+    t_last = min(t_grad, hw.collective_s(g_op, d, min(bucket, grads), bw))
     exposed = max(t_last, t_grad - t_bwd)
-    t_param = p_wire / bw + (n_buckets * hw.latency_s if p_wire else 0.0)
+    t_param = (p_wire / bw + n_buckets * ring_steps("all_gather", d) * hw.latency_s) if gathers else 0.0
     if plan.zero == 3:
         per_layer = t_param / max(1, 2 * plan.micro_batches * cfg.n_layers)
         exposed += max(per_layer, t_param - t_compute)
     else:
         exposed += t_param
     return t_grad + t_param, exposed, g_wire + p_wire
+
+
+def _cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
+    """Ring attention per micro-batch: exposed forward / backward seconds, all transfer seconds and
+    wire bytes, given `attn_block_s`, the forward seconds of one block's attention (see above)."""
+    cp = plan.cp
+    if cp == 1:
+        return {"fwd": 0.0, "bwd": 0.0, "total": 0.0, "wire": 0.0}
+    kv, acc = ring_block_bytes(cfg, plan), ring_block_bytes(cfg, plan, 4)
+    hop = lambda nbytes: nbytes / bw + hw.latency_s  # noqa: E731
+    fwd_passes = 2 if plan.recompute == "full" else 1
+    fwd = fwd_passes * (cp - 1) * max(0.0, hop(kv) - attn_block_s)
+    bwd = (cp - 1) * max(0.0, hop(kv + acc) - 2 * attn_block_s) + hop(acc)
+    total = (fwd_passes * (cp - 1) + cp - 1) * hop(kv) + cp * hop(acc)
+    wire = (fwd_passes * (cp - 1) + cp - 1) * kv + cp * acc
+    return {"fwd": layers * fwd, "bwd": layers * bwd, "total": layers * total,
+            "wire": layers * wire}
 
 
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
@@ -237,7 +267,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     e, t, m, v, p = ELEMENT_BYTES[plan.dtype], plan.tp, plan.micro_batches, plan.virtual_stages, plan.pp
     stage, layers = _busiest_rank(cfg, plan)
     f = flops_per_token(cfg, plan.seq_len)
-    tokens_mb = plan.micro_batch_size * plan.seq_len
+    tokens_mb = plan.micro_batch_size * local_seq_len(plan)  # this rank's tokens
     fwd = (layers * f["layer"] + (f["head"] if stage == head_rank(plan) else 0)) * tokens_mb / t
     extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
     width = min(cfg.d_model / t, tokens_mb)
@@ -251,27 +281,30 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
         hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
     tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"], stage)
-    t_fwd, t_bwd = c_fwd + tp_fwd, c_bwd + tp_bwd
+    ring = _cp_time(cfg, plan, hw, layers, bw["cp"], f["attention"] * tokens_mb / t / plan.cp / rate)
+    t_fwd, t_bwd = c_fwd + tp_fwd + ring["fwd"], c_bwd + tp_bwd + ring["bwd"]
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
     msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
-    pp_s = 2 * (v * m + p - 1) * (msg / bw["pp"] + hw.latency_s) if p > 1 else 0.0
+    pp_s = 2 * (v * m + p - 1) * hw.collective_s("send", 2, msg, bw["pp"]) if p > 1 else 0.0
     pp_wire = 2 * v * m * msg if p > 1 else 0.0
     n_params = stage_param_count(cfg, plan, stage)
     dp_total, dp_exposed, dp_wire = _dp_time(cfg, plan, hw, n_params, bw["dp"], t_bwd,
                                              m * (t_fwd + t_bwd))
-    local = n_params / (plan.dp if plan.zero >= 1 else 1)
+    local = n_params / (sharding_degree(plan) if plan.zero >= 1 else 1)
     opt_s = ADAM_BYTES_PER_PARAM * local / hw.memory_bw * slowdown
     step = pipeline + pp_s + dp_exposed + opt_s
     mf, hf = model_flops(cfg, plan), hardware_flops(cfg, plan)
     peak = hw.flops(plan.dtype)
     breakdown = {"compute": m * (c_fwd + c_bwd), "tp_comm": m * (tp_fwd + tp_bwd),
                  "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
-                 "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(width)}
+                 "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(width),
+                 "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"]}
     return CostEstimate(cfg, plan, hw.name, n, step, plan.global_batch * plan.seq_len / step, mf, hf,
                         mf / step / n / 1e12, hf / step / n / 1e12, mf / step / n / peak,
                         hf / step / n / peak, bubble,
-                        {"tp": m * tp_wire, "pp": pp_wire, "dp": dp_wire}, breakdown,
+                        {"tp": m * tp_wire, "pp": pp_wire, "dp": dp_wire,
+                         **({"cp": m * ring["wire"]} if plan.cp > 1 else {})}, breakdown,
                         estimate_memory(cfg, plan), hw.memory_bytes)
 
 
@@ -281,5 +314,5 @@ def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
 
 
 __all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
-           "flops_per_token", "model_flops", "hardware_flops", "bubble_fraction",
-           "closed_form_bubble", "link_bandwidths", "PlanError", "padded_vocab"]
+           "flops_per_token", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
+           "link_bandwidths", "PlanError"]

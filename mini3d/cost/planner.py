@@ -1,9 +1,11 @@
 """Planner: search the valid layouts of a model on n GPUs, drop those that do not fit, rank the rest.
 
-The search walks tp (dividing n_heads and d_ff), pp (at most n_layers), dp = n / (tp * pp) (dividing
+The search walks tp (dividing n_heads, n_kv_heads and d_ff), pp (at most n_layers), dp = n / (tp * pp) (dividing
 the global batch), micro-batch size and count, schedule (1F1B; GPipe; interleaved with 2..8 virtual
 stages; the zero-bubble ZB-H1 and, with two chunks per rank, ZB-V), ZeRO stage (0-2, and 3 without pipelining) and recompute (none, selective, full), with
-sequence parallelism whenever tp > 1 (it only saves memory in this model). Every layout passes
+sequence parallelism whenever tp > 1 (it only saves memory in this model), and context parallelism
+(cp dividing the GPUs, 2*cp dividing seq_len) for sequences of at least `LONG_SEQUENCE` tokens,
+where activations rather than model states decide what fits. Every layout passes
 `Plan.problems()` first. Survivors are ranked by predicted step time, then by memory.
 
 When nothing fits, the answer is not an exception: `PlanSearch.fits` is False, `smallest` is the
@@ -18,11 +20,14 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
-from ..diagnose.estimator import CATEGORIES, GB, STATE_BYTES, estimate_memory
+from .memory import CATEGORIES, GB, STATE_BYTES, estimate_memory, model_state_bytes
 from .hardware import Hardware
 from .model import CostEstimate, estimate_cost
 
-TIME_TERMS = ("compute", "tp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
+TIME_TERMS = ("compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
+# From this many tokens per sequence the search also splits sequences over cp ranks (shorter ones
+# fit with tp and recompute alone, and the ring's per-layer exchange would only cost time).
+LONG_SEQUENCE = 8192
 
 
 def _divisors(n: int) -> list[int]:
@@ -32,7 +37,8 @@ def _divisors(n: int) -> list[int]:
 def describe(plan: Plan) -> str:
     """Short name of a layout, e.g. 'tp8 pp2 dp1 | 32 x mb1 | 1f1b | zero0 | recompute selective'."""
     sched = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-    return (f"tp{plan.tp} pp{plan.pp} dp{plan.dp} | {plan.micro_batches} x mb{plan.micro_batch_size}"
+    cp = f" cp{plan.cp}" if plan.cp > 1 else ""
+    return (f"tp{plan.tp}{cp} pp{plan.pp} dp{plan.dp} | {plan.micro_batches} x mb{plan.micro_batch_size}"
             f" | {sched} | zero{plan.zero} | recompute {plan.recompute}"
             + (" | sp" if plan.sequence_parallel else "")
             + (f" | {plan.attention}" if plan.attention != "explicit" else ""))
@@ -43,11 +49,12 @@ def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: i
     """Every valid Plan of the search space (see the module docstring); with attention="sdpa"
     selective recompute has nothing to save and is left out."""
     policies = ("none", "full") if attention == "sdpa" else ("none", "selective", "full")
-    for tp in _divisors(n_gpus):
-        if cfg.n_heads % tp or cfg.d_ff % tp:
+    cps = [c for c in _divisors(n_gpus) if seq_len % (2 * c) == 0] if seq_len >= LONG_SEQUENCE else [1]
+    for tp, cp in ((tp, cp) for cp in cps for tp in _divisors(n_gpus // cp)):
+        if cfg.n_heads % tp or cfg.d_ff % tp or cfg.n_kv_heads % tp:
             continue
-        for pp in _divisors(n_gpus // tp):
-            dp = n_gpus // (tp * pp)
+        for pp in _divisors(n_gpus // (tp * cp)):
+            dp = n_gpus // (tp * cp * pp)
             if pp > cfg.n_layers or global_batch % dp:
                 continue
             for b in [b for b in _divisors(global_batch // dp) if b <= max_micro_batch]:
@@ -62,8 +69,8 @@ def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: i
                             plan = Plan(tp=tp, pp=pp, dp=dp, zero=zero, schedule=sched,
                                         micro_batches=m, virtual_stages=v, recompute=rec,
                                         dtype=dtype, global_batch=global_batch, seq_len=seq_len,
-                                        sequence_parallel=tp > 1 and seq_len % tp == 0,
-                                        attention=attention)
+                                        sequence_parallel=tp > 1 and seq_len % (tp * cp) == 0,
+                                        attention=attention, cp=cp)
                             if not plan.problems(cfg, n_gpus):
                                 yield plan
 
@@ -111,7 +118,25 @@ def why_not(est: CostEstimate) -> str:
     return (head + f": {(mem.total - cap) / GB:.1f} GB too much. This rank holds "
             f"{mem.n_params / 1e9:.2f}e9 parameters at {p}+{g}+{o} = {p + g + o} bytes each before "
             f"ZeRO sharding (dp={est.plan.dp}, zero={est.plan.zero}), i.e. "
-            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states.")
+            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states." + _cp_hint(est))
+
+
+def _cp_hint(est: CostEstimate) -> str:
+    """When activations are the largest category: what splitting each sequence over cp ranks
+    (context parallelism) would give, with the smallest cp (up to 64) that fits, if any."""
+    plan, mem, cap = est.plan, est.memory, est.capacity_bytes
+    if max(CATEGORIES, key=lambda k: getattr(mem, k)) != "activations":
+        return ""
+    text = (f" Activations dominate: they grow with the sequence (s={plan.seq_len}, its attention "
+            f"with s^2 unless fused); context parallelism (--cp N) splits each sequence over N "
+            f"ranks and divides them by N")
+    for cp in (c for c in (2, 4, 8, 16, 32, 64) if c > plan.cp and plan.seq_len % (2 * c) == 0):
+        trial = plan.replace(cp=cp, recompute="full" if plan.recompute == "selective" else plan.recompute)
+        need = estimate_memory(est.model, trial).total
+        if need <= cap:
+            return text + (f": with cp={cp} ({trial.world_size} GPUs) this rank needs "
+                           f"{need / GB:.1f} GB.")
+    return text + ", but no cp up to 64 alone makes it fit."
 
 
 def explain(best: CostEstimate, runner_up: CostEstimate | None) -> str:
@@ -182,8 +207,8 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
 def _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k, max_micro_batch, attention):
     """The same search on the smallest larger GPU count (whole nodes) where something fits.
     Model states alone need state_bytes * n_params / capacity GPUs: start there."""
-    per_param = sum(STATE_BYTES[dtype])
-    lower = max(n_gpus + 1, math.ceil(per_param * cfg.n_params() / hw.memory_bytes))
+    states = sum(model_state_bytes(cfg.n_params(), dtype, dp=1, zero=0))
+    lower = max(n_gpus + 1, math.ceil(states / hw.memory_bytes))
     node = hw.gpus_per_node
     first = -(-lower // node) * node
     for count in sorted({first, first + node, 2 * first, 4 * first}):

@@ -1,1 +1,1 @@
-"""Diagnostics: memory estimator (and, from other helpers, the live ledger and hang tools)."""
+"""Diagnostics: OOM report, hang watchdog and `explain-hang`, fault injection, the dry run (they read `mini3d.cost`)."""

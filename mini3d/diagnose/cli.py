@@ -60,7 +60,7 @@ def add_train_args(p):
                    help="an op pending this long is a hang: every rank dumps to --run-dir")
     d.add_argument("--run-dir", metavar="DIR", help="where ranks dump on a hang (default: a temp dir)")
     d.add_argument("--inject-fault", metavar="KIND:RANK:STEP[:ARG]",
-                   help="crash, skip, shape, p2p-order, slow or oom, on one rank at one step")
+                   help="crash, skip, shape, p2p-order, slow, oom, freeze or raise, on one rank at one step")
     d.add_argument("--memory-budget", metavar="SIZE", help="per-rank memory cap, e.g. 512MiB")
     d.add_argument("--dry-run", action="store_true",
                    help="validate, print the rank map, prove the step deadlock-free; start nothing")

@@ -36,11 +36,11 @@ def _stage(topo, step: int, mb: int, backward: bool) -> torch.Tensor:
     has_input = (not last) if backward else (not first)
     action = "B" if backward else "F"
     topo.log.context = {"step": step, "action": f"{action}{pp.index}", "mb": mb}
-    x = torch.full(ACT, float(step + mb + 1))
+    x = torch.full(ACT, float(step + mb + 1), device=topo.device)
     if has_input:
         comm.recv(x, pp, src)
     for _ in range(2):
-        y = torch.full(ACT, float(tp.index + 1)) * x
+        y = torch.full(ACT, float(tp.index + 1), device=topo.device) * x
         comm.all_reduce(y, tp)
         x = y / (tp.size * (tp.size + 1) / 2)  # back to x: the all-reduced sum of (i+1) x
     if not (first if backward else last):
@@ -56,7 +56,7 @@ def drill_worker(spec: dict) -> dict:
     sums = []
     for step in range(spec.get("steps", 3)):
         diag.step_start(step, _fake_memory)
-        acc = torch.zeros(ACT)
+        acc = torch.zeros(ACT, device=topo.device)
         for mb in range(spec.get("micro_batches", 2)):
             acc += _stage(topo, step, mb, backward=False)
             acc += _stage(topo, step, mb, backward=True)

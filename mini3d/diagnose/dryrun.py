@@ -8,7 +8,7 @@
    execute the lists with rendezvous semantics (a collective completes when every member of its group
    is at it; a send when its peer is at the matching recv). If every list runs to the end, no
    interleaving of the real step can hang;
-4. print the memory estimate per pipeline stage (`mini3d.diagnose.estimator`) and the bubble.
+4. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble.
 
 The proof runs on a reduced grid, tp and dp capped at 2: every tp group and every dp replica runs
 the same program, so two members show every cross-group interaction that more would.
@@ -17,19 +17,16 @@ the same program, so two members show every cross-group interaction that more wo
 from __future__ import annotations
 
 from ..grid import Grid
+from ..pp.partition import partition_layers
 
 CAP = 2  # tp and dp members kept for the deadlock proof (see the module docstring)
-
-
-def _layers_per_chunk(n_layers: int, n_chunks: int) -> list[int]:
-    base, extra = divmod(n_layers, n_chunks)
-    return [base + (1 if c < extra else 0) for c in range(n_chunks)]
 
 
 def pipeline_actions(plan) -> tuple[list, str]:
     """Per-pipeline-rank action lists from mini3d.pp.schedules (with a note on where they came from)."""
     try:
-        from ..pp.schedules import check, make_schedule
+        from ..pp.rules import check
+        from ..pp.schedules import make_schedule
     except ImportError:
         if plan.pp > 1:
             return None, "mini3d.pp.schedules is not available in this tree: pipeline p2p not checked"
@@ -40,7 +37,7 @@ def pipeline_actions(plan) -> tuple[list, str]:
         return acts, "pp=1: no pipeline transfers"
     s = make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
     result = check(s)
-    note = f"schedule {plan.schedule}: mini3d.pp.schedules.check " + (
+    note = f"schedule {plan.schedule}: mini3d.pp.rules.check " + (
         "passed" if result.ok else "FAILED: " + "; ".join(result.problems))
     return [[tuple(a) for a in s.actions[r]] for r in range(plan.pp)], note
 
@@ -50,7 +47,7 @@ def rank_programs(cfg, plan, grid: Grid, actions) -> list[list[tuple]]:
 
     kind is "coll" (key = (axis, group)), "send" or "recv" (key = peer world rank)."""
     n_chunks = plan.pp * plan.virtual_stages
-    layers = _layers_per_chunk(cfg.n_layers, n_chunks)
+    layers = [len(ids) for ids in partition_layers(cfg.n_layers, plan.pp, plan.virtual_stages)]
     tp_ops = 4 if plan.sequence_parallel else 2  # per layer: 2 all-reduces, or 2 AG + 2 RS
     progs = []
     for r in range(grid.world_size):
@@ -113,9 +110,9 @@ def simulate(progs: list[list[tuple]], grid: Grid) -> str | None:
 
 def memory_lines(cfg, plan) -> list[str]:
     try:
-        from .estimator import estimate_memory
+        from ..cost.memory import estimate_memory
     except ImportError:
-        return ["memory: mini3d.diagnose.estimator is not available in this tree"]
+        return ["memory: mini3d.cost.memory is not available in this tree"]
     def size(n):
         return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 2**20:,.1f} MiB"
 
@@ -129,26 +126,29 @@ def memory_lines(cfg, plan) -> list[str]:
 
 
 def bubble_line(plan) -> str:
-    p, m, v = plan.pp, plan.micro_batches, plan.virtual_stages
-    if plan.schedule in ("looped-bfs", "zb-h1", "zbv"):  # the engine's closed form, or simulated
-        from ..pp.schedules import make_schedule
-        from ..pp.simulator import bubble_formula, simulate
+    from ..pp.simulator import bubble_formula
 
-        value = bubble_formula(plan.schedule, p, m, v)
-        how = "closed form" if value is not None else "simulated"
-        if value is None:
-            value = simulate(make_schedule(plan.schedule, p, m, v), 1 / v, 2 / v).bubble_fraction
-        return (f"pipeline bubble ({plan.schedule}, {how}, t_F=1 t_bwd=2 per stage): "
-                f"{float(value):.1%}")
-    den = (v * m if plan.schedule == "interleaved" else m) + p - 1
-    return f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {p - 1}/{den} = {(p - 1) / den:.1%}"
+    p, m, v = plan.pp, plan.micro_batches, plan.virtual_stages
+    b = bubble_formula(plan.schedule, p, m, v)
+    if b is None:  # zbv: no closed form, the simulated bubble with t_F = 1, t_bwd = 2 per stage
+        from ..pp.schedules import make_schedule
+        from ..pp.simulator import simulate
+
+        b = simulate(make_schedule(plan.schedule, p, m, v), 1 / v, 2 / v).bubble_fraction
+        return f"pipeline bubble ({plan.schedule}, simulated): {float(b):.1%}"
+    if plan.schedule == "zb-h1":
+        return (f"pipeline bubble (zb-h1, t_F = t_B = t_W): (p-1)/(3m+p-1) = "
+                f"{b.numerator}/{b.denominator} = {float(b):.1%}")
+    return (f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {b.numerator}/{b.denominator}"
+            f" = {float(b):.1%}")
 
 
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print) -> int:
     """Print the map, the deadlock proof, memory and bubble for a validated plan; returns 0 or 1."""
-    grid = Grid(plan.tp, plan.pp, plan.dp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    cp = f"cp={plan.cp} " if plan.cp > 1 else ""
     out(f"dry run: {cfg.name} ({cfg.n_params() / 1e6:,.1f} M parameters) on tp={plan.tp} "
-        f"pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks); plan is valid")
+        f"{cp}pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks); plan is valid")
     out(grid.describe(gpus_per_node))
     actions, note = pipeline_actions(plan)
     out(note)

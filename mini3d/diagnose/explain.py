@@ -24,6 +24,7 @@ import signal
 from dataclasses import dataclass, field
 
 from ..grid import Grid
+from .history import diverging_rank, own_error, process_state
 from .watchdog import describe_op
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
@@ -48,7 +49,8 @@ class Run:
 class Explanation:
     text: str
     culprit: int | None = None  # world rank judged responsible
-    kind: str = "unknown"  # crash, skip, shape, p2p-order, straggler, oom, finished, unknown
+    kind: str = "unknown"  # crash, error, stopped, skip, shape, p2p-order, straggler, oom, finished,
+    # unknown
     findings: list = field(default_factory=list)
 
 
@@ -70,7 +72,7 @@ def load_run(run_dir: str) -> Run:
     run = Run(dumps, launcher, stacks)
     if dumps:
         g = next(iter(dumps.values()))["grid"]
-        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"))
+        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1))
         run.world = run.grid.world_size
     return run
 
@@ -94,7 +96,12 @@ def death(run: Run, r: int) -> str:
     """How a rank without a dump ended, from launcher.json and its stack file."""
     info = run.exits.get(r, {})
     code = info.get("exitcode")
-    if code is None:
+    state = process_state(run, r)
+    if code is None and state == "stopped":
+        s = "stopped responding: its process was frozen (stopped, e.g. by SIGSTOP) and left no dump"
+    elif code is None and state == "running":
+        s = "stopped responding: its process was alive but neither communicated nor dumped"
+    elif code is None:
         s = "left no dump (its exit status is unknown)"
     elif code < 0:
         try:
@@ -184,6 +191,11 @@ def shape_mismatch(run: Run) -> tuple[int, str] | None:
         odd = {m: s for m, s in theirs.items() if s != mine}
         if odd:
             m, s = next(iter(odd.items()))
+            # which side is wrong: the member whose shape departs from its own previous step
+            # (with two members the shapes alone cannot say), else the minority
+            found = diverging_rank(run, [r, *odd])
+            if found and found[1] == "shape" and found[0] != r:
+                r, m, mine, s = found[0], r, s, mine
             return r, (f"shape mismatch in {ev['op']} #{ev['seq']} on the {ev['axis']} group "
                        f"{ev['group']}: rank {r} has {mine}, rank {m} has {s}")
         # members that died cannot tell us their shape: compare with this group's earlier ops
@@ -270,6 +282,14 @@ def _p2p_cycle_text(run: Run, cycle: list[int]) -> tuple[int, str]:
     return culprit, text
 
 
+def _diverged_behind_abort(run: Run, dead: int):
+    """A rank the library aborted (SIGABRT: gloo's size check) is a victim when a live rank's step
+    departs from its own previous one (it skipped an op or changed a shape): (rank, kind, text)."""
+    if run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT:
+        return None
+    return diverging_rank(run, sorted(run.dumps))
+
+
 HINTS = {
     "crash": "find why rank {c} died (its stderr, `dmesg` for the OOM killer); all ranks must run "
              "to the end of every step",
@@ -281,6 +301,10 @@ HINTS = {
                  "index sends first, the higher receives first (see mini3d.pp.p2p.PipeP2P.exchange)",
     "straggler": "rank {c} is slow or stuck outside communication: compare its step time, or "
                  "raise --hang-timeout if the work is just long",
+    "stopped": "rank {c}'s process stopped running (SIGSTOP, a debugger, a frozen node): "
+               "look at that host; a stopped process never answers its peers",
+    "error": "rank {c} raised an exception of its own: its traceback is in the run directory "
+             "(launcher.json); the other ranks only lost their connection to it",
     "oom": "see the OOM report above: lower the named category or give the rank more memory",
 }
 
@@ -304,6 +328,10 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
         findings.append(f"{who(run, r)} ran out of memory in category "
                         f"{oom.get('category', '?')}:\n" + oom.get("report", run.dumps[r]["reason"]))
         return r, "oom", findings
+    mine = own_error(run)
+    if mine is not None:
+        findings.append(f"{who(run, mine)} raised {run.dumps[mine]['reason']}")
+        return mine, "error", findings
     waits = []
     for r in sorted(run.dumps):
         for m, why in waits_for(run, r):
@@ -327,11 +355,22 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
     for path, how in ends:
         end = path[-1]
         if end not in run.dumps:
+            if process_state(run, end) in ("stopped", "running"):
+                return end, "stopped", findings
+            diverged = _diverged_behind_abort(run, end)
+            if diverged:
+                return diverged[0], diverged[1], findings + [diverged[2]]
             return end, "crash", findings
         if run.dumps[end]["status"] == "finished":
             return (skip[0] if skip else end), "skip", findings
         return end, "straggler", findings
     dead = [r for r in range(run.world) if r not in run.dumps]
+    frozen = [r for r in dead if process_state(run, r) in ("stopped", "running")]
+    if frozen:
+        return frozen[0], "stopped", findings + [f"rank {r} {death(run, r)}" for r in frozen]
+    if dead and _diverged_behind_abort(run, dead[0]):
+        r, kind, text = _diverged_behind_abort(run, dead[0])
+        return r, kind, findings + [text]
     if dead:
         return dead[0], "crash", findings + [f"rank {r} {death(run, r)}" for r in dead]
     if skip:
@@ -348,6 +387,8 @@ HEADLINES = {
     "shape": "{w} entered a collective with the wrong tensor shape",
     "p2p-order": "{w} is in a point-to-point order deadlock",
     "straggler": "{w} did not reach the op its peers wait in (slow or stuck outside communication)",
+    "stopped": "{w} stopped responding (its process was frozen); its peers waited for it",
+    "error": "{w} crashed with an exception of its own; the other ranks lost their connection to it",
 }
 
 

@@ -11,6 +11,9 @@ Each kind reproduces one way a real 3D-parallel job fails, on rank RANK during o
                neighbour that also receives first, both wait forever (a real deadlock)
     slow       the rank sleeps ARG seconds (default 2) at the start of the step: a straggler; the
                job must finish with the right numbers, only later
+    freeze     the rank stops itself (SIGSTOP) at the start of the step: a frozen process that
+               neither answers nor dies, as a hung node or a debugger would leave it
+    raise      the rank raises a RuntimeError at the start of the step: a bug in its own code
     oom        at the start of the step the rank asks for an activation buffer that takes it past
                `--memory-budget` (ARG: the size, default just past the budget): `OutOfMemory`
 
@@ -32,7 +35,7 @@ import torch
 
 from .. import comm
 
-KINDS = ("crash", "skip", "shape", "p2p-order", "slow", "oom")
+KINDS = ("crash", "skip", "shape", "p2p-order", "slow", "oom", "freeze", "raise")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")  # as the estimator's
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
@@ -171,6 +174,14 @@ class FaultInjector:
             sys.stdout.flush()
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "freeze":
+            self.fired = True
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif kind == "raise":
+            self.fired = True
+            raise RuntimeError(f"injected fault {self.fault}: rank {self.topo.rank} raised in step {step}")
         elif kind == "slow":
             self.fired = True
             time.sleep(float(self.fault.arg or 2.0))

@@ -34,7 +34,7 @@ def plans_that_fit(cfg, plan, budget: int, n: int = 3) -> list[str]:
 
 
 def estimated_bytes(cfg, plan, stage: int) -> dict:
-    from .estimator import estimate_memory
+    from ..cost.memory import estimate_memory
 
     est = estimate_memory(cfg, plan, stage).as_dict()
     return {c: est[c] for c in CATEGORIES}

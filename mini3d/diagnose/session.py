@@ -50,7 +50,7 @@ def _estimate(spec: dict, stage: int) -> dict | None:
     """The estimator's bytes per category for this rank's stage (None if it is not in this tree)."""
     try:
         from ..config import model_from_dict, plan_from_dict
-        from .estimator import estimate_memory
+        from ..cost.memory import estimate_memory
     except ImportError:
         return None
     return estimate_memory(model_from_dict(spec["model"]), plan_from_dict(spec["plan"]),

@@ -4,7 +4,8 @@ Every op issued through `mini3d.comm` sits in `topo.log.pending` until it comple
 polls that dict (under `topo.log.lock`); when an op has been pending longer than `hang_timeout`
 seconds it
 
-1. creates the abort marker `RUN_DIR/ABORT` (atomically: the first rank to see a hang wins),
+1. creates the job's abort marker `RUN_DIR/ABORT-<job id>` (atomically: the first rank to see a
+   hang wins; another job sharing the run directory, or a stale marker, has another name),
 2. dumps this rank's state to `RUN_DIR/rank{r}.json`: grid coordinates, `log.context` (step, action,
    micro-batch), the pending ops, the recent events and the per-(axis, op) sequence counters,
 3. prints one line and ends the process with `HANG_EXIT`.
@@ -30,7 +31,7 @@ import sys
 import threading
 import time
 
-from ..launch import ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, on_failure
+from ..launch import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
 
 RECENT_EVENTS = 256  # events per dump: enough to align sequence numbers across a group
 
@@ -84,10 +85,11 @@ class Watchdog:
 
     @property
     def marker(self) -> str:
-        return os.path.join(self.run_dir, ABORT_MARKER)
+        return abort_marker(self.run_dir)  # this job's (MINI3D_JOB_ID): never another job's
 
     def start(self) -> "Watchdog":
         os.makedirs(self.run_dir, exist_ok=True)
+        keep_library_noise_in(self.run_dir, self.rank)  # gloo's abort text: not the first line
         self._stack_file = open(os.path.join(self.run_dir, f"rank{self.rank}.stack"), "w")
         faulthandler.enable(file=self._stack_file, all_threads=True)  # SIGABRT/SIGSEGV stacks
         on_failure(self._on_error)
@@ -187,7 +189,8 @@ class Watchdog:
         c = self.topo.coords
         print(f"mini3d watchdog: rank {self.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}) waited "
               f"{age:.1f} s in {where}; every rank dumps to {self.run_dir}; stopping the job "
-              f"(run: mini3d explain-hang {self.run_dir})", file=sys.stderr, flush=True)
+              f"(run: mini3d explain-hang {self.run_dir})", file=sys.__stderr__, flush=True)
+        # (to RUN_DIR/rank{r}.stderr: the launcher's report names the culprit, not this waiter)
         self._exit(HANG_EXIT)
 
     def _exit(self, code: int):
@@ -216,5 +219,21 @@ def start_watchdog(topo, run_dir: str, hang_timeout: float = 300.0, fault: str |
     """Start this rank's watchdog; call `.finish()` when the rank's work is done."""
     return Watchdog(topo, run_dir, hang_timeout, poll, fault).start()
 
+
+
+def keep_library_noise_in(run_dir: str, rank: int):
+    """Point this process' file descriptor 2 at RUN_DIR/rank{r}.stderr, where C++ libraries write
+    (gloo's abort message, c10 warnings), while Python's `sys.stderr` (progress bar, warnings, the
+    launcher's report) keeps the terminal."""
+    try:
+        saved = os.dup(2)
+        fd = os.open(os.path.join(run_dir, f"rank{rank}.stderr"),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError:
+        return
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = os.fdopen(saved, "w", buffering=1, errors="backslashreplace")
 
 __all__ = ["Watchdog", "start_watchdog", "nccl_env", "describe_op", "RECENT_EVENTS"]

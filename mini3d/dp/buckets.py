@@ -78,6 +78,23 @@ def split_into_buckets(params: list, bucket_bytes: int) -> list[list]:
     return buckets
 
 
+GRAD_BUCKETS_IN_FLIGHT = 1  # ZeRO-2/3: full-size gradient buffers alive at once (see ddp.py)
+
+
+def transient_grad_bytes(bucket_bytes: float, dp: int, zero: int) -> float:
+    """Gradient bytes one rank holds during backward on top of its persistent gradients (the full
+    buffers for ZeRO-0/1, the 1/dp shard for ZeRO-2/3), for buckets (ZeRO-3: units) of at most
+    `bucket_bytes` in the gradient dtype: ZeRO-0 none (the all-reduce works in place); ZeRO-1 the
+    reduce-scatter outputs in flight (a 1/dp shard each); ZeRO-2/3 the buckets alive, each a full
+    buffer plus its reduce-scatter output shard (none when it reduces straight into a zero shard).
+    The one formula for the estimator and the tests that check the measured `peak_grad_bytes`."""
+    if zero == 0:
+        return 0.0
+    if zero == 1:
+        return GRAD_BUCKETS_IN_FLIGHT * bucket_bytes / dp if dp > 1 else 0.0
+    return GRAD_BUCKETS_IN_FLIGHT * bucket_bytes * (1 + 1 / dp)
+
+
 def param_names(module) -> dict:
     """{parameter: its name in `module`} (for gathering full-shape state back by name)."""
     return {p: n for n, p in module.named_parameters()}

@@ -17,8 +17,22 @@ What the collective is depends on `zero_stage`:
   all its optimizer shard needs. This is the ZeRO paper's P_os: reduce-scatter + all-gather of the
   updated parameters = the same 2 Psi wire volume as one all-reduce.
 * 2 (gradients sharded too): the hook copies each fresh gradient into a transient bucket buffer and
-  drops `p.grad`; the bucket is reduce-scattered and *added* into a persistent shard of size padded/n,
-  and the full buffer is freed. Only the shard outlives backward.
+  drops `p.grad`; the bucket is reduce-scattered and *added* into a persistent shard of size padded/n
+  (straight into it when the shard is still zero), and the full buffer is freed as soon as that
+  reduce-scatter has completed: a bucket's buffer is allocated when its first gradient arrives, after
+  the reductions of earlier buckets finished, so at most `GRAD_BUCKETS_IN_FLIGHT` full buffers are
+  alive at any moment (see `buckets.transient_grad_bytes`). The collective still overlaps the
+  backward compute of the layers that produce the next bucket's gradients.
+
+Gradient dtype (`grad_dtype`, Plan.grad_dtype): with bf16 parameters the gradients are accumulated
+and reduced in float32 by default, as Megatron-LM and FSDP do: each bf16 gradient autograd produces is
+added into a float32 bucket buffer and dropped, so micro-batch sums and the dp average are not
+rounded to 8 bits each time; the fp32 shard then feeds the fp32 master without a copy. The price is
+4 instead of 2 bytes per gradient element, in memory and on the wire; `grad_dtype=bf16` keeps
+today's halves (the trade-off: rounding in every accumulation and in the reduction).
+
+`meter` (a `ledger.GradMeter`) follows every gradient buffer this wrapper allocates and frees, and
+gives `peak` gradient bytes since its last `reset()` (the trainer resets it each step).
 
 Averaging: the collective divides the sum by dp. With the caller scaling each micro-batch loss by
 1/micro_batches, the result equals the single-process gradient of the mean loss over the global batch.
@@ -41,7 +55,8 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from .buckets import FlatGroup, param_names, split_into_buckets
+from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, param_names, split_into_buckets
+from .ledger import GradMeter
 
 
 class GradSyncWrapper(nn.Module):
@@ -66,7 +81,7 @@ class DataParallel(GradSyncWrapper):
     """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis`."""
 
     def __init__(self, module: nn.Module, dp_axis, bucket_mb: float = 1.0, zero_stage: int = 0,
-                 param_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None):
         super().__init__()
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"DataParallel handles zero_stage 0, 1 or 2, got {zero_stage}")
@@ -75,6 +90,9 @@ class DataParallel(GradSyncWrapper):
         if not params:
             raise ValueError("module has no trainable parameters")
         self.param_dtype = param_dtype or params[0].dtype
+        self.grad_dtype = grad_dtype or self.param_dtype
+        self._separate = self.grad_dtype != self.param_dtype  # p.grad cannot view the buffers
+        self.meter = GradMeter()
         device = params[0].device
         n, idx = (dp_axis.size, dp_axis.index) if zero_stage else (1, 0)
         runs = split_into_buckets(list(reversed(params)), int(bucket_mb * 2**20))
@@ -87,9 +105,12 @@ class DataParallel(GradSyncWrapper):
             b.adopt(b.param_buf)
             b.grad_buf, b.grad_shard, b.launched = None, None, False
             if zero_stage < 2:
-                b.grad_buf = torch.zeros_like(b.param_buf)
+                b.grad_buf = torch.zeros(b.padded, dtype=self.grad_dtype, device=device)
+                self.meter.hold(("buf", b.index), b.grad_buf)
             else:
-                b.grad_shard = torch.zeros(b.shard_numel, dtype=self.param_dtype, device=device)
+                b.grad_shard = torch.zeros(b.shard_numel, dtype=self.grad_dtype, device=device)
+                self.meter.hold(("shard", b.index), b.grad_shard)
+                b.shard_clean = True  # zero: the next reduce-scatter may write straight into it
             for p in b.params:
                 self._bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -101,7 +122,7 @@ class DataParallel(GradSyncWrapper):
         self._dirty = False  # a gradient arrived since the last finish_grad_sync
 
     def _attach_grad_views(self):
-        if self.stage < 2:
+        if self.stage < 2 and not self._separate:
             for b in self.buckets:
                 for p, v in b.views(b.grad_buf):
                     p.grad = v
@@ -110,33 +131,56 @@ class DataParallel(GradSyncWrapper):
     def _on_grad(self, p: torch.Tensor):
         self.last_hook_time = time.perf_counter()
         self._dirty = True
-        if not self.require_sync:
-            return
         b = self._bucket_of[p]
-        if b.launched:
+        if self.require_sync and b.launched:
             if self.stage < 2:
                 raise RuntimeError("a second synchronised backward before finish_grad_sync(): with "
                                    f"zero_stage={self.stage}, wrap all but the last micro-batch in "
                                    "no_sync()")
             self.finish_grad_sync()
-        self._take_grad(b, p)
+        if self._separate or self.require_sync:
+            self._take_grad(b, p)  # (separate dtype: accumulate in the buffer under no_sync too)
+        elif self.stage == 2 and p.grad is not None:
+            self.meter.hold(("p", id(p)), p.grad)  # no_sync: a full-size p.grad accumulates
+        if not self.require_sync:
+            return
         b.ready += 1
         if b.ready == len(b.params):
             self._launch_ready()
 
     def _take_grad(self, b: FlatGroup, p: torch.Tensor):
-        """Make sure `p`'s gradient sits in the bucket buffer (stage 2: move it there)."""
-        if self.stage < 2:
+        """Make sure `p`'s gradient sits in the bucket buffer: stages 0/1 of one dtype keep p.grad
+        as a view of it; otherwise the gradient is moved there (added, when the buffer accumulates
+        in its own dtype) and p.grad dropped."""
+        if self.stage < 2 and not self._separate:
             view = b.view_of(b.grad_buf, p)
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # someone replaced it
                 view.copy_(p.grad)
                 p.grad = view
             return
-        if b.grad_buf is None:
-            b.grad_buf = torch.zeros(b.padded, dtype=self.param_dtype, device=b.param_buf.device)
+        self._ensure_buffer(b)
         if p.grad is not None:
-            b.view_of(b.grad_buf, p).copy_(p.grad)
+            view = b.view_of(b.grad_buf, p)
+            view.add_(p.grad) if self._separate else view.copy_(p.grad)
             p.grad = None
+        self.meter.release(("p", id(p)))
+
+    def _ensure_buffer(self, b: FlatGroup):
+        """Stage 2: allocate the bucket's full buffer at its first gradient, once the earlier
+        buckets' reductions have completed (at most GRAD_BUCKETS_IN_FLIGHT full buffers alive)."""
+        if b.grad_buf is None:
+            self._drain(GRAD_BUCKETS_IN_FLIGHT - 1)
+            b.grad_buf = torch.zeros(b.padded, dtype=self.grad_dtype, device=b.param_buf.device)
+            self.meter.hold(("buf", b.index), b.grad_buf)
+
+    def _drain(self, limit: int):
+        """Complete (wait for, then finish) the oldest launched collectives until at most `limit`
+        are pending; a finished stage-2 bucket frees its full buffer here."""
+        while len(self._works) > limit:
+            work, finish = self._works.pop(0)
+            work.wait()
+            if finish is not None:
+                finish()
 
     def _launch_ready(self):
         while self._next < len(self.buckets) and \
@@ -150,15 +194,24 @@ class DataParallel(GradSyncWrapper):
             work = comm.all_reduce(b.grad_buf, self.axis, op="avg", async_op=True)
             self._works.append((work, None))
             return
-        out = torch.empty(b.shard_numel, dtype=b.grad_buf.dtype, device=b.grad_buf.device)
+        direct = self.stage == 2 and b.shard_clean  # nothing to add to: reduce into the shard
+        if self.stage == 1:
+            self._drain(GRAD_BUCKETS_IN_FLIGHT - 1)  # bounded reduce-scatter outputs
+        out = b.grad_shard if direct else torch.empty(b.shard_numel, dtype=b.grad_buf.dtype,
+                                                      device=b.grad_buf.device)
+        self.meter.hold(("out", b.index), None if direct else out)
         work = comm.reduce_scatter(out, b.grad_buf, self.axis, op="avg", async_op=True)
 
         def finish(b=b, out=out):
             if self.stage == 1:
                 b.grad_buf[b.lo:b.hi].copy_(out)
             else:
-                b.grad_shard.add_(out)
+                if not direct:
+                    b.grad_shard.add_(out)
+                b.shard_clean = False
                 b.grad_buf = None  # free the full-size transient buffer
+                self.meter.release(("buf", b.index))
+            self.meter.release(("out", b.index))
         self._works.append((work, finish))
 
     def finish_grad_sync(self):
@@ -172,12 +225,9 @@ class DataParallel(GradSyncWrapper):
                 for p in b.params:
                     self._take_grad(b, p)
                 b.ready = len(b.params)
-        self._launch_ready()
-        for work, finish in self._works:
-            work.wait()
-            if finish is not None:
-                finish()
-        self._works, self._next = [], 0
+            self._launch_ready()  # one bucket at a time: its buffer exists only until reduced
+        self._drain(0)
+        self._next = 0
         for b in self.buckets:
             b.ready, b.launched = 0, False
         self._dirty = False
@@ -188,9 +238,13 @@ class DataParallel(GradSyncWrapper):
                 b.grad_buf.zero_()
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
+                b.shard_clean = True
                 b.grad_buf = None
-                for p in b.params:
+                self.meter.release(("buf", b.index))
+            for p in b.params:
+                if self._separate or self.stage == 2:
                     p.grad = None
+                    self.meter.release(("p", id(p)))
         self._attach_grad_views()
 
     # ---- what the sharded optimizer and the ledger read ----------------------------------

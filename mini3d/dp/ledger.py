@@ -17,6 +17,35 @@ import torch
 CATEGORIES = ("parameters", "gradients", "master_weights", "optimizer_states", "optimizer_scalars")
 
 
+class GradMeter:
+    """The gradient bytes a data-parallel wrapper holds right now (`now`) and the most it held at
+    any moment since `reset()` (`peak`).
+
+    The wrapper calls `hold(key, tensor)` when it allocates a gradient buffer (bucket buffers,
+    shards, reduce-scatter outputs, a p.grad left to accumulate under no_sync) and `release(key)`
+    when it lets one go; each tensor is charged by its storage's size, as the ledger charges it.
+    Only the wrapper's own buffers count: the gradient autograd hands to a hook for one parameter
+    (freed as soon as the hook has moved it) is the same transient for every ZeRO stage."""
+
+    def __init__(self):
+        self._held: dict = {}
+        self.now = 0
+        self.peak = 0
+
+    def hold(self, key, tensor: torch.Tensor | None):
+        nbytes = 0 if tensor is None else tensor.untyped_storage().nbytes()
+        self.now += nbytes - self._held.get(key, 0)
+        self._held[key] = nbytes
+        self.peak = max(self.peak, self.now)
+
+    def release(self, key):
+        self.now -= self._held.pop(key, 0)
+
+    def reset(self):
+        """Start a new measurement window (a step): the peak restarts from what is held now."""
+        self.peak = self.now
+
+
 def _storage_key(t: torch.Tensor):
     s = t.untyped_storage()
     return (t.device.type, t.device.index, s.data_ptr()), s.nbytes()

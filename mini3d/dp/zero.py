@@ -14,18 +14,22 @@ inner optimizer one *master* tensor per flat group: this rank's shard of it (the
 stage 0). Because the optimizer sees flat shards, per-tensor rules (LAMB trust ratios, Adafactor
 factorisation) would see the wrong tensors: only elementwise optimizers are exact.
 
-Memory per parameter with Adam (Psi parameters, Nd = dp), as the ledger measures it:
+Memory per parameter with Adam (Psi parameters, Nd = dp), as the ledger measures it (g = gradient
+bytes: 4 with bf16 parameters and the default fp32 gradients, 2 with `grad_dtype=bf16`, the ZeRO
+paper's accounting):
 
-    stage   bf16 params + fp32 master + Adam      float32
-    0       2 + 2 + 12          = 16              4 + 4 + 8           = 16
-    1       2 + 2 + 12/Nd                         4 + 4 + 8/Nd
-    2       2 + (2 + 12)/Nd                       4 + (4 + 8)/Nd
-    3       (2 + 2 + 12)/Nd                       (4 + 4 + 8)/Nd
+    stage   bf16 params + grads + fp32 master + Adam    float32
+    0       2 + g + 12          (= 16 for g = 2)        4 + 4 + 8           = 16
+    1       2 + g + 12/Nd                               4 + 4 + 8/Nd
+    2       2 + (g + 12)/Nd                             4 + (4 + 8)/Nd
+    3       (2 + g + 12)/Nd                             (4 + 4 + 8)/Nd
 
 In float32 the master *is* the parameter shard (a view, no extra bytes). In bf16 the model computes
-with bf16 parameters and gradients (the gradient collectives carry bf16), and the inner optimizer
-updates an fp32 master shard from an fp32 copy of the bf16 gradient shard; the new master is rounded
-back into the bf16 parameters. The masters start from the exact fp32 initial values.
+with bf16 parameters; autograd's bf16 gradients are accumulated and reduced in float32 (ddp.py,
+"Gradient dtype"), so the fp32 gradient shard is the master's gradient as it is (with
+`grad_dtype=bf16` the collectives carry bf16 and the master gets an fp32 copy of the bf16 shard);
+the new master is rounded back into the bf16 parameters. The masters start from the exact fp32
+initial values.
 
 Communication per optimizer step (ring wire bytes one rank sends; Psi elements of b bytes, n = dp):
 a ring all-reduce is a reduce-scatter (n-1 steps, each sending Psi/n) then an all-gather (the same),
@@ -81,8 +85,11 @@ class ShardedOptimizer:
         local = [(group, grad_of()) for group, _, grad_of in self.shards]
         for hook in self.grad_hooks:
             hook(local)
-        for (_, g), master in zip(local, self.masters):
+        meter = self.wrapper.meter
+        for i, ((_, g), master) in enumerate(zip(local, self.masters)):
             master.grad = g if g.dtype == master.dtype else g.float()
+            if master.grad is not g:
+                meter.hold(("master", i), master.grad)  # bf16 reduction: an fp32 copy for the step
         self.inner.step()
         with torch.no_grad():
             for (group, pshard, _), master in zip(self.shards, self.masters):
@@ -92,8 +99,9 @@ class ShardedOptimizer:
 
     def zero_grad(self):
         self.wrapper.zero_grad()
-        for m in self.masters:
+        for i, m in enumerate(self.masters):
             m.grad = None
+            self.wrapper.meter.release(("master", i))
 
     def state_tensors(self) -> dict:
         """Master weights and optimizer state, by ledger category."""
@@ -114,12 +122,14 @@ def make_dp(module: nn.Module, dp_axis, plan, optimizer_factory):
     tensor-parallel shard: only its local parameters are synchronised over the dp axis."""
     if plan.zero not in (0, 1, 2, 3):
         raise ValueError(f"zero={plan.zero} is not a ZeRO stage (choose 0, 1, 2 or 3)")
-    if plan.dtype not in DTYPES:
-        raise ValueError(f"dtype={plan.dtype!r} is unknown (choose {', '.join(DTYPES)})")
-    dtype = DTYPES[plan.dtype]
+    grad = getattr(plan, "grad_dtype", "float32")
+    for name, value in (("dtype", plan.dtype), ("grad_dtype", grad)):
+        if value not in DTYPES:
+            raise ValueError(f"{name}={value!r} is unknown (choose {', '.join(DTYPES)})")
+    dtype, grad_dtype = DTYPES[plan.dtype], DTYPES[grad] if plan.dtype == "bf16" else None
     if plan.zero == 3:
-        wrapper = FullyShardedDP(module, dp_axis, param_dtype=dtype)
+        wrapper = FullyShardedDP(module, dp_axis, param_dtype=dtype, grad_dtype=grad_dtype)
     else:
         wrapper = DataParallel(module, dp_axis, bucket_mb=plan.bucket_mb, zero_stage=plan.zero,
-                               param_dtype=dtype)
+                               param_dtype=dtype, grad_dtype=grad_dtype)
     return wrapper, ShardedOptimizer(wrapper, optimizer_factory)

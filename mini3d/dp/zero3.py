@@ -13,6 +13,12 @@ while the unit computes:
               gradient has arrived (post-accumulate hooks), reduce-scatter(avg) the gradients into
               the shard (added, so several synchronised micro-batches accumulate) and free.
 
+Gradients: each hook adds the gradient autograd produced into the unit's flat accumulation buffer
+`unit.acc` (float32 for bf16 parameters by default, see ddp.py's "Gradient dtype") and drops p.grad.
+The buffer is allocated at the unit's first gradient, after the reductions of earlier units have
+completed, and freed when its own reduce-scatter completes: at most GRAD_BUCKETS_IN_FLIGHT units'
+full gradients are alive during a synchronised backward (`buckets.transient_grad_bytes`).
+
 Freeing keeps the storage object and resizes it to 0 bytes; gathering resizes it back and fills it.
 The parameters are views of that storage, so tensors autograd saved in forward (e.g. `weight.t()`)
 see the gathered values again in backward. The collective writes through the flat buffer, whose
@@ -22,8 +28,9 @@ so autograd's saved-tensor version checks are not tripped.
 Unit order: prefetch follows registration order, which for GPT is also execution order.
 
 Micro-batches: every micro-batch gathers each unit twice (forward, backward). Under `no_sync()` the
-gradients accumulate in full-size `p.grad` tensors and are reduce-scattered once, at the synchronising
-micro-batch or in `finish_grad_sync()`; without it each micro-batch reduce-scatters into the shard.
+gradients accumulate in the units' full-size `acc` buffers and are reduce-scattered once, at the
+synchronising micro-batch or in `finish_grad_sync()`; without it each micro-batch reduce-scatters
+into the shard.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from .buckets import FlatGroup, param_names
+from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, param_names
 from .ddp import GradSyncWrapper
+from .ledger import GradMeter
 
 
 def find_units(module: nn.Module) -> list[nn.Module]:
@@ -51,35 +59,60 @@ def find_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
+def tied_units(units: list[nn.Module]) -> list[list[nn.Module]]:
+    """The units as groups gathered together: a unit sharing a parameter with an earlier one (a
+    head tied to the embedding) joins that unit's group, so the shared tensor has one shard and one
+    gradient; the group is gathered for each of its modules' forwards and stays gathered in
+    backward until the shared gradient (complete after the earlier module's backward) arrives."""
+    groups: list[list[nn.Module]] = []
+    owner: dict = {}
+    for unit in units:
+        found = next((owner[p] for p in unit.parameters() if p in owner), None)
+        if found is None:
+            found = len(groups)
+            groups.append([])
+        groups[found].append(unit)
+        for p in unit.parameters():
+            owner.setdefault(p, found)
+    return groups
+
+
 class FullyShardedDP(GradSyncWrapper):
     """ZeRO-3 over `dp_axis`: each rank stores 1/dp of every unit's parameters and gradients."""
 
     stage = 3
 
-    def __init__(self, module: nn.Module, dp_axis, param_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, dp_axis, param_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype | None = None):
         super().__init__()
         self.module, self.axis = module, dp_axis
-        self.units = find_units(module)
+        self.units = tied_units(find_units(module))
         first = next(module.parameters())
         self.param_dtype = param_dtype or first.dtype
+        self.grad_dtype = grad_dtype or self.param_dtype
+        self.meter = GradMeter()
         self.groups, self._group_of = [], {}
         n, idx = dp_axis.size, dp_axis.index
-        for i, unit in enumerate(self.units):
-            g = FlatGroup(i, [p for p in unit.parameters() if p.requires_grad], n, idx)
+        for i, mods in enumerate(self.units):
+            params = {p: None for m in mods for p in m.parameters() if p.requires_grad}  # once each
+            g = FlatGroup(i, list(params), n, idx)
             fp32 = g.flatten(torch.float32, first.device)
             g.master_init = None if self.param_dtype == torch.float32 else fp32[g.lo:g.hi].clone()
             g.shard = fp32[g.lo:g.hi].to(self.param_dtype).clone()
             g.full = torch.empty(g.padded, dtype=self.param_dtype, device=first.device)
             g.adopt(g.full)
-            g.grad_shard = torch.zeros_like(g.shard)
+            g.grad_shard = torch.zeros(g.shard_numel, dtype=self.grad_dtype, device=first.device)
+            self.meter.hold(("shard", i), g.grad_shard)
+            g.acc, g.shard_clean = None, True  # full-size gradient buffer; shard still zero
             g.state, g.work, g.bwd_ready = "full", None, False
             self._free(g)
             self.groups.append(g)
             for p in g.params:
                 self._group_of[p] = g
                 p.register_post_accumulate_grad_hook(self._on_grad)
-            unit.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g))
-            unit.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
+            for unit in mods:
+                unit.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g))
+                unit.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
         self.require_sync = True
         self._works: list = []
 
@@ -125,6 +158,9 @@ class FullyShardedDP(GradSyncWrapper):
 
     def _on_grad(self, p: torch.Tensor):
         g = self._group_of[p]
+        if p.grad is not None:
+            self._accumulator(g, p).add_(p.grad)
+            p.grad = None
         g.ready += 1
         if g.ready < len(g.params):
             return
@@ -133,31 +169,51 @@ class FullyShardedDP(GradSyncWrapper):
             self._reduce(g)
         self._free(g)
 
+    def _accumulator(self, g: FlatGroup, p: torch.Tensor) -> torch.Tensor:
+        """`p`'s view of the unit's gradient buffer, allocated (zero) at the unit's first gradient
+        once earlier units' reductions have completed."""
+        if g.acc is None:
+            self._drain(GRAD_BUCKETS_IN_FLIGHT - 1)
+            g.acc = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.shard.device)
+            self.meter.hold(("acc", g.index), g.acc)
+        return g.view_of(g.acc, p)
+
     def _reduce(self, g: FlatGroup):
-        flat = torch.zeros(g.padded, dtype=self.param_dtype, device=g.shard.device)
-        for p, v in g.views(flat):
-            if p.grad is not None:
-                v.copy_(p.grad)
-                p.grad = None
-        out = torch.empty_like(g.grad_shard)
+        flat, g.acc = g.acc, None  # from now on only the collective (and `finish`) hold it
+        direct = g.shard_clean  # nothing to add to: reduce straight into the shard
+        out = g.grad_shard if direct else torch.empty_like(g.grad_shard)
+        self.meter.hold(("out", g.index), None if direct else out)
         work = comm.reduce_scatter(out, flat, self.axis, op="avg", async_op=True)
-        self._works.append((work, lambda g=g, out=out, flat=flat: g.grad_shard.add_(out)))
+
+        def finish(g=g, out=out):
+            if not direct:
+                g.grad_shard.add_(out)
+            g.shard_clean = False
+            self.meter.release(("acc", g.index))
+            self.meter.release(("out", g.index))
+        self._works.append((work, finish))
+
+    def _drain(self, limit: int):
+        """Wait for and finish the oldest reduce-scatters until at most `limit` are pending (each
+        frees its unit's full gradient buffer)."""
+        while len(self._works) > limit:
+            work, finish = self._works.pop(0)
+            work.wait()
+            finish()
 
     def finish_grad_sync(self):
         """Reduce-scatter gradients still held in full size (no_sync windows), wait for all."""
         for g in reversed(self.groups):  # the order backward would have used, on every rank
-            if any(p.grad is not None for p in g.params):
+            if g.acc is not None:
                 self._reduce(g)
             g.ready, g.bwd_ready = 0, False
             self._free(g)
-        for work, finish in self._works:
-            work.wait()
-            finish()
-        self._works = []
+        self._drain(0)
 
     def zero_grad(self):
         for g in self.groups:
             g.grad_shard.zero_()
+            g.shard_clean = True
             for p in g.params:
                 p.grad = None
 
@@ -170,7 +226,8 @@ class FullyShardedDP(GradSyncWrapper):
 
     def state_tensors(self) -> dict:
         return {"parameters": [g.shard for g in self.groups] + [g.full for g in self.groups],
-                "gradients": [g.grad_shard for g in self.groups]}
+                "gradients": [g.grad_shard for g in self.groups] +
+                             [g.acc for g in self.groups if g.acc is not None]}
 
     def _gathered(self, shard: torch.Tensor, g: FlatGroup) -> torch.Tensor:
         full = torch.empty(g.padded, dtype=shard.dtype, device=shard.device)

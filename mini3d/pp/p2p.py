@@ -44,12 +44,12 @@ class PipeP2P:
         returns a work handle; the caller keeps `tensor` alive until `wait()` (see `SendQueue`)."""
         self._check(tensor)
         return comm.send(tensor.detach().contiguous(), self.axis, self.axis.ranks[peer_index],
-                         async_op=async_op)
+                         async_op=async_op, dtype=self.dtype)
 
     def recv(self, peer_index: int) -> torch.Tensor:
         """Receive one boundary tensor from pipeline rank `peer_index` into a new buffer."""
         buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        comm.recv(buf, self.axis, self.axis.ranks[peer_index])
+        comm.recv(buf, self.axis, self.axis.ranks[peer_index], dtype=self.dtype)
         return buf
 
     def irecv(self, peer_index: int):

@@ -102,21 +102,19 @@ def local_specs(pp_rank: int, n_layers: int, p: int, v: int = 1, boundaries=None
 def build_stages(cfg, seed: int, pp_rank: int, p: int, v: int = 1, boundaries=None,
                  device=None, placement: str = "loop") -> dict:
     """{stage id: GPT module holding that stage's layers}, with the reference initialisation;
-    on device "meta": shapes only, no values (`mini3d.tp.materialize_reference` gives them)."""
+    on device "meta": shapes only, no values (`mini3d.tp.materialize_reference` gives them).
+    `device` None means the CPU (said explicitly: never torch's default device, see
+    MINI3D_STRICT_DEVICE in mini3d/launch.py)."""
     import torch
 
     from mini3d.model import GPT
 
-    meta = device is not None and torch.device(device).type == "meta"
+    device = torch.device(device if device is not None else "cpu")
     out = {}
     for spec in local_specs(pp_rank, cfg.n_layers, p, v, boundaries, placement):
-        if meta:
-            with torch.device("meta"):
-                out[spec.stage] = GPT(cfg, seed, layers=spec.layers, first=spec.first,
-                                      last=spec.last, init=False)
-            continue
-        module = GPT(cfg, seed, layers=spec.layers, first=spec.first, last=spec.last)
-        out[spec.stage] = module.to(device) if device is not None else module
+        with device:  # modules' parameters are created here; init copies the CPU reference values
+            out[spec.stage] = GPT(cfg, seed, layers=spec.layers, first=spec.first,
+                                  last=spec.last, init=device.type != "meta")
     return out
 
 

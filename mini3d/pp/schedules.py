@@ -35,52 +35,16 @@ both ends waiting for it (and blocking point-to-point matching is deterministic)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
+from ..config import MULTI_CHUNK, SCHEDULES as KINDS, schedule_problems  # the rules live with Plan
 from .partition import stage_rank
-
-KINDS = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
-MULTI_CHUNK = ("interleaved", "looped-bfs", "zbv")  # kinds with v > 1 chunks per rank
-COMPUTE = ("F", "B", "W")
+from .actions import COMPUTE, TRANSFERS, Action, B, F, W
+from .zero_bubble import zb_h1_orders, zbv_orders, zbv_peak
 
 
 def placement_of(kind: str) -> str:
     """How `kind` places stages on ranks: "v" for zbv, else "loop" (see partition.stage_rank)."""
     return "v" if kind == "zbv" else "loop"
-
-TRANSFERS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-_SHORT = {"SEND_F": "sF", "RECV_F": "rF", "SEND_B": "sB", "RECV_B": "rB"}
-
-
-class Action(NamedTuple):
-    """One step of one pipeline rank; `peer` is the other pipeline rank of a transfer."""
-
-    op: str  # F, B, W, SEND_F, RECV_F, SEND_B or RECV_B
-    stage: int  # global stage (model chunk) id
-    mb: int  # micro-batch index
-    peer: int | None = None  # pipeline rank at the other end (transfers only)
-
-    @property
-    def is_compute(self) -> bool:
-        return self.op in COMPUTE
-
-    def __str__(self) -> str:
-        if self.is_compute:
-            return f"{self.op}{self.stage}.{self.mb}"
-        arrow = ">" if self.op.startswith("SEND") else "<"
-        return f"{_SHORT[self.op]}{self.stage}.{self.mb}{arrow}{self.peer}"
-
-
-def F(stage: int, mb: int) -> Action:
-    return Action("F", stage, mb)
-
-
-def B(stage: int, mb: int) -> Action:
-    return Action("B", stage, mb)
-
-
-def W(stage: int, mb: int) -> Action:
-    return Action("W", stage, mb)
 
 
 @dataclass(frozen=True)
@@ -122,37 +86,33 @@ class Schedule:
                 "in_flight_bound": list(self.in_flight_bound), "placement": self.placement}
 
 
-def schedule_problems(kind: str, p: int, m: int, v: int = 1) -> list[str]:
-    """Why (kind, p, m, v) has no schedule; `Plan.problems` reports the same messages."""
-    out = [f"{n}={x} must be a positive integer" for n, x in (("pp", p), ("micro_batches", m),
-           ("virtual_stages", v)) if not isinstance(x, int) or x < 1]
-    if kind not in KINDS:
-        out.append(f"schedule={kind!r} is unknown (choose {', '.join(KINDS)})")
-    if out:
-        return out
-    if kind in ("1f1b", "zb-h1") and p > 1 and m < p:
-        out.append(f"{kind} needs micro_batches >= pp, got micro_batches={m} < pp={p} "
-                   f"(use --micro-batches {p} or more)")
+def in_flight_bound(kind: str, p: int, m: int, v: int, rank: int) -> int:
+    """The most micro-batch chunks (forward done, last backward action not yet) `rank` holds at
+    once under `kind`: GPipe m; looped BFS m v; 1F1B min(m, p - rank); interleaved 1F1B its
+    warm-up 2 (p - rank - 1) + (v - 1) g plus the one in flight, at most m v (g = m // max(1,
+    m // p), p when p divides m); ZB-H1 min(m, p) (W runs rank micro-batches late); ZB-V the peak
+    of its handcrafted order (at most 2p chunks of half a stage, `zero_bubble.zbv_peak`). Each
+    builder promises it (`Schedule.in_flight_bound`, verified by `rules.check`), and the memory
+    estimator counts activations with it."""
+    if kind == "gpipe":
+        return m
+    if kind == "looped-bfs":
+        return m * v
     if kind == "interleaved":
-        rounds = max(1, m // p)
-        if v < 2:
-            out.append(f"interleaved needs virtual_stages >= 2, got {v}")
-        if m % rounds:
-            fits = sorted({p * rounds, m - m % rounds, p})
-            out.append(f"interleaved needs micro_batches={m} to be a multiple of its rounds "
-                       f"max(1, micro_batches // pp={p}) = {rounds} (e.g. {fits})")
-    elif kind == "zbv" and v != 2:
-        out.append(f"zbv needs exactly virtual_stages=2 (two chunks per rank in a V), got {v}")
-    elif kind not in MULTI_CHUNK and v != 1:
-        out.append(f"virtual_stages={v} needs schedule interleaved, looped-bfs or zbv "
-                   f"(got schedule={kind!r})")
-    return out
+        g = m // max(1, m // p)
+        return min(2 * (p - rank - 1) + (v - 1) * g + 1, m * v)
+    if kind == "zb-h1":
+        return min(p, m)
+    if kind == "zbv":
+        return zbv_peak(p, m, rank)
+    return min(p - rank, m)
 
 
 def gpipe(p: int, m: int) -> Schedule:
     """All forwards, then all backwards (Huang et al. 2019): every rank holds m activations."""
     orders = [[F(r, i) for i in range(m)] + [B(r, i) for i in range(m)] for r in range(p)]
-    return add_transfers("gpipe", p, m, 1, orders, tuple(m for _ in range(p)))
+    bounds = tuple(in_flight_bound("gpipe", p, m, 1, r) for r in range(p))
+    return add_transfers("gpipe", p, m, 1, orders, bounds)
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -166,7 +126,8 @@ def one_f_one_b(p: int, m: int) -> Schedule:
             order += [F(r, warm + i), B(r, i)]
         order += [B(r, i) for i in range(m - warm, m)]
         orders.append(order)
-    return add_transfers("1f1b", p, m, 1, orders, tuple(min(p - r, m) for r in range(p)))
+    bounds = tuple(in_flight_bound("1f1b", p, m, 1, r) for r in range(p))
+    return add_transfers("1f1b", p, m, 1, orders, bounds)
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
@@ -180,7 +141,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
     def mb_of(k):
         return (k // (g * v)) * g + k % g
 
-    orders, bounds = [], []
+    orders = []
     for r in range(p):
         def fwd(k):
             return F(((k // g) % v) * p + r, mb_of(k))
@@ -194,8 +155,8 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
             order += [fwd(warm + i), bwd(i)]
         order += [bwd(k) for k in range(total - warm, total)]
         orders.append(order)
-        bounds.append(min(warm + 1, total))
-    return add_transfers("interleaved", p, m, v, orders, tuple(bounds))
+    bounds = tuple(in_flight_bound("interleaved", p, m, v, r) for r in range(p))
+    return add_transfers("interleaved", p, m, v, orders, bounds)
 
 
 def looped_bfs(p: int, m: int, v: int) -> Schedule:
@@ -208,7 +169,20 @@ def looped_bfs(p: int, m: int, v: int) -> Schedule:
         order = [F(s, i) for s in stages for i in range(m)]
         order += [B(s, i) for s in reversed(stages) for i in reversed(range(m))]
         orders.append(order)
-    return add_transfers("looped-bfs", p, m, v, orders, tuple(m * v for _ in range(p)))
+    bounds = tuple(in_flight_bound("looped-bfs", p, m, v, r) for r in range(p))
+    return add_transfers("looped-bfs", p, m, v, orders, bounds)
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023) for p ranks, m >= p micro-batches: see `zero_bubble.py`."""
+    bounds = tuple(in_flight_bound("zb-h1", p, m, 1, r) for r in range(p))
+    return add_transfers("zb-h1", p, m, 1, zb_h1_orders(p, m), bounds)
+
+
+def zbv(p: int, m: int) -> Schedule:
+    """ZB-V, two chunks per rank in a V (stages r and 2p-1-r on rank r): see `zero_bubble.py`."""
+    bounds = tuple(in_flight_bound("zbv", p, m, 2, r) for r in range(p))
+    return add_transfers("zbv", p, m, 2, zbv_orders(p, m), bounds, placement="v")
 
 
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -222,10 +196,10 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
         return one_f_one_b(p, m)
     if kind == "looped-bfs":
         return looped_bfs(p, m, v)
-    if kind in ("zb-h1", "zbv"):
-        from .zero_bubble import zb_h1, zbv
-
-        return zb_h1(p, m) if kind == "zb-h1" else zbv(p, m)
+    if kind == "zb-h1":
+        return zb_h1(p, m)
+    if kind == "zbv":
+        return zbv(p, m)
     return interleaved_1f1b(p, m, v)
 
 
@@ -289,14 +263,5 @@ def format_grid(schedule: Schedule, transfers: bool = False) -> str:
 
 
 __all__ = ["Action", "Schedule", "KINDS", "F", "B", "W", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "looped_bfs", "placement_of", "make_schedule", "schedule_problems", "add_transfers", "format_grid"]
-
-
-def check(schedule: Schedule):
-    """Verify the schedule's rules and prove it cannot deadlock (see `mini3d.pp.rules`)."""
-    from .rules import check as _check
-
-    return _check(schedule)
-
-
-__all__ += ["check"]
+           "looped_bfs", "zb_h1", "zbv", "placement_of", "MULTI_CHUNK", "COMPUTE", "TRANSFERS", "make_schedule", "schedule_problems", "add_transfers",
+           "format_grid", "in_flight_bound"]

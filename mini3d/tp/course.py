@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from ..comm import ring_wire_bytes
 from ..config import ModelConfig
 from .layers import chunk_index, head_index, padded_size
 
@@ -85,12 +86,12 @@ def comm_per_layer(t: int, b: int, s: int, h: int, sequence_parallel: bool = Fal
     if t == 1:
         fwd, bwd = [], []
     elif sequence_parallel:
-        half = (t - 1) * P // t
-        fwd = [{"op": "all_gather", "count": 2, "bytes": P, "wire_bytes": half},
-               {"op": "reduce_scatter", "count": 2, "bytes": P, "wire_bytes": half}]
+        fwd = [{"op": op, "count": 2, "bytes": P, "wire_bytes": ring_wire_bytes(op, t, P)}
+               for op in ("all_gather", "reduce_scatter")]
         bwd = [dict(op) for op in fwd]
     else:
-        fwd = [{"op": "all_reduce", "count": 2, "bytes": P, "wire_bytes": 2 * (t - 1) * P // t}]
+        fwd = [{"op": "all_reduce", "count": 2, "bytes": P,
+                "wire_bytes": ring_wire_bytes("all_reduce", t, P)}]
         bwd = [dict(op) for op in fwd]
     out = {"forward": fwd, "backward": bwd}
     for phase, ops in (("forward", fwd), ("backward", bwd)):

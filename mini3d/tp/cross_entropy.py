@@ -33,9 +33,10 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         z = logits.reshape(-1, logits.shape[-1]).float()  # (N, V/tp)
         t = targets.reshape(-1)
         n_local = z.shape[1]
-        pad = torch.arange(vocab_start, vocab_start + n_local, device=z.device) >= vocab_size
-        if bool(pad.any()):
-            z = z.masked_fill(pad, float("-inf"))
+        n_pad = vocab_start + n_local - vocab_size  # padding columns at the end of this slice
+        if n_pad > 0:  # known from Python ints: no host sync (a tensor test would wait for the GPU)
+            z = z.clone()
+            z[:, n_local - min(n_pad, n_local):] = float("-inf")
         m = z.max(dim=1).values  # (N,)
         if axis.size > 1:
             comm.all_reduce(m, axis, op="max")

@@ -36,14 +36,17 @@ def padded_size(n: int, tp: int) -> int:
 def chunk_index(n: int, tp: int, tp_rank: int) -> torch.Tensor:
     """Indices of tp_rank's contiguous chunk of a dim of size n (padded to a multiple of tp)."""
     per = padded_size(n, tp) // tp
-    return torch.arange(tp_rank * per, (tp_rank + 1) * per)
+    return torch.arange(tp_rank * per, (tp_rank + 1) * per, device="cpu")
 
 
-def head_index(d_model: int, tp: int, tp_rank: int) -> torch.Tensor:
+def head_index(d_model: int, tp: int, tp_rank: int, kv_dim: int | None = None) -> torch.Tensor:
     """Rows of the fused qkv weight (rows [q heads | k heads | v heads]) owned by tp_rank: its heads'
-    rows of q, then of k, then of v. Heads are dealt in contiguous groups of n_heads / tp."""
-    own = chunk_index(d_model, tp, tp_rank)  # a head group is a contiguous range of d_model
-    return torch.cat([own, own + d_model, own + 2 * d_model])
+    rows of q, then of k, then of v. Heads are dealt in contiguous groups of n_heads / tp (query
+    heads) and n_kv_heads / tp (key/value heads, `kv_dim` = n_kv_heads * head_dim wide; default
+    d_model), so each rank's query heads read only its own key/value heads."""
+    kv_dim = d_model if kv_dim is None else kv_dim
+    q, kv = chunk_index(d_model, tp, tp_rank), chunk_index(kv_dim, tp, tp_rank)
+    return torch.cat([q, kv + d_model, kv + d_model + kv_dim])
 
 
 def _shard(full: torch.Tensor, dim: int, index: list[torch.Tensor], tp_rank: int,

@@ -5,13 +5,15 @@ What each module becomes (Megatron-LM's layout; `f`/`g` are in mappings.py):
 
     embed.wte      VocabParallelEmbedding      rows of the padded vocabulary; g after the lookup
     attn.qkv       ColumnParallelLinear        split BY HEADS: each rank's q, k and v head rows
+                                               (grouped-query: its q heads' own k/v heads)
     attn.proj      RowParallelLinear           columns of those heads; g after it
-    mlp.fc         ColumnParallelLinear        contiguous chunk of d_ff
+    mlp.fc         ColumnParallelLinear        contiguous chunk of d_ff (and llama's mlp.gate)
     mlp.proj       RowParallelLinear           the matching columns; g after it
     head.out       ColumnParallelLinear        rows of the padded vocabulary (no gather)
     head.loss_fn   VocabParallelLoss           cross-entropy without full logits
 
-LayerNorms, position embeddings and row-parallel biases stay replicated.
+Norms, position embeddings and row-parallel biases stay replicated. A tied head shares the
+embedding's shard when one module holds both.
 
 With `plan.sequence_parallel` the activations between the parallel regions are (B, T/tp, C) shards:
 the embedding reduce-scatters along the sequence instead of all-reducing, each column-parallel
@@ -30,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
+from ..model import tie_weights
 from .cross_entropy import VocabParallelLoss
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_index
 
@@ -43,24 +46,29 @@ class ParallelEmbedding(nn.Module):
         super().__init__()
         self.axis, self.sequence_parallel = axis, sequence_parallel
         self.wte = VocabParallelEmbedding(ref.wte, axis, sequence_parallel)
-        self.wpe = ref.wpe  # replicated
+        self.wpe = ref.wpe  # replicated (None: rotary positions, applied in attention)
+        self.drop = ref.drop
 
-    def forward(self, idx):
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
+    def forward(self, idx, positions=None):
+        x = self.wte(idx)  # (B, T, C) or (B, T/tp, C)
+        if self.wpe is None:
+            return self.drop(x)
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         if self.sequence_parallel and self.axis.size > 1:
             pos = pos.chunk(self.axis.size)[self.axis.index]
-        return self.wte(idx) + self.wpe(pos)  # (B, T, C) or (B, T/tp, C)
+        return self.drop(x + self.wpe(pos))
 
 
 def _parallelize_block(block, axis, cfg, sp: bool):
     tp = axis.size
     attn, mlp = block.attn, block.mlp
-    heads = [head_index(cfg.d_model, tp, r) for r in range(tp)]
+    heads = [head_index(cfg.d_model, tp, r, cfg.kv_dim) for r in range(tp)]
     attn.qkv = ColumnParallelLinear(attn.qkv, axis, index=heads, sequence_parallel=sp)
     attn.proj = RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
-    attn.n_local_heads = cfg.n_heads // tp
+    attn.n_local_heads, attn.n_local_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads // tp
     mlp.fc = ColumnParallelLinear(mlp.fc, axis, sequence_parallel=sp)
+    if mlp.gate is not None:  # SwiGLU: the gate splits like fc, so silu(gate) * fc stays local
+        mlp.gate = ColumnParallelLinear(mlp.gate, axis, sequence_parallel=sp)
     mlp.proj = RowParallelLinear(mlp.proj, axis, sequence_parallel=sp)
 
 
@@ -85,6 +93,7 @@ def apply_tp(model, topo, plan):
         model.head.out = out
         start = axis.index * (out.padded_out // axis.size)
         model.head.loss_fn = VocabParallelLoss(axis, start, cfg.vocab_size)
+    tie_weights(model)  # both ends split the padded vocabulary alike, so one shard serves both
     model.tp_axis, model.sequence_parallel = axis, sp
     return model
 
@@ -123,7 +132,7 @@ def _local_parts(local_grads):
         base = 0 if g.numel() == group.padded else group.lo
         for p, off in zip(group.params, group.offsets):
             lo, hi = max(off, base), min(off + p.numel(), base + g.numel())
-            if lo < hi:
+            if lo < hi and not getattr(p, "tied_copy", False):  # see mini3d.pp.tied
                 yield g[lo - base:hi - base], not is_tp_sharded(p)
 
 
@@ -155,7 +164,7 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     comm.all_reduce(sq, topo.tp)
     total = (sq[0] / topo.tp.size + sq[1]).reshape(1)
     if sharded_over_dp:
-        comm.all_reduce(total, topo.dp)
+        comm.all_reduce(total, topo.dp_cp)  # ZeRO shards over cp x dp (the dp axis when cp=1)
     comm.all_reduce(total, topo.pp)
     norm = float(total.sqrt())
     coef = max_norm / (norm + 1e-6)
@@ -251,6 +260,7 @@ def materialize_reference(model, topo, seed: int, device) -> None:
             new = nn.Parameter(shard_like(p, full, topo).to(device), p.requires_grad)  # a new tensor
             new.__dict__.update(p.__dict__)  # tp_dim, tp_index, tp_full_size
             mod._parameters[key] = new
+    tie_weights(model)  # a tied head was visited twice above: share one Parameter again
 
 
 def unshard_like(p, t: torch.Tensor, topo) -> torch.Tensor:
@@ -277,7 +287,8 @@ def gather_logits(logits: torch.Tensor, topo, vocab_size: int) -> torch.Tensor:
 def boundary_shape(plan, micro_batch_size: int, cfg) -> tuple[int, int, int]:
     """Per-rank activation shape sent between pipeline stages: (b, s, h), or (b, s/tp, h) under
     sequence parallelism (each tp rank sends only its sequence shard)."""
-    s = plan.seq_len // plan.tp if plan.sequence_parallel else plan.seq_len
+    s = plan.seq_len // plan.cp  # a cp rank's chunk of the sequence
+    s = s // plan.tp if plan.sequence_parallel else s
     return (micro_batch_size, s, cfg.d_model)
 
 

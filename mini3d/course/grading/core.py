@@ -82,10 +82,15 @@ class Outcome:
 
 
 def ensure_importable():
-    """Put the repository root (holding exercises/ and solutions/) on sys.path."""
-    for root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))):
-        if os.path.isdir(os.path.join(root, "exercises")) and root not in sys.path:
-            sys.path.insert(0, root)
+    """Put the repository root (holding exercises/ and solutions/) on sys.path: the working directory,
+    else its parent (a chapter notebook runs in course/), else the checkout mini3d was imported from;
+    the first of these that holds exercises/ comes first on sys.path."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    roots = (os.getcwd(), os.path.dirname(os.getcwd()), os.path.abspath(os.path.join(here, *[".."] * 3)))
+    for root in reversed([r for r in roots if os.path.isdir(os.path.join(r, "exercises"))]):
+        if root in sys.path:
+            sys.path.remove(root)
+        sys.path.insert(0, root)
 
 
 def load_impl(impl_name: str, exercise: str):

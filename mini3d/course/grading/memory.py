@@ -6,7 +6,10 @@ parameter of mixed-precision AdamW, sharded per ZeRO stage.
 
 from __future__ import annotations
 
+import dataclasses
+
 from mini3d.config import ModelConfig
+from mini3d.cost.memory import STATE_BYTES
 from .core import Check, Exercise, expect
 
 
@@ -29,9 +32,12 @@ def count_matches_model(ctx):
 def count_70b(ctx):
     from mini3d.config import PRESETS
 
-    cfg = PRESETS["gpt-70b"]
+    # the GPT-style 70B shape (PRESETS["gpt-70b"] now names Llama-3.1-70B, another family)
+    cfg = dataclasses.replace(PRESETS["gpt-22b"], n_layers=80, d_model=8192, n_heads=64,
+                              vocab_size=32000, max_seq_len=4096, d_ff=36864, name="gpt-style-70b")
     got = ctx.impl.count_params(cfg)
-    expect(got == cfg.n_params(), "count_params(PRESETS['gpt-70b'])", cfg.n_params(), got)
+    expect(got == cfg.n_params(), "count_params(a GPT-style 70B: 80 x 8192, d_ff 36864)",
+           cfg.n_params(), got)
 
 
 def min_gpus(ctx):
@@ -44,8 +50,7 @@ def min_gpus(ctx):
 
 
 
-_PER = {"float32": {"params": 4, "grads": 4, "optimizer": 8},
-        "bf16": {"params": 2, "grads": 2, "optimizer": 12}}
+_PER = {dtype: dict(zip(("params", "grads", "optimizer"), per)) for dtype, per in STATE_BYTES.items()}
 
 
 def bytes_per_param_ok(ctx):

@@ -6,7 +6,9 @@ The ground truth is the 1F1B order written out by hand and the closed-form pipel
 
 from __future__ import annotations
 
-from .core import Check, Exercise, expect
+from mini3d.pp.simulator import bubble_formula
+
+from .core import Check, CheckFailed, Exercise, expect
 
 
 def _ref_1f1b(pp, r, m):
@@ -18,55 +20,73 @@ def _ref_1f1b(pp, r, m):
 
 
 def _meshes(rng):
-    """(pp, micro_batches) pairs, always including one deep pipeline with a long drain."""
-    pairs = [(rng.randint(4, 6), 0), (rng.randint(2, 5), 0), (rng.randint(2, 3), 0)]
-    return [(p, p + rng.randint(0, 4)) for p, _ in pairs]
+    """(pp, micro_batches) pairs, always including one deep pipeline with a long drain and one
+    pipeline deeper than its micro-batch count (m < pp: some ranks never reach the steady state)."""
+    deep, mid, short = rng.randint(4, 6), rng.randint(2, 5), rng.randint(2, 3)
+    shallow = rng.randint(3, 5)
+    return [(p, p + rng.randint(0, 4)) for p in (deep, mid, short)] + [(shallow, rng.randint(1, shallow - 1))]
+
+
+def _each_mesh(ctx):
+    for pp, m in _meshes(ctx.rng):
+        yield pp, m, [list(ctx.impl.one_f_one_b(pp, r, m)) for r in range(pp)]
 
 
 def _each_rank(ctx):
-    for pp, m in _meshes(ctx.rng):
-        for r in range(pp):
-            yield pp, r, m, list(ctx.impl.one_f_one_b(pp, r, m))
+    for pp, m, lists in _each_mesh(ctx):
+        for r, acts in enumerate(lists):
+            yield pp, r, m, acts, lists
+
+
+def _expect_order(ok, what, expected, got, pp, m, lists):
+    """expect(), with mini3d's check() of the whole (pp, m) schedule under the message."""
+    if not ok:
+        from .pipeline_report import schedule_report
+
+        raise CheckFailed(f"{what}: expected {expected}, got {got}\n{schedule_report(pp, m, lists)}")
 
 
 def fb_each_once(ctx):
-    for pp, r, m, acts in _each_rank(ctx):
+    for pp, r, m, acts, _ in _each_rank(ctx):
         want = sorted([f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)])
         expect(sorted(acts) == want, f"pp={pp} rank {r} m={m}: each F and B exactly once",
                "F0..F%d and B0..B%d" % (m - 1, m - 1), acts)
 
 
 def forward_first(ctx):
-    for pp, r, m, acts in _each_rank(ctx):
+    for pp, r, m, acts, lists in _each_rank(ctx):
         for i in range(m):
             if f"F{i}" in acts and f"B{i}" in acts:
-                expect(acts.index(f"F{i}") < acts.index(f"B{i}"), f"pp={pp} rank {r} m={m}",
-                       f"F{i} before B{i}", acts)
+                _expect_order(acts.index(f"F{i}") < acts.index(f"B{i}"), f"pp={pp} rank {r} m={m}",
+                              f"F{i} before B{i}", acts, pp, m, lists)
 
 
 def warmup(ctx):
-    for pp, r, m, acts in _each_rank(ctx):
+    for pp, r, m, acts, lists in _each_rank(ctx):
         lead = next((i for i, a in enumerate(acts) if a.startswith("B")), len(acts))
-        expect(lead == min(pp - r, m), f"pp={pp} rank {r} m={m}: forwards before the first backward",
-               min(pp - r, m), f"{lead} in {acts}")
+        _expect_order(lead == min(pp - r, m), f"pp={pp} rank {r} m={m}: forwards before the first backward "
+                      f"(the pp - pp_rank - 1 warm-up forwards and the steady state's first)",
+                      min(pp - r, m), f"{lead} in {acts}", pp, m, lists)
 
 
 def in_flight(ctx):
-    for pp, r, m, acts in _each_rank(ctx):
+    for pp, r, m, acts, lists in _each_rank(ctx):
         live = peak = 0
         for a in acts:
             live += 1 if a.startswith("F") else -1
             peak = max(peak, live)
-        expect(peak <= min(pp - r, m), f"pp={pp} rank {r} m={m}: micro-batches held at once",
-               f"at most {min(pp - r, m)}", f"{peak} in {acts}")
+        _expect_order(peak <= min(pp - r, m), f"pp={pp} rank {r} m={m}: micro-batches held at once",
+                      f"at most {min(pp - r, m)}", f"{peak} in {acts}", pp, m, lists)
 
 
 def exact_order(ctx):
-    for pp, r, m, acts in _each_rank(ctx):
+    for pp, r, m, acts, lists in _each_rank(ctx):
         want = _ref_1f1b(pp, r, m)
-        expect(acts == want, f"pp={pp} rank {r} m={m}: 1F1B order", want, acts)
-
-
+        step = next((k for k, (a, b) in enumerate(zip(acts, want)) if a != b), min(len(acts), len(want)))
+        _expect_order(acts == want, f"pp={pp} rank {r} m={m}: 1F1B order", want,
+                      f"{acts} (first difference at step {step}: expected "
+                      f"{want[step] if step < len(want) else 'the end'}, got {acts[step] if step < len(acts) else 'the end'})",
+                      pp, m, lists)
 
 
 def _sim(ctx, sched, tf, tb):
@@ -91,7 +111,7 @@ def _formula(ctx, kind):
         span = (m + pp - 1) * (tf + tb)
         expect(_close(got["makespan"], span), f"{kind} pp={pp} m={m} t_f={tf} t_b={tb}: makespan",
                f"(m + pp - 1)(t_f + t_b) = {span}", got["makespan"])
-        bub = (pp - 1) / (m + pp - 1)
+        bub = float(bubble_formula(kind, pp, m))
         expect(_close(got["bubble_fraction"], bub), f"{kind} pp={pp} m={m}: bubble_fraction",
                f"(pp - 1) / (m + pp - 1) = {bub:.6f}", got["bubble_fraction"])
 

@@ -33,7 +33,7 @@ def _truth(case: dict) -> list[tuple]:
     """[(plan, memory bytes, step seconds)] of the exercise's search space, by the planner."""
     from mini3d.cost.model import estimate_cost
     from mini3d.cost.planner import candidate_plans
-    from mini3d.diagnose.estimator import estimate_memory
+    from mini3d.cost.memory import estimate_memory
 
     key = tuple(sorted((k, repr(v)) for k, v in case.items()))
     if key not in _TRUTH:

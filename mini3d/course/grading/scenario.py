@@ -52,6 +52,8 @@ def _read(ctx, case: str) -> list[dict]:
             kind, msg = rec["error"]
             if kind == "NotImplementedError":
                 raise NotImplementedError(msg)
+            if kind == "crash":  # the whole run of this case crashed (see runner.scenario_results)
+                raise CheckFailed(msg)
             raise CheckFailed(f"rank {rank} raised {kind}: {msg}")
     return recs
 

@@ -8,6 +8,7 @@
     tp        which block of each weight matrix lives on which tp rank
     widgets   explorers (controls + FigureWidget) around a function the chapter passes in
     adapters  mini3d.pp / mini3d.diagnose wrapped to the explorers' contracts
+    long_sequences  the zig-zag, the ring's steps, memory against sequence length with cp (07b)
 """
 
 from .comm import comm_volume_figure, ring_allreduce_figure, ring_allreduce_time, scaling_efficiency_figure

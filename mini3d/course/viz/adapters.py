@@ -37,11 +37,11 @@ def pp_simulate_fn(allow_stand_in: bool = True):
 
 
 def estimate_fn(seq_len: int | None = None, micro_batch_size: int = 1):
-    """`estimate_fn(model=, tp=, pp=, dp=, zero=, ...)` backed by `mini3d.diagnose.estimator`:
+    """`estimate_fn(model=, tp=, pp=, dp=, zero=, ...)` backed by `mini3d.cost.memory`:
     the memory of the rank that needs the most, for a preset model name. Invalid plans raise a
     ValueError naming every offending value (shown by the explorer)."""
     from mini3d.config import Plan, PlanError, model_from_preset
-    from mini3d.diagnose.estimator import estimate_memory
+    from mini3d.cost.memory import estimate_memory
 
     def fn(model="gpt-7b", tp=1, pp=1, dp=1, zero=0, micro_batches=1, recompute="none", dtype="bf16"):
         cfg = model_from_preset(model)

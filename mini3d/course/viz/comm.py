@@ -6,6 +6,8 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from mini3d.comm import ring_steps, ring_wire_bytes
+
 from .theme import AXIS_COLORS, human_bytes, new_figure
 
 MIB = 1024 ** 2
@@ -34,10 +36,12 @@ def comm_volume_figure(bytes_per_axis: Mapping[str, object], title: str = "Commu
 
 def ring_allreduce_time(n: int, nbytes: float, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
     """Seconds for a ring all-reduce of `nbytes` over n ranks: 2(n-1) steps, each moving nbytes/n
-    over a link of `bandwidth_gbps` GB/s (1e9 bytes/s) and paying `latency_s`."""
+    over a link of `bandwidth_gbps` GB/s (1e9 bytes/s) and paying `latency_s` (the ring factors of
+    `mini3d.comm`, as the cost model's `Hardware.collective_s`)."""
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) * latency_s + 2 * (n - 1) / n * nbytes / (bandwidth_gbps * 1e9)
+    return (ring_steps("all_reduce", n) * latency_s
+            + ring_wire_bytes("all_reduce", n, float(nbytes)) / (bandwidth_gbps * 1e9))
 
 
 def ring_allreduce_figure(nbytes: float, ranks: Sequence[int], bandwidths_gbps: Mapping[str, float],

@@ -2,7 +2,7 @@
 
     load_dumps(run_dir)          {rank: dump} from the rank*.json files the watchdog wrote
     hang_timeline_figure(dumps)  each rank's communication ops on one time axis; ops still pending
-                                 when the job stopped are drawn in red up to the moment of the dump
+                                 when the job stopped are drawn hatched yellow up to the moment of the dump
     oom_figure(oom)              the OOM report as bars: measured + the failed request vs the
                                  estimate, against the memory budget
 
@@ -35,10 +35,22 @@ def _label(rank: int, dump: dict) -> str:
     return f"rank {rank} (" + " ".join(f"{k}={c[k]}" for k in ("tp", "pp", "dp") if k in c) + ")"
 
 
+# Pending ops: black hatching on pale yellow, told apart from every axis colour (the pp axis is a red)
+# by lightness and pattern, not by hue alone, so colour-blind readers see the difference too.
+PENDING_COLOR, PENDING_PATTERN = "#ffe98a", "/"
+
+
+def _op_marker(axis: str, done: bool) -> dict:
+    if done:
+        return dict(color=AXIS_COLORS.get(axis, "#888"), line=dict(width=1, color="white"))
+    return dict(color=PENDING_COLOR, pattern=dict(shape=PENDING_PATTERN, fgcolor="#222", solidity=0.3),
+                line=dict(width=1.5, color="#222"))
+
+
 def hang_timeline_figure(dumps: dict, world: int | None = None,
                          title: str = "What each rank was doing when the job stopped"):
     """One row per rank, one bar per logged op (start to end, seconds since the first op of any
-    rank). Pending ops run to `start + age_s` (the dump) and are red; ranks without a dump (killed)
+    rank). Pending ops run to `start + age_s` (the dump) and are hatched yellow; ranks without a dump (killed)
     get an empty, labelled row. `fig.layout.meta['pending']` lists (rank, op, axis, seq)."""
     fig = new_figure(title, "time since the first logged op (s)", "rank")
     events = [e for d in dumps.values() for e in d.get("events", [])]
@@ -56,8 +68,7 @@ def hang_timeline_figure(dumps: dict, world: int | None = None,
                         x=[max(end - e["start"], 1e-3) for e, end in zip(sel, ends)],
                         y=[labels.get(e["rank"], f"rank {e['rank']}") for e in sel], orientation="h",
                         name=f"{axis} {'completed' if done else 'PENDING'}",
-                        marker=dict(color=AXIS_COLORS.get(axis, "#888") if done else CAPACITY_COLOR,
-                                    line=dict(width=1, color="#222" if not done else "white")),
+                        marker=_op_marker(axis, done),
                         text=[f"{e['op']} #{e['seq']}" for e in sel],
                         hovertemplate="%{y}<br>%{text}<br>from %{base:.3f} s for %{x:.3f} s<extra></extra>")
             if not done:

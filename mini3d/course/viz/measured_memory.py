@@ -4,7 +4,7 @@ The live side is what `mini3d.train.train_worker` returns with `collect=["ledger
 `ledger` holds the model-state bytes of one rank read from its live tensors (`mini3d.dp.ledger`),
 `activations` the bytes saved for backward per micro-batch, by module. `measured_breakdown` turns
 one rank's result into the estimator's categories; `estimated_breakdown` does the same for
-`mini3d.diagnose.estimator.estimate_memory`; `breakdown_mib_figure` draws them side by side in MiB
+`mini3d.cost.memory.estimate_memory`; `breakdown_mib_figure` draws them side by side in MiB
 (a tiny model's bytes would vanish on the GiB axis of `memory_breakdown_figure`).
 """
 
@@ -74,8 +74,11 @@ def training_state_bars(n_params: float, n_gpus: int,
     """Chapter 00's arithmetic as breakdowns for `memory_breakdown_figure`: the whole training state
     of an `n_params` model on one GPU, the same split evenly over `n_gpus` GPUs (the best any layout
     can do for model states), and the weights alone. `state_bytes` are bytes per parameter by
-    category (default: mixed-precision AdamW, params 2 + grads 2 + optimizer 12 = 16)."""
-    sb = dict(state_bytes or {"params": 2, "grads": 2, "optimizer": 12})
+    category (default: mixed-precision AdamW, params 2 + grads 2 + optimizer 12 = 16, the
+    estimator's `STATE_BYTES["bf16"]`)."""
+    from mini3d.cost.memory import STATE_BYTES
+
+    sb = dict(state_bytes or zip(MODEL_STATES, STATE_BYTES["bf16"]))
     whole = {c: n_params * sb.get(c, 0) for c in MODEL_STATES}
     return {"weights only (bf16)": {"params": n_params * sb["params"]},
             "training state, 1 GPU": whole,

@@ -16,10 +16,21 @@ from .theme import (CAPACITY_COLOR, CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS
 
 
 def _capacity_line(fig: go.Figure, capacity_bytes: float | None, label: str = "GPU capacity"):
+    """The dashed capacity line, named in the legend (an annotation on the plot would collide with
+    the bar totals written above the bars)."""
     if capacity_bytes:
-        fig.add_hline(y=to_gib(capacity_bytes), line=dict(color=CAPACITY_COLOR, dash="dash", width=2),
-                      annotation_text=f"{label} {to_gib(capacity_bytes):.0f} GiB",
-                      annotation_position="top left")
+        line = dict(color=CAPACITY_COLOR, dash="dash", width=2)
+        fig.add_hline(y=to_gib(capacity_bytes), line=line)
+        fig.add_scatter(x=[None], y=[None], mode="lines", line=line, hoverinfo="skip",
+                        name=f"{label} {to_gib(capacity_bytes):.0f} GiB")
+
+
+def _headroom(fig: go.Figure, tops_gib, capacity_bytes: float | None):
+    """y range from 0 to 15% above the tallest bar or the capacity line, so the totals written
+    above the bars stay inside the plot."""
+    top = max(list(tops_gib) + [to_gib(capacity_bytes or 0)], default=0.0)
+    if top > 0:
+        fig.update_yaxes(range=[0, 1.15 * top])
 
 
 def _stacked_bars(fig: go.Figure, labels: Sequence[str], breakdowns: Sequence[dict]):
@@ -47,6 +58,7 @@ def memory_breakdown_figure(breakdowns: Mapping[str, object], capacity_bytes: fl
                     text=[f"{to_gib(t):.1f} GiB" + (" OOM" if o else "") for t, o in zip(totals, over)],
                     textposition="top center", hoverinfo="skip", name="total")
     _capacity_line(fig, capacity_bytes)
+    _headroom(fig, [to_gib(t) for t in totals], capacity_bytes)
     return fig
 
 
@@ -60,6 +72,7 @@ def zero_memory_figure(by_stage: Mapping[int, object], capacity_bytes: float | N
     labels = [f"ZeRO-{s}" if s else "no ZeRO" for s in stages]
     _stacked_bars(fig, labels, rows)
     _capacity_line(fig, capacity_bytes)
+    _headroom(fig, [to_gib(sum(r.values())) for r in rows], capacity_bytes)
     return fig
 
 

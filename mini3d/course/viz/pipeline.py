@@ -98,24 +98,48 @@ def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = N
     fig = new_figure(title, f"time ({time_unit})", "pipeline rank", widget=widget)
     fill_gantt(fig, timeline, bubble_fraction, formula)
     fig.update_yaxes(autorange="reversed", type="category")
-    fig.update_layout(barmode="overlay", bargap=0.15, margin=dict(t=95),
-                      legend=dict(orientation="h", x=0, y=1.02, xanchor="left", yanchor="bottom"))
+    # Legend in a band right above the plot, the bubble annotation in the band above it, the title
+    # at the very top: three rows of the top margin that cannot overlap.
+    fig.update_layout(barmode="overlay", bargap=0.15, margin=dict(t=120), title=dict(y=0.98, yanchor="top"),
+                      legend=dict(orientation="h", x=0, y=1.0, xanchor="left", yanchor="bottom"))
     return fig
+
+
+# Chunk c of an interleaved schedule (stages c*p .. c*p + p-1) in its own shade, darkest first.
+CHUNK_SHADES = {"forward": ["#3b6fb6", "#8fb3e3", "#1f3d66", "#c5d8f2"],
+                "backward": ["#e8893a", "#f5c18f", "#9c4f12", "#fbe0c4"],
+                "weight": ["#5a9e5f", "#a8d5ab", "#2e5e32", "#d4ecd5"]}  # W of split schedules
+
+
+def _trace_name(kind: str, chunk: int) -> str:
+    return kind if chunk == 0 else f"{kind} chunk {chunk}"
+
+
+def trace_colors() -> dict[str, str]:
+    """Colour of every Gantt trace name: forward / backward / weight (and their chunks), transfer,
+    idle."""
+    colors = {"transfer": "#9a9a9a", "idle": ACTION_COLORS["idle"]}
+    for kind, shades in CHUNK_SHADES.items():
+        colors.update({_trace_name(kind, c): shade for c, shade in enumerate(shades)})
+    return colors
 
 
 def gantt_traces(timeline: Sequence[Sequence]) -> dict[str, dict]:
     """Bar data per trace name: {'forward': {x, base, y, text}, 'backward': ..., 'idle': ...}."""
-    out = {k: dict(x=[], base=[], y=[], text=[])
-           for k in ("forward", "backward", "weight", "transfer", "idle")}
+    p = max(len(timeline), 1)
+    out = {k: dict(x=[], base=[], y=[], text=[]) for k in ("forward", "backward", "transfer", "idle")}
     for r, row in enumerate(timeline):
         for s, e, a in row:
             op, stage, mb = parse_action(a)
             key = {"F": "forward", "B": "backward", "W": "weight"}.get(op, "transfer")
-            d = out[key]
+            if key != "transfer":
+                key = _trace_name(key, stage // p)  # interleaving: rank r holds stages r, r+p, ...
+            d = out.setdefault(key, dict(x=[], base=[], y=[], text=[]))
             d["x"].append(float(e) - float(s))
             d["base"].append(float(s))
             d["y"].append(f"rank {r}")
             d["text"].append(f"{op}{stage}.{mb}" if key == "transfer" else str(mb))
+    out = dict(sorted(out.items(), key=lambda kv: kv[0] in ("transfer", "idle")))  # compute first
     for r, gaps in enumerate(idle_gaps(timeline)):
         for s, e in gaps:
             d = out["idle"]
@@ -131,8 +155,7 @@ def fill_gantt(fig: go.Figure, timeline, bubble_fraction=None, formula=None):
     if bubble_fraction is None:
         bubble_fraction = bubble_from_timeline(timeline)
     traces = gantt_traces(timeline)
-    colors = {"forward": ACTION_COLORS["F"], "backward": ACTION_COLORS["B"],
-              "weight": ACTION_COLORS["W"], "transfer": "#9a9a9a", "idle": ACTION_COLORS["idle"]}
+    colors = trace_colors()
     with fig.batch_update() if isinstance(fig, go.FigureWidget) else _nullctx():
         fig.data = []
         for name, d in traces.items():
@@ -140,14 +163,14 @@ def fill_gantt(fig: go.Figure, timeline, bubble_fraction=None, formula=None):
                 continue
             fig.add_bar(orientation="h", name=name, x=d["x"], base=d["base"], y=d["y"], text=d["text"],
                         textposition="inside", insidetextanchor="middle",
-                        marker=dict(color=colors[name], line=dict(color="white", width=1)),
+                        marker=dict(color=colors.get(name, "#555"), line=dict(color="white", width=1)),
                         width=0.3 if name == "transfer" else 0.8,
                         hovertemplate=name + " mb %{text}: %{base:.2f} + %{x:.2f}<extra></extra>")
         label = f"bubble = {float(bubble_fraction):.1%}"
         if formula:
             label += f"   (formula {formula})"
         fig.layout.annotations = []
-        fig.add_annotation(text=label, xref="paper", yref="paper", x=1, y=1.02, showarrow=False,
+        fig.add_annotation(text=label, xref="paper", yref="paper", x=1, y=1, yshift=34, showarrow=False,
                            xanchor="right", yanchor="bottom", font=dict(size=14, color="#c0392b"),
                            name="bubble")
         fig.layout.height = max(260, 110 + 50 * len(timeline))
@@ -177,6 +200,6 @@ def gpipe_timeline(p: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0) -> li
     return timeline
 
 
-__all__ = ["gantt_figure", "gantt_traces", "fill_gantt", "idle_gaps", "bubble_from_timeline",
-           "bubble_formula_text", "parse_action", "gpipe_timeline", "chunks_for", "SCHEDULE_MENU",
-           "COMPUTE_OPS"]
+__all__ = ["gantt_figure", "gantt_traces", "trace_colors", "CHUNK_SHADES", "fill_gantt", "idle_gaps",
+           "bubble_from_timeline", "bubble_formula_text", "parse_action", "gpipe_timeline",
+           "chunks_for", "SCHEDULE_MENU", "COMPUTE_OPS"]

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from .pipeline import COMPUTE_OPS, bubble_from_timeline, gantt_traces, parse_action
-from .theme import ACTION_COLORS, TEMPLATE_NAME
+from .pipeline import COMPUTE_OPS, bubble_from_timeline, gantt_traces, parse_action, trace_colors
+from .theme import TEMPLATE_NAME
 
 
 def measured_timeline(results: Sequence[dict], compute_only: bool = False) -> list[list[tuple]]:
@@ -97,18 +97,18 @@ def gantt_panels(panels: dict, time_unit: str = "units of one forward", title: s
     bubbles = {n: bubble_from_timeline(panels[n]) for n in names}
     fig = make_subplots(rows=len(names), cols=1, shared_xaxes=shared_x, vertical_spacing=0.1,
                         subplot_titles=[f"{n}: bubble {bubbles[n]:.1%}" for n in names])
-    colors = {"forward": ACTION_COLORS["F"], "backward": ACTION_COLORS["B"],
-              "weight": ACTION_COLORS["W"], "transfer": "#9a9a9a", "idle": ACTION_COLORS["idle"]}
+    colors, shown = trace_colors(), set()
     for i, n in enumerate(names, start=1):
         for name, d in gantt_traces(panels[n]).items():
             if not d["x"] and name in ("transfer", "weight"):
                 continue
             fig.add_bar(orientation="h", name=name, x=d["x"], base=d["base"], y=d["y"], text=d["text"],
                         textposition="inside", insidetextanchor="middle", legendgroup=name,
-                        showlegend=(i == 1), width=0.3 if name == "transfer" else 0.8,
-                        marker=dict(color=colors[name], line=dict(color="white", width=1)),
+                        showlegend=name not in shown, width=0.3 if name == "transfer" else 0.8,
+                        marker=dict(color=colors.get(name, "#555"), line=dict(color="white", width=1)),
                         hovertemplate=name + " mb %{text}: %{base:.2f} + %{x:.2f}<extra></extra>",
                         row=i, col=1)
+            shown.add(name)
         fig.update_yaxes(title_text="pipeline rank", autorange="reversed", type="category", row=i, col=1)
     fig.update_xaxes(title_text=f"time ({time_unit})", row=len(names), col=1)
     if not shared_x:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipywidgets as W
 
 from .theme import CAPACITY_COLOR, new_figure, to_gib
+from .widgets import wire
 
 # The step-time terms of mini3d.cost.model, in the order they are stacked.
 TIME_TERMS = ("compute", "tp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
@@ -53,7 +54,7 @@ def planner_fn(seq_len: int | None = None, dtype: str = "bf16", top_k: int = 5):
     from mini3d.cost.hardware import load_hardware
     from mini3d.cost.model import estimate_cost
     from mini3d.cost.planner import candidate_plans, describe, search
-    from mini3d.diagnose.estimator import estimate_memory
+    from mini3d.cost.memory import estimate_memory
 
     def fn(model="gpt-7b", hardware="A100-80GB", gpus=8, global_batch=32):
         cfg, hw = model_from_preset(model), load_hardware(hardware)
@@ -161,9 +162,9 @@ def plan_explorer(plan_fn, models=("gpt-1.3b", "gpt-7b", "gpt-22b", "gpt-70b"), 
         scatter.layout.meta = {"best": view["best"]}
         status.value = view["explanation"]
 
-    for c in controls.values():
-        c.observe(lambda change: update(), names="value")
+    wire(controls, status, update)
     box = W.VBox([W.HBox(list(controls.values())), status, scatter, bars])
+    box.add_class("mini3d-explorer")
     box.controls, box.figure, box.figures, box.status, box.refresh = controls, scatter, (scatter, bars), \
         status, update
     update()

@@ -6,7 +6,7 @@
     layer_ledger_bytes(acts, i)    bytes one layer saved for backward, from a live run's ledger
     measured_vs_estimated_figure   live ledgers next to the estimator, per policy, in one figure
 
-Sources: `mini3d.diagnose.estimator.layer_activation_bytes` (bytes a block keeps, per micro-batch,
+Sources: `mini3d.cost.memory.layer_activation_bytes` (bytes a block keeps, per micro-batch,
 per tp rank) and `mini3d.cost.model.hardware_flops / model_flops` (what recomputation runs again:
 the attention core under `selective`, the whole block forward under `full`).
 """
@@ -29,7 +29,7 @@ def recompute_rows(cfg, seq_len: int, micro_batch: int = 1, tp: int = 1, dtype: 
     'compute_factor' (hardware FLOPs / model FLOPs of a step)}."""
     from mini3d.config import Plan
     from mini3d.cost.model import hardware_flops, model_flops
-    from mini3d.diagnose.estimator import layer_activation_bytes
+    from mini3d.cost.memory import layer_activation_bytes
 
     rows = []
     for policy in POLICIES:
@@ -97,9 +97,11 @@ def recompute_explorer(models=("gpt-7b", "gpt-22b", "gpt-175b"), model: str = "g
                         f"micro-batch per GPU ({view['saved_fraction']:.0%} less than none), "
                         f"{view['extra_compute']:+.1%} compute per step")
 
-    for ctrl in controls.values():
-        ctrl.observe(lambda change: update(), names="value")
+    from .widgets import wire
+
+    wire(controls, status, update)
     box = W.VBox([W.HBox(list(controls.values())[:3]), W.HBox(list(controls.values())[3:]), status, fig])
+    box.add_class("mini3d-explorer")
     box.controls, box.figure, box.status, box.refresh = controls, fig, status, update
     update()
     return box

@@ -84,7 +84,7 @@ def human_bytes(nbytes: float) -> str:
 
 def as_breakdown(x) -> dict[str, float]:
     """Bytes by category from a dict, or from any object with the category attributes
-    (e.g. `mini3d.diagnose.estimator.MemoryEstimate`). Missing categories count as 0."""
+    (e.g. `mini3d.cost.memory.MemoryEstimate`). Missing categories count as 0."""
     if isinstance(x, dict):
         unknown = set(x) - set(CATEGORIES) - {"stage", "total", "n_params", "inflight", "detail"}
         if unknown:

@@ -110,8 +110,8 @@ def tp_layer_times(cfg, hw, tps: Sequence[int] = (1, 2, 4, 8), seq_len: int | No
     time (2 all-reduces forward, 2 backward, `mini3d.tp.comm_per_layer`) on NVLink and across nodes.
 
     Compute uses mini3d.cost's FLOP count and efficiency model (narrower per-GPU matmuls run further
-    from peak); communication is ring wire bytes / link bandwidth + one latency per op, not
-    overlapped with compute (as in Megatron-LM)."""
+    from peak); communication is `Hardware.collective_s` of each op (ring wire bytes / link
+    bandwidth + one latency per ring step), not overlapped with compute (as in Megatron-LM)."""
     from mini3d.cost.model import efficiency_for, flops_per_token
     from mini3d.tp import comm_per_layer
 
@@ -124,9 +124,12 @@ def tp_layer_times(cfg, hw, tps: Sequence[int] = (1, 2, 4, 8), seq_len: int | No
         c = comm_per_layer(t, micro_batch_size, s, cfg.d_model, False, e)
         wire, ops = c["forward_wire_bytes"] + c["backward_wire_bytes"], c["forward_ops"] + c["backward_ops"]
         rate = hw.flops(dtype) * eff.at(min(cfg.d_model / t, micro_batch_size * s))
+
+        def comm_s(bw):
+            return sum(o["count"] * hw.collective_s(o["op"], t, o["bytes"], bw)
+                       for o in c["forward"] + c["backward"])
         rows.append(dict(tp=t, compute_s=layer_flops / t / rate, wire_bytes=wire, ops=ops,
-                         comm_nvlink_s=wire / hw.nvlink_bw + ops * hw.latency_s if t > 1 else 0.0,
-                         comm_internode_s=wire / hw.internode_bw + ops * hw.latency_s if t > 1 else 0.0))
+                         comm_nvlink_s=comm_s(hw.nvlink_bw), comm_internode_s=comm_s(hw.internode_bw)))
     return rows
 
 

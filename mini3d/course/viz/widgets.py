@@ -27,11 +27,28 @@ def _get(result, name):
     return result[name] if isinstance(result, dict) else getattr(result, name)
 
 
-def _explorer(controls: dict, fig, status, update):
-    """Lay out controls, status line and figure; wire every control to `update`; run it once."""
+BUSY = "<i>computing...</i>"
+
+
+def wire(controls: dict, status, update):
+    """Call `update` when a control's value changes, showing BUSY in the status line meanwhile
+    (`update` replaces it). Sliders report only where they are released (`continuous_update=False`),
+    so a slow redraw never lags behind a slider still being dragged."""
+    def on_change(change):
+        status.value = BUSY
+        update()
     for c in controls.values():
-        c.observe(lambda change: update(), names="value")
+        if hasattr(c, "continuous_update"):
+            c.continuous_update = False
+        c.observe(on_change, names="value")
+
+
+def _explorer(controls: dict, fig, status, update):
+    """Lay out controls, status line and figure; wire every control to `update`; run it once.
+    The box carries the CSS class `mini3d-explorer` (the browser test finds explorers by it)."""
+    wire(controls, status, update)
     box = W.VBox([W.HBox(list(controls.values())[:4]), W.HBox(list(controls.values())[4:]), status, fig])
+    box.add_class("mini3d-explorer")
     box.controls, box.figure, box.status, box.refresh = controls, fig, status, update
     update()
     return box
@@ -76,6 +93,7 @@ def schedule_explorer(simulate_fn, kind: str = "1f1b", p: int = 4, m: int = 4, v
 
     def update():
         vals = {k: c.value for k, c in controls.items()}
+        controls["v"].disabled = vals["kind"] != "interleaved"  # the other schedules ignore it
         view = _guard(status, lambda: schedule_view(simulate_fn, **vals))
         if view is None:
             return
@@ -104,16 +122,34 @@ def _redraw_bars(fig, src):
         fig.layout.shapes = src.layout.shapes
         fig.layout.annotations = src.layout.annotations
         fig.layout.barmode = src.layout.barmode
+        fig.layout.yaxis.range = src.layout.yaxis.range
+
+
+def cluster_line(tp: int, pp: int, dp: int, gpus_per_node: int = 8) -> str:
+    """'64 GPUs on 8 nodes of 8: tp groups inside a node; pp 8 of 8 groups cross nodes, ...'."""
+    from mini3d.grid import Grid
+
+    grid = Grid(tp=tp, pp=pp, dp=dp)
+    n = grid.world_size
+    nodes = -(-n // gpus_per_node)
+    parts = []
+    for axis in ("tp", "pp", "dp"):
+        if grid.sizes[axis] > 1:
+            cross, total = len(grid.crossing_groups(axis, gpus_per_node)), len(grid.groups(axis))
+            parts.append(f"{axis}: {cross} of {total} groups cross nodes" if cross else f"{axis} inside a node")
+    return (f"{n} GPU{'s' if n > 1 else ''} on {nodes} node{'s' if nodes > 1 else ''} of {gpus_per_node}"
+            + (": " + "; ".join(parts) if parts else ""))
 
 
 def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"), model="gpt-70b",
-                      capacity_gib: float = 80):
-    """Model, tp, pp, dp, ZeRO, micro-batches and recomputation controls over one rank's memory bar."""
+                      capacity_gib: float = 80, tp: int = 1, pp: int = 1, dp: int = 8, gpus_per_node: int = 8):
+    """Model, tp, pp, dp, ZeRO, micro-batches and recomputation controls over one rank's memory bar;
+    the status line gives the GPU count (tp x pp x dp), the nodes and which groups cross them."""
     controls = dict(
         model=W.Dropdown(options=list(models), value=model, description="model"),
-        tp=W.SelectionSlider(options=POW2[:5], value=1, description="tp"),
-        pp=W.SelectionSlider(options=POW2, value=1, description="pp"),
-        dp=W.SelectionSlider(options=POW2, value=8, description="dp"),
+        tp=W.SelectionSlider(options=POW2[:5], value=tp, description="tp"),
+        pp=W.SelectionSlider(options=POW2, value=pp, description="pp"),
+        dp=W.SelectionSlider(options=POW2, value=dp, description="dp"),
         zero=W.Dropdown(options=[0, 1, 2, 3], value=0, description="ZeRO"),
         micro_batches=W.IntSlider(value=8, min=1, max=64, description="micro-batches"),
         recompute=W.Dropdown(options=["none", "selective", "full"], value="none", description="recompute"),
@@ -130,7 +166,8 @@ def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-
         label = f"{plan['model']} tp={plan['tp']} pp={plan['pp']} dp={plan['dp']} ZeRO-{plan['zero']}"
         _redraw_bars(fig, memory_breakdown_figure({label: view["breakdown"]}, capacity_gib * GIB))
         status.value = (f"{to_gib(view['total']):.1f} GiB per GPU: "
-                        + ("fits" if view["fits"] else f"<b>does not fit</b> in {capacity_gib:g} GiB"))
+                        + ("fits" if view["fits"] else f"<b>does not fit</b> in {capacity_gib:g} GiB")
+                        + ". " + cluster_line(plan["tp"], plan["pp"], plan["dp"], gpus_per_node))
 
     return _explorer(controls, fig, status, update)
 
@@ -213,5 +250,5 @@ def planner_explorer(plan_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"
     return _explorer(controls, fig, status, update)
 
 
-__all__ = ["schedule_view", "schedule_explorer", "memory_view", "memory_calculator", "zero_explorer",
+__all__ = ["BUSY", "wire", "cluster_line", "schedule_view", "schedule_explorer", "memory_view", "memory_calculator", "zero_explorer",
            "planner_view", "planner_explorer"]

@@ -17,6 +17,8 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from mini3d.comm import ring_wire_bytes
+
 from .theme import AXIS_COLORS, new_figure
 
 ZERO_PSI = {0: 2, 1: 2, 2: 2, 3: 3}  # full-gradient volumes per step, by ZeRO stage
@@ -34,7 +36,7 @@ def zero_comm_rows(results_by_stage: Mapping[int, Mapping], grad_bytes: float, d
                    steps: int) -> list[dict]:
     """Measured dp wire bytes per step of one rank (`comm_wire_bytes["dp"]`, less the loss
     all-reduce of each step) in units of Psi = (dp-1)/dp * grad_bytes, next to ZERO_PSI."""
-    psi_wire = (dp - 1) / dp * grad_bytes
+    psi_wire = ring_wire_bytes("reduce_scatter", dp, float(grad_bytes))  # one Psi on the wire
     rows = []
     for stage in sorted(results_by_stage):
         wire = results_by_stage[stage]["comm_wire_bytes"].get("dp", 0) / steps - LOSS_MARKER_BYTES
@@ -46,7 +48,7 @@ def zero_comm_rows(results_by_stage: Mapping[int, Mapping], grad_bytes: float, d
 def zero_comm_figure(rows: Sequence[Mapping], grad_bytes: float, dp: int,
                      title: str = "Data-parallel traffic per step: measured vs the ZeRO paper") -> go.Figure:
     """Grouped bars per ZeRO stage: measured wire bytes per rank and step, and the formula (MiB)."""
-    psi_wire = (dp - 1) / dp * grad_bytes
+    psi_wire = ring_wire_bytes("reduce_scatter", dp, float(grad_bytes))  # one Psi on the wire
     labels = [f"ZeRO-{r['zero']}" if r["zero"] else "no ZeRO" for r in rows]
     fig = new_figure(title, "ZeRO stage", "bytes sent per rank per step (MiB)")
     fig.add_bar(x=labels, y=[r["measured_bytes_per_step"] / 2**20 for r in rows], name="measured (comm log)",

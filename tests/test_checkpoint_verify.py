@@ -1,0 +1,213 @@
+"""Checkpoints that cannot lie: per-file checksums and shapes verified before any worker starts
+(exit 2 naming the file), a complete checkpoint after a kill at any moment of a save, a full disk
+reported as such with the partial directory removed, and loads that read only the files a rank
+needs, once, memory-mapped, with the RNG state put back.
+
+One 2-rank job (pp=2) writes the checkpoints every test starts from; the corruption table runs
+the CLI's checks in-process (no process may start: `launch_train` is replaced by a tripwire)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from mini3d import cli
+from mini3d.checkpoint import CheckpointWriter, latest_dir, read_states, verify_checkpoint
+from mini3d.config import Plan, model_from_preset
+from mini3d.launch import launch
+from mini3d.train import make_spec
+from tests.ckpt_workers import resume_and_watch_loads
+
+FLAGS = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--no-progress"]
+CFG = model_from_preset("tiny", d_model=32, d_ff=128, name="tiny+custom")
+PLAN = Plan(pp=2, micro_batches=2, global_batch=4, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ck") / "ck")
+    assert cli.main(["train", *FLAGS, "--pp", "2", "--micro-batches", "2", "--steps", "2",
+                     "--save", root, "--save-every", "1"]) == 0
+    return root
+
+
+def _no_launch(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(cli, "launch_train", boom)
+
+
+def _flip_byte(ckpt):
+    path = os.path.join(ckpt, "stage1.pt")
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01  # inside the tensor data (the zip's middle), not its directory
+    open(path, "wb").write(bytes(data))
+    return "stage1.pt: sha256 differs"
+
+
+def _truncate(ckpt):
+    path = os.path.join(ckpt, "stage0.pt")
+    os.truncate(path, os.path.getsize(path) // 2)
+    return "stage0.pt holds"
+
+
+def _missing(ckpt):
+    os.remove(os.path.join(ckpt, "stage1.pt"))
+    return "stage1.pt is missing"
+
+
+def _garbage_meta(ckpt):
+    open(os.path.join(ckpt, "meta.json"), "w").write("{not json")
+    return "meta.json is not valid JSON"
+
+
+def _meta_without_step(ckpt):
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    del meta["step"]
+    json.dump(meta, open(os.path.join(ckpt, "meta.json"), "w"))
+    return "meta.json lacks the step"
+
+
+def _rewrite(ckpt, name, part):
+    """Replace a stage file and record its new checksum in meta.json, as a tool (or an attacker)
+    that knows the format would: only the shape check / weights_only can refuse it."""
+    import hashlib
+
+    path = os.path.join(ckpt, name)
+    torch.save(part, path)
+    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    meta["files"][name].update(sha256=hashlib.sha256(open(path, "rb").read()).hexdigest(),
+                               bytes=os.path.getsize(path))
+    json.dump(meta, open(os.path.join(ckpt, "meta.json"), "w"))
+
+
+def _mis_shaped(ckpt):
+    part = torch.load(os.path.join(ckpt, "stage0.pt"), weights_only=True)
+    name = next(n for n in part["model"] if part["model"][n].dim() == 2)
+    part["model"][name] = part["model"][name][:-1]
+    _rewrite(ckpt, "stage0.pt", part)
+    return f"stage0.pt: {name} has shape"
+
+
+class NotATensor:
+    pass
+
+
+def _malicious(ckpt):
+    path = os.path.join(ckpt, "stage1.pt")
+    part = torch.load(path, weights_only=True)
+    part["payload"] = NotATensor()
+    _rewrite(ckpt, "stage1.pt", part)
+    return "stage1.pt is not a loadable checkpoint file (UnpicklingError"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("corrupt", [_flip_byte, _truncate, _missing, _garbage_meta,
+                                     _meta_without_step, _mis_shaped, _malicious])
+def test_a_damaged_checkpoint_is_refused_before_any_worker_starts(root, tmp_path, capsys,
+                                                                  monkeypatch, corrupt):
+    ckpt = str(tmp_path / "step-000002")
+    shutil.copytree(os.path.join(root, "step-000002"), ckpt)
+    assert verify_checkpoint(ckpt, CFG) == []  # intact, before
+    needle = corrupt(ckpt)
+    _no_launch(monkeypatch)
+    code = cli.main(["train", *FLAGS, "--pp", "2", "--micro-batches", "2", "--steps", "4",
+                     "--resume", ckpt])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert needle in err and "Nothing was started" in err, err
+
+
+def _save_forever(root: str):
+    """Child: save checkpoints of steps 1..3 in turn (the same step again every third save)."""
+    part = {"model": {"w": torch.arange(20000.0)}, "optim": {}, "optim_step": 1}
+    k = 0
+    while True:
+        k += 1
+        w = CheckpointWriter(root, 1 + k % 3)
+        w.begin()
+        w.write("stage0.pt", part)
+        w.write("stage1.pt", part)
+        w.commit({"step": 1 + k % 3, "model": {}})
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_at_any_moment_of_a_save_leaves_a_complete_checkpoint(tmp_path):
+    root = str(tmp_path / "ck")
+    rng = random.Random(0)
+    moments = []
+    for trial in range(40):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child never returns)
+            try:
+                _save_forever(root)
+            finally:
+                os._exit(0)
+        time.sleep(0.05 + rng.random() * 0.3 if trial else 0.5)  # the first one lands a save
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        ckpt = latest_dir(root)
+        assert ckpt is not None, f"no checkpoint after kill {trial}: {os.listdir(root)}"
+        assert verify_checkpoint(ckpt) == [], (trial, os.listdir(root))
+        assert torch.equal(read_states(ckpt)["model"]["w"], torch.arange(20000.0))
+        moments.append((json.load(open(os.path.join(ckpt, "meta.json")))["step"],
+                        any(n.startswith(".tmp-") for n in os.listdir(root))))
+    # the kills landed in many moments: during writes (a .tmp- directory left), between saves,
+    # and with each of the three steps the latest one
+    assert sum(mid for _, mid in moments) >= 5 and sum(not mid for _, mid in moments) >= 1
+    assert {step for step, _ in moments} == {1, 2, 3}
+
+
+def _tmpfs(path: str, size: str) -> bool:
+    os.makedirs(path, exist_ok=True)
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                          capture_output=True).returncode == 0
+
+
+@pytest.mark.timeout(200)
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, capfd, monkeypatch):
+    """A real full disk (a 1.4 MB tmpfs: one ~0.9 MB checkpoint fits, the second does not) when the
+    test may mount one, else the checkpoint writer's own simulation (MINI3D_TEST_DISK_FULL_AFTER)
+    on a resumed job."""
+    root = str(tmp_path / "disk")
+    mounted = _tmpfs(root, "1400k")
+    run = ["train", *FLAGS, "--pp", "2", "--micro-batches", "2", "--save", root]
+    try:
+        if mounted:
+            code = cli.main([*run, "--steps", "2", "--save-every", "1"])
+        else:
+            assert cli.main([*run, "--steps", "1"]) == 0
+            capfd.readouterr()
+            monkeypatch.setenv("MINI3D_TEST_DISK_FULL_AFTER", "100000")
+            code = cli.main([*run, "--steps", "2", "--resume", root])
+        err = capfd.readouterr().err
+        assert code == 1, err
+        first = err.strip().splitlines()[0]
+        assert first.startswith(f"mini3d train: no space left on {root} while writing checkpoint "
+                                f"step 2"), err
+        assert sorted(os.listdir(root)) == ["latest", "step-000001"]  # no .tmp-step-000002 left
+        assert latest_dir(root) == os.path.join(root, "step-000001")
+        assert verify_checkpoint(latest_dir(root), CFG) == []
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", root], capture_output=True)
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_loads_only_its_stage_file_once_memory_mapped(root):
+    spec = make_spec(CFG, PLAN, steps=2, resume=os.path.join(root, "step-000001"))
+    results = launch(resume_and_watch_loads, 2, spec, device="cpu", timeout=150)
+    for r in results:  # pp rank k holds stage k: it needs stage{k}.pt and nothing else
+        assert r["calls"] == [(f"stage{r['rank']}.pt", True, True)], r
+        assert r["rng_restored"] == [True], r

@@ -1,0 +1,129 @@
+"""Model families in the analysis: exact parameter counts (published ones for the real presets),
+the estimator's parameters and activations against the live ledgers for the llama family, FLOPs,
+the family flags on the command line, and `train --init-from-hf` / `--resume` of an import."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mini3d.cli import main
+from mini3d.config import PRESETS, ModelConfig, Plan
+from mini3d.cost.model import flops_per_token
+from mini3d.cost.memory import estimate_memory, stage_param_count
+from mini3d.launch import launch
+from mini3d.model import GPT
+from mini3d.pp.partition import build_stages
+from mini3d.train import make_spec, train_worker
+
+LLAMA = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=128, d_ff=96,
+                    family="llama", n_kv_heads=2, tie_embeddings=True)
+PUBLISHED = {"gpt2-124m": 124_439_808, "gpt2-355m": 354_823_168, "gpt2-774m": 774_030_080,
+             "gpt2-1.5b": 1_557_611_200, "llama-3.2-1b": 1_235_814_400,
+             "llama-3.1-8b": 8_030_261_248, "llama-3.1-70b": 70_553_706_496,
+             "llama-3.1-405b": 405_853_388_800}
+
+
+def test_presets_have_the_published_parameter_counts_and_aliases():
+    for name, n in PUBLISHED.items():
+        assert PRESETS[name].n_params() == n, name
+    assert PRESETS["gpt-70b"] is PRESETS["llama-3.1-70b"] and PRESETS["gpt2-small"] is PRESETS["gpt2-124m"]
+
+
+@pytest.mark.parametrize("cfg", [LLAMA, dataclasses.replace(LLAMA, tie_embeddings=False, n_kv_heads=1),
+                                 PRESETS["tiny"], dataclasses.replace(PRESETS["tiny"], tie_embeddings=True,
+                                                                      activation="gelu_tanh")],
+                         ids=["llama-tied-gqa", "llama-untied-mqa", "gpt2-untied", "gpt2-tied"])
+def test_param_counts_equal_the_modules(cfg):
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.n_params()
+    for plan in (Plan(pp=2, micro_batches=2), Plan(tp=2)):  # a tied head's copy on the last stage
+        for stage, module in build_stages(cfg, 0, 0, plan.pp).items() if plan.pp == 1 else \
+                [(r, m) for r in range(2) for m in build_stages(cfg, 0, r, 2).values()]:
+            if plan.tp == 1:
+                assert stage_param_count(cfg, plan, stage) == sum(p.numel() for p in module.parameters())
+
+
+def test_flops_count_gqa_and_swiglu():
+    cfg, h, f, kv = LLAMA, LLAMA.d_model, LLAMA.d_ff, LLAMA.kv_dim
+    assert flops_per_token(cfg, 128)["layer"] == 2 * (h * (h + 2 * kv) + h * h + 3 * h * f) + 4 * 128 * h
+    gpt = ModelConfig(d_model=h, n_heads=4, d_ff=f)
+    assert flops_per_token(gpt, 128)["layer"] == 2 * (4 * h * h + 2 * h * f) + 4 * 128 * h
+
+
+@pytest.mark.timeout(120)
+def test_llama_model_states_equal_the_live_ledger():
+    plan = Plan(tp=2, pp=2, global_batch=8, micro_batches=2, seq_len=64)  # tied head across stages
+    out = launch(train_worker, 4, make_spec(LLAMA, plan, steps=1, collect=["ledger"]), timeout=100)
+    for r in out:
+        est = estimate_memory(LLAMA, plan, r["coords"]["pp"])
+        assert r["ledger"]["parameters"] == est.params, (r["coords"], r["ledger"], est)
+        assert r["ledger"]["gradients"] == est.grads
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy,attention", [("none", "explicit"), ("none", "sdpa"),
+                                              ("selective", "explicit")])
+def test_llama_activations_within_15_percent_of_the_measured_ledger(policy, attention):
+    plan = Plan(global_batch=8, micro_batches=2, recompute=policy, attention=attention)
+    (r,) = launch(train_worker, 1, make_spec(LLAMA, plan, steps=1, collect=["activations"]), timeout=100)
+    measured = sum(r["activations"].values())
+    est = estimate_memory(LLAMA, plan, 0).activations
+    assert abs(est - measured) / measured < 0.15, (policy, attention, est, measured)
+
+
+def test_estimate_llama_70b_on_8_a100s_reports_its_size_and_why_it_does_not_fit(capsys):
+    args = ["estimate", "--model", "llama-3.1-70b", "--gpus", "8", "--gpu", "A100-80GB"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "llama-3.1-70b (llama, 70.6B parameters)" in text
+    assert "too much" in text and "70.55e9 parameters" in text and "85.9 GB" in text
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 70_553_706_496 and out["fits"] is False
+    assert "model states" in out["explanation"]
+
+
+def test_family_flags_on_the_command_line(capsys):
+    base = ["estimate", "--model", "tiny", "--json", "--seq-len", "64"]
+    assert main(base + ["--family", "llama", "--kv-heads", "2", "--rope-base", "5e5",
+                        "--tie-embeddings"]) == 0
+    cfg = dataclasses.replace(PRESETS["tiny"], family="llama", n_kv_heads=2, activation="",
+                              tie_embeddings=True)
+    assert json.loads(capsys.readouterr().out)["params"] == cfg.n_params()
+    assert main(base + ["--family", "llama", "--kv-heads", "3"]) == 2
+    assert "n_kv_heads=3 does not divide n_heads=4" in capsys.readouterr().err
+    assert main(["train", "--family", "llama", "--kv-heads", "2", "--tp", "4", "--dry-run"]) == 2
+    assert "tp=4 does not divide n_kv_heads=2" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_train_from_hf_and_resume_an_import_in_another_layout(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "hf")
+    flags = ["--steps", "1", "--seq-len", "32", "--global-batch", "4", "--micro-batches", "2",
+             "--no-progress", "--timeout", "200"]
+    log1, log2 = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert main(["train", "--init-from-hf", str(tmp_path / "hf"), "--tp", "2",
+                 "--log-jsonl", str(log1)] + flags) == 0
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    shape = ["--family", "llama", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
+             "--ffn", "48", "--tie-embeddings"]
+    assert main(["train", "--resume", str(tmp_path / "ckpt"), "--pp", "2", "--log-jsonl", str(log2)]
+                + shape + flags) == 0
+    first = [json.loads(line)["loss"] for line in open(log1)]
+    resumed = [json.loads(line)["loss"] for line in open(log2)]
+    assert first == pytest.approx(resumed, abs=1e-5)  # same weights, same batches: tp2 vs pp2
+    from mini3d.data import Batches, load_tokens
+
+    x, y = Batches(load_tokens(), 32, 4, 0).global_batch_at(0)  # the batch of step 1 (seed 0)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert first[0] == pytest.approx(want, abs=1e-5)  # the run started from the HF weights

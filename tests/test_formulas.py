@@ -1,0 +1,133 @@
+"""One source per formula: every place that needs one of mini3d's shared formulas calls its owner.
+
+    ring factors (steps, wire bytes)   mini3d.comm.ring_steps / ring_wire_bytes
+    seconds of one collective          mini3d.cost.hardware.Hardware.collective_s
+    tp collectives of one layer        mini3d.tp.comm_per_layer
+    closed-form bubble                 mini3d.pp.simulator.bubble_formula
+    micro-batches in flight            mini3d.pp.schedules.in_flight_bound
+    layer partition                    mini3d.pp.partition.partition_layers
+    vocabulary padding                 mini3d.tp.layers.padded_size
+    model-state bytes per ZeRO stage   mini3d.cost.memory.model_state_bytes (STATE_BYTES)
+    parameters / activations per stage mini3d.cost.memory.stage_param_count / layer_activation_bytes
+
+Each test asks the callers and checks they agree with the owner, on cases where a copied formula
+would have drifted (n > 2 rings, uneven splits, interleaving). The last one checks that the
+removed copies stay removed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mini3d.comm import ring_steps, ring_wire_bytes
+from mini3d.config import PRESETS, Plan
+from mini3d.cost.hardware import PRESETS as GPUS
+from mini3d.cost.memory import inflight_microbatches, stage_layers
+from mini3d.pp.partition import partition_layers, stage_specs
+from mini3d.pp.rules import check
+from mini3d.pp.schedules import in_flight_bound, make_schedule
+from mini3d.pp.simulator import bubble_formula
+
+pytestmark = pytest.mark.timeout(60)
+A100 = GPUS["A100-80GB"]
+
+
+def test_ring_factors():
+    # an all-reduce is a reduce-scatter then an all-gather: 2(n-1) steps of nbytes/n each
+    assert [ring_steps("all_reduce", n) for n in (1, 2, 4, 8)] == [0, 2, 6, 14]
+    assert ring_steps("all_gather", 8) == ring_steps("reduce_scatter", 8) == 7
+    assert ring_steps("send", 2) == 1
+    assert ring_wire_bytes("all_reduce", 4, 1000) == 1500 and ring_wire_bytes("all_gather", 4, 1000) == 750
+    assert ring_wire_bytes("all_reduce", 3, 1000.0) == pytest.approx(4000 / 3)
+    hw = dataclasses.replace(A100, latency_s=2e-6)
+    assert hw.collective_s("all_reduce", 8, 8e6, 1e9) == pytest.approx(14 * 2e-6 + 14e6 / 1e9)
+    assert hw.collective_s("all_reduce", 1, 8e6, 1e9) == 0.0
+
+
+def test_collective_time_callers_agree():
+    from mini3d.course.viz.comm import ring_allreduce_time
+    from mini3d.tp import comm_per_layer
+
+    hw = dataclasses.replace(A100, latency_s=3e-6)
+    for n in (2, 4, 8):
+        want = hw.collective_s("all_reduce", n, 1e8, 100e9)
+        assert ring_allreduce_time(n, 1e8, 100, 3e-6) == pytest.approx(want)
+        for sp in (False, True):
+            c = comm_per_layer(n, 2, 16, 64, sp, 2)
+            for o in c["forward"] + c["backward"]:
+                assert o["wire_bytes"] == ring_wire_bytes(o["op"], n, o["bytes"])
+
+
+def test_cost_model_tp_and_dp_use_the_ring_factors():
+    """The cost model's tp wire bytes are comm_per_layer's per layer plus the vocab ends and the loss;
+    its dp time grows with 2(d-1) latencies per all-reduce bucket (not one per call)."""
+    from mini3d.cost.model import estimate_cost
+    from mini3d.tp import comm_per_layer
+
+    cfg = PRESETS["gpt-1.3b"]
+    plan = Plan(tp=4, global_batch=8, micro_batches=1, seq_len=1024, dtype="bf16")
+    est = estimate_cost(cfg, plan, A100)
+    c = comm_per_layer(4, 8, 1024, cfg.d_model, False, 2)
+    act = 8 * 1024 * cfg.d_model * 2
+    ends = 2 * ring_wire_bytes("all_reduce", 4, act) + ring_wire_bytes("all_reduce", 4, 12 * 8 * 1024)
+    want = cfg.n_layers * (c["forward_wire_bytes"] + c["backward_wire_bytes"]) + ends
+    assert est.comm_bytes["tp"] == pytest.approx(want, rel=1e-12)
+    slow = dataclasses.replace(A100, latency_s=1e-3)
+    dp = [estimate_cost(cfg, Plan(dp=d, global_batch=64, seq_len=1024, dtype="bf16", bucket_mb=1e6),
+                        slow, n_gpus=d).breakdown["dp_total"] for d in (2, 8)]
+    free = dataclasses.replace(A100, latency_s=0.0)
+    base = [estimate_cost(cfg, Plan(dp=d, global_batch=64, seq_len=1024, dtype="bf16", bucket_mb=1e6),
+                          free, n_gpus=d).breakdown["dp_total"] for d in (2, 8)]
+    assert dp[0] - base[0] == pytest.approx(2 * 1e-3, rel=1e-6)  # one bucket, 2(2-1) steps
+    assert dp[1] - base[1] == pytest.approx(14 * 1e-3, rel=1e-6)  # one bucket, 2(8-1) steps
+
+
+CASES = [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 3, 1), ("interleaved", 2, 4, 2),
+         ("interleaved", 4, 8, 3)]
+
+
+@pytest.mark.parametrize("kind,p,m,v", CASES)
+def test_bubble_and_in_flight_have_one_owner(kind, p, m, v):
+    from mini3d.cost.model import bubble_fraction
+    from mini3d.course.viz.pipeline import bubble_formula_text
+    from mini3d.diagnose.dryrun import bubble_line
+
+    b = bubble_formula(kind, p, m, v)
+    assert bubble_fraction(kind, p, m, v) == pytest.approx(float(b), rel=1e-12)  # simulator = formula
+    assert f"{b.numerator}/{b.denominator}" in bubble_line(Plan(pp=p, micro_batches=m, virtual_stages=v,
+                                                                schedule=kind, global_batch=m))
+    assert f"{b.numerator}/{b.denominator}" in bubble_formula_text(kind, p, m, v)
+    sched = make_schedule(kind, p, m, v)
+    result = check(sched)
+    assert result.ok
+    plan = Plan(pp=p, micro_batches=m, virtual_stages=v, schedule=kind, global_batch=m)
+    for r in range(p):
+        bound = in_flight_bound(kind, p, m, v, r)
+        assert sched.in_flight_bound[r] == bound
+        assert inflight_microbatches(plan, r) == pytest.approx(bound / v)
+    assert result.peak_in_flight == list(sched.in_flight_bound)  # the bound is reached
+
+
+def test_layer_partition_has_one_owner():
+    cfg = dataclasses.replace(PRESETS["tiny"], n_layers=7)
+    plan = Plan(pp=3, global_batch=3, micro_batches=3)
+    specs = stage_specs(7, 3)
+    for r in range(3):
+        assert stage_layers(cfg, plan, r) == [i for s in specs if s.pp_rank == r for i in s.layers]
+    assert [len(x) for x in partition_layers(7, 3)] == [3, 2, 2]
+
+
+def test_removed_copies_stay_removed():
+    """The old second copies of shared formulas are not defined anywhere in the package."""
+    gone = {"padded_vocab", "chunk_layers", "closed_form_bubble", "_layers_per_chunk"}
+    root = Path(__file__).resolve().parents[1] / "mini3d"
+    found = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in gone:
+                found.append(f"{path.relative_to(root)}: {node.name}")
+    assert not found

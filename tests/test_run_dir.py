@@ -1,0 +1,54 @@
+"""Each job owns its run directory: a job failing in a run directory that a healthy job shares
+does not stop the healthy one (each job's abort marker carries its job id), a stale marker does
+not stop a new job, and a job without --run-dir removes its temporary run directory on success."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from mini3d.cli import main
+from tests.test_diag_faults import _children
+from tests.test_orphans import REPO
+
+SMALL = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--no-progress"]
+
+
+@pytest.mark.timeout(180)
+def test_a_failing_job_does_not_stop_another_sharing_its_run_dir(tmp_path, capfd):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ABORT").write_text('{"by": "launcher", "reason": "a stale marker"}')  # a failed job's
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    healthy = subprocess.Popen([sys.executable, "-m", "mini3d", "train", *SMALL, "--steps", "40",
+                                "--run-dir", str(run), "--log-jsonl", str(tmp_path / "ok.jsonl")],
+                               env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        while not (tmp_path / "ok.jsonl").exists() or not (tmp_path / "ok.jsonl").read_text():
+            assert healthy.poll() is None, healthy.stdout.read()  # it is training: now fail next to it
+            time.sleep(0.1)
+        rc = main(["train", *SMALL, "--dp", "2", "--steps", "3", "--run-dir", str(run),
+                   "--inject-fault", "crash:1:1", "--hang-timeout", "3", "--timeout", "90"])
+        assert rc == 1
+        out = healthy.communicate(timeout=150)[0]
+    finally:
+        if healthy.poll() is None:
+            healthy.kill()
+            healthy.wait(10)
+    assert healthy.returncode == 0, out
+    assert "done: 40 steps" in out
+    assert _children() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_default_run_dir_is_removed_when_the_job_succeeds(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the default
+    assert main(["train", *SMALL, "--steps", "1"]) == 0
+    assert glob.glob(str(tmp_path / "mini3d-run-*")) == []

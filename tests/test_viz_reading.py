@@ -1,0 +1,96 @@
+"""Figures that read (issue: labels, colours, slow explorers), checked on the figure data.
+
+The browser test (tests/test_browser.py) checks the rendered SVG; these tests pin the layout
+decisions that keep it clean, without a browser: where the capacity label and the bubble annotation
+go, that the y axis leaves room for the bar totals, that pending ops differ from every axis colour
+in lightness and pattern (not in hue alone), that sliders report on release with a busy state, that
+the chunks slider is off for schedules that ignore it, and what the memory calculator says.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mini3d.course.viz import failures, memory, pipeline, widgets
+from mini3d.course.viz.theme import AXIS_COLORS, GIB
+from tests.test_viz import fake_estimate, fake_simulate
+
+
+def _lightness(hex_color: str) -> float:
+    """Relative luminance (WCAG) of '#rrggbb', 0 (black) to 1 (white)."""
+    rgb = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+    return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+
+def test_capacity_label_is_in_the_legend_and_totals_have_headroom():
+    big = {"params": 100 * GIB, "grads": 20 * GIB}
+    fig = memory.memory_breakdown_figure({"a": big, "b": {"params": GIB}}, capacity_bytes=80 * GIB)
+    assert not fig.layout.annotations  # nothing written on the plot that a bar total could hit
+    assert any(t.name == "GPU capacity 80 GiB" and t.mode == "lines" for t in fig.data)
+    assert fig.layout.yaxis.range[1] >= 1.15 * 120 - 1e-9  # the "120.0 GiB OOM" text stays inside
+    small = memory.memory_breakdown_figure({"a": {"params": GIB}}, capacity_bytes=80 * GIB)
+    assert small.layout.yaxis.range[1] >= 80  # the capacity line is always visible
+
+
+def test_gantt_title_bubble_and_legend_sit_in_separate_bands():
+    fig = pipeline.gantt_figure(pipeline.gpipe_timeline(4, 4), formula="(p-1)/(m+p-1) = 3/7")
+    (note,) = fig.layout.annotations
+    assert fig.layout.legend.y == 1.0 and fig.layout.legend.yanchor == "bottom"
+    assert note.y == 1 and note.yanchor == "bottom" and note.yshift >= 30  # above the legend's row
+    assert fig.layout.title.yanchor == "top" and fig.layout.margin.t >= note.yshift + 60
+
+
+def test_interleaved_chunks_have_their_own_colour():
+    from mini3d.course.viz.adapters import pp_simulate_fn
+
+    res = pp_simulate_fn()("interleaved", 2, 4, 2, 2.0)
+    fig = pipeline.gantt_figure(res.timeline)
+    names = {t.name: t.marker.color for t in fig.data}
+    assert {"forward", "forward chunk 1", "backward", "backward chunk 1"} <= set(names)
+    assert len({names["forward"], names["forward chunk 1"], names["backward"], names["backward chunk 1"]}) == 4
+
+
+def test_pending_ops_differ_from_every_axis_colour_without_hue():
+    dumps = {0: {"coords": {"pp": 0}, "events": [
+        {"rank": 0, "axis": "pp", "op": "send", "seq": 1, "start": 0.0, "end": 0.1},
+        {"rank": 0, "axis": "pp", "op": "recv", "seq": 2, "start": 0.2, "end": None, "age_s": 1.0}]}}
+    fig = failures.hang_timeline_figure(dumps)
+    done = next(t for t in fig.data if t.name == "pp completed")
+    pending = next(t for t in fig.data if t.name == "pp PENDING")
+    assert pending.marker.pattern.shape  # hatched: visible in greyscale too
+    for axis, color in AXIS_COLORS.items():
+        assert abs(_lightness(pending.marker.color) - _lightness(color)) > 0.25, axis
+    assert done.marker.color == AXIS_COLORS["pp"]
+
+
+def test_explorers_update_on_release_and_show_a_busy_state():
+    w = widgets.schedule_explorer(fake_simulate, kind="1f1b", p=4, m=4)
+    sliders = [c for c in w.controls.values() if hasattr(c, "continuous_update")]
+    assert sliders and all(not c.continuous_update for c in sliders)
+    assert "mini3d-explorer" in w._dom_classes
+    seen = []
+    w.status.observe(lambda change: seen.append(change["new"]), names="value")
+    w.controls["m"].value = 8
+    assert seen[0] == widgets.BUSY and "bubble fraction" in seen[-1]
+
+
+def test_chunks_slider_only_for_interleaved():
+    w = widgets.schedule_explorer(fake_simulate, kind="1f1b", p=4, m=4, v=2)
+    assert w.controls["v"].disabled
+    w.controls["kind"].value = "interleaved"
+    assert not w.controls["v"].disabled
+    w.controls["kind"].value = "gpipe"
+    assert w.controls["v"].disabled
+
+
+@pytest.mark.parametrize("tp,pp,dp,expect", [
+    (1, 1, 1, "1 GPU on 1 node of 8"),
+    (8, 2, 4, "64 GPUs on 8 nodes of 8: tp inside a node; pp: 32 of 32 groups cross nodes"),
+    (16, 1, 1, "16 GPUs on 2 nodes of 8: tp: 1 of 1 groups cross nodes"),
+])
+def test_memory_calculator_says_gpus_and_node_crossings(tp, pp, dp, expect):
+    assert widgets.cluster_line(tp, pp, dp).startswith(expect)
+    w = widgets.memory_calculator(fake_estimate, tp=tp, pp=pp, dp=dp)
+    assert (w.controls["tp"].value, w.controls["pp"].value, w.controls["dp"].value) == (tp, pp, dp)
+    assert expect in w.status.value
