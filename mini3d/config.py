@@ -311,6 +311,10 @@ class Plan:
         if self.schedule in SCHEDULES:  # the pipeline schedule's own rules, one source
             out += schedule_problems(self.schedule, self.pp, self.micro_batches,
                                      self.virtual_stages)
+        if self.schedule == "zbv" and self.pp > 1 and model.tie_embeddings:
+            out.append("schedule='zbv' puts the first and the last stage on pipeline rank 0, but "
+                       "tied embeddings are summed between pipeline ranks 0 and pp-1 "
+                       "(mini3d.pp.tied): use --schedule zb-h1, or a model with untied embeddings")
         if self.seq_len > model.max_seq_len:
             out.append(f"seq_len={self.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
         if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:
@@ -363,5 +367,5 @@ def model_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
-__all__ = ["ModelConfig", "Plan", "PlanError", "PRESETS", "ALIASES", "FAMILIES", "SCHEDULES", "RECOMPUTE", "DTYPES", "ATTENTION",
+__all__ = ["ModelConfig", "Plan", "PlanError", "schedule_problems", "MULTI_CHUNK", "PRESETS", "ALIASES", "FAMILIES", "SCHEDULES", "RECOMPUTE", "DTYPES", "ATTENTION",
            "model_from_preset", "plan_from_dict", "model_from_dict"]

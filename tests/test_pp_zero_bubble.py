@@ -66,6 +66,15 @@ def test_where_mini3d_refuses_on_purpose():
     assert "virtual_stages=2 needs schedule" in schedule_problems("zb-h1", 4, 8, 2)[0]
 
 
+def test_zbv_with_tied_embeddings_is_refused_by_the_plan():
+    from mini3d.config import ModelConfig, Plan
+
+    plan = Plan(pp=2, schedule="zbv", virtual_stages=2, micro_batches=4, global_batch=8)
+    assert plan.problems(ModelConfig(n_layers=4)) == []
+    msg = " ".join(plan.problems(ModelConfig(n_layers=4, tie_embeddings=True)))
+    assert "schedule='zbv'" in msg and "tied embeddings" in msg and "zb-h1" in msg
+
+
 def test_b_before_w_and_every_w_are_rules():
     s = make_schedule("zb-h1", 2, 3)
     acts = [list(a) for a in s.actions]

@@ -32,14 +32,12 @@ the K/V blocks travelling the ring are counted in `comm_buffer_bytes` (`ring_blo
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
 from ..dp.buckets import transient_grad_bytes
-from ..pp.partition import partition_layers
-from ..pp.placement import stage_rank
+from ..pp.partition import partition_layers, stage_rank
 from ..pp.schedules import in_flight_bound, placement_of
 from ..tp.layers import padded_size
 
@@ -229,40 +227,27 @@ def inflight_microbatches(plan: Plan, stage: int) -> float:
     """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole-stage units.
 
     GPipe runs every forward first: m; looped BFS likewise (m v chunks of 1/v). 1F1B:
-    min(m, pp - stage). Interleaved 1F1B: rank r runs 2*(pp-r-1) + (v-1)*g warm-up chunk forwards
-    (g = pp when pp divides m, else PyTorch's round of m // max(1, m // pp)), plus the one in
-    flight, each chunk being 1/v of the stage, capped at m*v chunks; rank 0 holds
+    min(m, pp - stage). Interleaved 1F1B (Megatron's order): rank r runs 2*(pp-r-1) + (v-1)*g
+    warm-up chunk forwards (g = pp when pp divides m, else PyTorch's round m // max(1, m // pp)),
+    plus the one in flight, each chunk being 1/v of the stage, capped at m*v chunks. Rank 0 holds
     (1 + (pp-1)/(pp*v)) * pp micro-batches' worth of its layers (Korthikanti et al. 2022, sec.
     4.2.3). ZB-H1: a micro-batch lives until its W, which rank r runs r micro-batches late:
-    min(m, pp) on every rank, 1F1B's peak. ZB-V: counted on the schedule itself
-    (`mini3d.pp.rules.in_flight`, what `check()` reports), at most 2 pp chunks of half a stage."""
-    m, p, v = plan.micro_batches, plan.pp, plan.virtual_stages
-    if plan.schedule == "zbv" and p > 1:
-        return _schedule_in_flight(plan.schedule, p, m, v)[0][stage] / v
-    return in_flight_bound(plan.schedule, p, m, v, stage) / v
+    min(m, pp) on every rank, 1F1B's peak. ZB-V: the peak of its order, at most 2 pp half chunks.
+    All from `mini3d.pp.schedules.in_flight_bound`, what the schedules promise and check() proves."""
+    v = plan.virtual_stages
+    return in_flight_bound(plan.schedule, plan.pp, plan.micro_batches, v, stage) / v
 
 
 def head_microbatches(plan: Plan) -> int:
     """Micro-batches whose head activations (log-softmax etc.) the last stage holds at once: all m
     when every forward runs first (GPipe, looped BFS), min(m, pp) for ZB-H1 (the last rank runs its
-    W pp - 1 micro-batches late and the graph, head included, stays until W), else 1."""
+    W pp - 1 micro-batches late and the graph, head included, stays until W), else 1 (ZB-V runs
+    the last chunk's F, B and W back to back on rank 0)."""
     if plan.schedule in ("gpipe", "looped-bfs"):
         return plan.micro_batches
     if plan.schedule == "zb-h1":
         return min(plan.micro_batches, plan.pp)
-    if plan.schedule == "zbv" and plan.pp > 1:
-        stages = _schedule_in_flight(plan.schedule, plan.pp, plan.micro_batches, 2)[1]
-        return stages[2 * plan.pp - 1]
     return 1
-
-
-@functools.lru_cache(maxsize=256)
-def _schedule_in_flight(kind: str, p: int, m: int, v: int):
-    """(peak per rank, peak per stage) counted on the schedule (`mini3d.pp.rules.in_flight`)."""
-    from ..pp.rules import in_flight
-    from ..pp.schedules import make_schedule
-
-    return in_flight(make_schedule(kind, p, m, v))
 
 
 def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:

@@ -21,9 +21,4 @@ def stage_rank(stage: int, p: int, placement: str = "loop") -> int:
     raise ValueError(f"placement={placement!r} is unknown (choose {', '.join(PLACEMENTS)})")
 
 
-def placement_of(kind: str) -> str:
-    """How `kind` places stages on ranks: "v" for zbv, else "loop" (see partition.stage_rank)."""
-    return "v" if kind == "zbv" else "loop"
-
-
-__all__ = ["PLACEMENTS", "stage_rank", "placement_of"]
+__all__ = ["PLACEMENTS", "stage_rank"]

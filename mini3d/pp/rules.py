@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .actions import Action, Schedule
+from .schedules import Action, Schedule
 
 
 @dataclass

@@ -34,28 +34,77 @@ both ends waiting for it (and blocking point-to-point matching is deterministic)
 
 from __future__ import annotations
 
-from ..config import MULTI_CHUNK, schedule_problems  # noqa: F401  (re-exported: the rules live with Plan)
-from ..config import SCHEDULES as KINDS  # noqa: F401
-from .actions import B, F, W, Action, Schedule, add_transfers, format_grid  # noqa: F401
-from .placement import placement_of  # noqa: F401
+from dataclasses import dataclass
+
+from ..config import MULTI_CHUNK, SCHEDULES as KINDS, schedule_problems  # the rules live with Plan
+from .partition import stage_rank
+from .actions import COMPUTE, TRANSFERS, Action, B, F, W
+from .zero_bubble import zb_h1_orders, zbv_orders, zbv_peak
+
+
+def placement_of(kind: str) -> str:
+    """How `kind` places stages on ranks: "v" for zbv, else "loop" (see partition.stage_rank)."""
+    return "v" if kind == "zbv" else "loop"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-pipeline-rank ordered action lists for p ranks, m micro-batches, v chunks per rank."""
+
+    kind: str
+    p: int  # pipeline ranks
+    m: int  # micro-batches per step
+    v: int  # model chunks (virtual stages) per rank
+    actions: tuple  # actions[r] is rank r's tuple of Actions, in execution order
+    in_flight_bound: tuple = ()  # promised peak of micro-batches alive (F to last B/W) per rank
+    placement: str = "loop"  # "loop": stage s on rank s % p; "v": see partition.stage_rank
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+    @property
+    def split(self) -> bool:
+        """True when backwards are split into B (input gradient) and W (weight gradients)."""
+        return any(a.op == "W" for acts in self.actions for a in acts)
+
+    def rank_of(self, stage: int) -> int:
+        return stage_rank(stage, self.p, self.placement)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
+
+    def compute(self, rank: int) -> list[Action]:
+        return [a for a in self.actions[rank] if a.is_compute]
+
+    def format_grid(self, transfers: bool = False) -> str:
+        return format_grid(self, transfers)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "p": self.p, "m": self.m, "v": self.v,
+                "actions": [[str(a) for a in acts] for acts in self.actions],
+                "in_flight_bound": list(self.in_flight_bound), "placement": self.placement}
+
 
 def in_flight_bound(kind: str, p: int, m: int, v: int, rank: int) -> int:
-    """The most micro-batch chunks (forwards not yet backwarded) `rank` holds at once under `kind`:
-    GPipe m; looped BFS m v (every chunk forward first); 1F1B min(m, p - rank); ZB-H1 min(m, p) (a
-    micro-batch lives until its W, which rank r runs r micro-batches late); interleaved 1F1B its
-    warm-up 2 (p - rank - 1) + (v - 1) g plus the one in flight, at most m v, with g = p when p
-    divides m (else PyTorch's round m // max(1, m // p)). Each builder promises it
-    (`Schedule.in_flight_bound`, verified by `rules.check`), and the memory estimator counts
-    activations with it. ZB-V's bound is counted on its schedule (`mini3d.pp.zero_bubble`)."""
+    """The most micro-batch chunks (forward done, last backward action not yet) `rank` holds at
+    once under `kind`: GPipe m; looped BFS m v; 1F1B min(m, p - rank); interleaved 1F1B its
+    warm-up 2 (p - rank - 1) + (v - 1) g plus the one in flight, at most m v (g = m // max(1,
+    m // p), p when p divides m); ZB-H1 min(m, p) (W runs rank micro-batches late); ZB-V the peak
+    of its handcrafted order (at most 2p chunks of half a stage, `zero_bubble.zbv_peak`). Each
+    builder promises it (`Schedule.in_flight_bound`, verified by `rules.check`), and the memory
+    estimator counts activations with it."""
     if kind == "gpipe":
         return m
     if kind == "looped-bfs":
         return m * v
-    if kind == "zb-h1":
-        return min(m, p)
     if kind == "interleaved":
         g = m // max(1, m // p)
         return min(2 * (p - rank - 1) + (v - 1) * g + 1, m * v)
+    if kind == "zb-h1":
+        return min(p, m)
+    if kind == "zbv":
+        return zbv_peak(p, m, rank)
     return min(p - rank, m)
 
 
@@ -120,8 +169,20 @@ def looped_bfs(p: int, m: int, v: int) -> Schedule:
         order = [F(s, i) for s in stages for i in range(m)]
         order += [B(s, i) for s in reversed(stages) for i in reversed(range(m))]
         orders.append(order)
-    return add_transfers("looped-bfs", p, m, v, orders,
-                         tuple(in_flight_bound("looped-bfs", p, m, v, r) for r in range(p)))
+    bounds = tuple(in_flight_bound("looped-bfs", p, m, v, r) for r in range(p))
+    return add_transfers("looped-bfs", p, m, v, orders, bounds)
+
+
+def zb_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023) for p ranks, m >= p micro-batches: see `zero_bubble.py`."""
+    bounds = tuple(in_flight_bound("zb-h1", p, m, 1, r) for r in range(p))
+    return add_transfers("zb-h1", p, m, 1, zb_h1_orders(p, m), bounds)
+
+
+def zbv(p: int, m: int) -> Schedule:
+    """ZB-V, two chunks per rank in a V (stages r and 2p-1-r on rank r): see `zero_bubble.py`."""
+    bounds = tuple(in_flight_bound("zbv", p, m, 2, r) for r in range(p))
+    return add_transfers("zbv", p, m, 2, zbv_orders(p, m), bounds, placement="v")
 
 
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -135,13 +196,72 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
         return one_f_one_b(p, m)
     if kind == "looped-bfs":
         return looped_bfs(p, m, v)
-    if kind in ("zb-h1", "zbv"):
-        from .zero_bubble import zb_h1, zbv
-
-        return zb_h1(p, m) if kind == "zb-h1" else zbv(p, m)
+    if kind == "zb-h1":
+        return zb_h1(p, m)
+    if kind == "zbv":
+        return zbv(p, m)
     return interleaved_1f1b(p, m, v)
 
 
+def _unit_costs(orders) -> dict:
+    """Every compute action one time unit (B and W too when split): the grid's and the transfer
+    placement's clock, as keyword arguments of `simulator.time_compute`."""
+    split = any(a.op == "W" for order in orders for a in order)
+    return {"t_fwd": 1, "t_bwd": 2 if split else 1, "t_w": 1}
+
+
+def add_transfers(kind: str, p: int, m: int, v: int, orders: list[list[Action]],
+                  bounds: tuple = (), placement: str = "loop") -> Schedule:
+    """Insert the sends/receives that per-rank compute orders imply, in a deadlock-free order.
+
+    Every compute action is timed with unit costs (`simulator.time_compute`); a transfer is placed
+    in one global list right after the compute that produces its tensor, and each rank keeps its
+    own events of that list, in that order (see the module docstring for why this cannot hang)."""
+    from .simulator import time_compute
+
+    n_stages = p * v
+    times = time_compute(orders, p, n_stages, t_p2p=0, placement=placement, **_unit_costs(orders))
+    events = []  # (time, priority, rank, tiebreak, [(rank, action), ...])
+    for r, order in enumerate(orders):
+        for i, (a, (start, end)) in enumerate(zip(order, times[r])):
+            events.append((start, 1, r, i, [(r, a)]))
+            nxt = a.stage + 1 if a.op == "F" else a.stage - 1
+            if a.op != "W" and 0 <= nxt < n_stages and stage_rank(nxt, p, placement) != r:
+                q = stage_rank(nxt, p, placement)
+                send, recv = ("SEND_F", "RECV_F") if a.op == "F" else ("SEND_B", "RECV_B")
+                pair = [(r, Action(send, a.stage, a.mb, q)), (q, Action(recv, nxt, a.mb, r))]
+                events.append((end, 0, r, i, pair))
+    events.sort(key=lambda e: e[:4])
+    actions = [[] for _ in range(p)]
+    for *_, items in events:
+        for r, a in items:
+            actions[r].append(a)
+    return Schedule(kind, p, m, v, tuple(tuple(a) for a in actions), tuple(bounds), placement)
+
+
+def format_grid(schedule: Schedule, transfers: bool = False) -> str:
+    """Rank-by-step grid. Without transfers, compute actions sit in unit-time columns (F, B and W
+    one unit each) so bubbles show as dots; with transfers, each rank's full list in order."""
+    from .simulator import time_compute
+
+    p = schedule.p
+    if transfers:
+        rows = [[str(a) for a in schedule.actions[r]] for r in range(p)]
+    else:
+        orders = [schedule.compute(r) for r in range(p)]
+        times = time_compute(orders, p, schedule.n_stages, t_p2p=0, placement=schedule.placement,
+                             **_unit_costs(orders))
+        width = max((int(e) for t in times for _, e in t), default=0)
+        rows = [["."] * width for _ in range(p)]
+        for r in range(p):
+            for a, (s, _) in zip(orders[r], times[r]):
+                rows[r][int(s)] = str(a)
+    w = max((len(c) for row in rows for c in row), default=1)
+    head = f"{schedule.kind} p={schedule.p} m={schedule.m} v={schedule.v}"
+    lines = [head] + [f"rank {r}: " + " ".join(c.rjust(w) for c in row) for r, row in enumerate(rows)]
+    return "\n".join(lines)
+
+
 __all__ = ["Action", "Schedule", "KINDS", "F", "B", "W", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "looped_bfs", "placement_of", "make_schedule", "schedule_problems", "add_transfers",
-           "format_grid", "in_flight_bound", "MULTI_CHUNK"]
+           "looped_bfs", "zb_h1", "zbv", "placement_of", "MULTI_CHUNK", "COMPUTE", "TRANSFERS", "make_schedule", "schedule_problems", "add_transfers",
+           "format_grid", "in_flight_bound"]

@@ -5,14 +5,14 @@ upstream stage waits for, and W(s, mb), the gradients of the stage's weights, wh
 for. W can therefore run whenever the rank would otherwise idle, as long as the activations it
 needs stay alive until then (a micro-batch is "in flight" from its F to its W).
 
-* `zb_h1(p, m)`: ZB-H1, the paper's handcrafted schedule with 1F1B's peak memory. The F and B
+* `zb_h1_orders(p, m)`: ZB-H1, the paper's handcrafted schedule with 1F1B's peak memory. The F and B
   actions sit where 1F1B puts F and the whole backward (rank r: p - r - 1 warm-up forwards, then
   one F and one B alternately); rank r runs the W of a micro-batch r micro-batches late, so rank r
   holds (p - r) + r = p micro-batches at its peak, the same p as 1F1B's first rank; the r deferred
   W of rank r fill its cool-down. With equal F, B, W costs the bubble drops from 1F1B's
   (p-1)(t_F+t_B+t_W) per rank to (p-1)(t_F+t_B-2 t_W)... see `bubble` in the tests: the simulator
   gives the exact value for any costs.
-* `zbv(p, m)`: ZB-V (the paper's section 6): two chunks per rank placed in a V (rank r holds stages
+* `zbv_orders(p, m)`: ZB-V (the paper's section 6): two chunks per rank placed in a V (rank r holds stages
   r and 2p-1-r, so rank 0 holds the first and the last one, see `partition.stage_rank`); the
   handcrafted order below keeps at most 2p chunk activations (p micro-batches' worth of a rank's
   layers, 1F1B's peak) and, for t_F = t_B = t_W, idles only while the V fills and drains.
@@ -23,11 +23,12 @@ ZB-H1, and `ScheduleZBVZeroBubble`); tests/test_pp_torch_orders.py compares the 
 
 from __future__ import annotations
 
-from .actions import B, F, W, add_transfers
+from .actions import B, F, W
 
 
-def zb_h1(p: int, m: int):
-    """ZB-H1 for p ranks and m >= p micro-batches (see the module docstring)."""
+def zb_h1_orders(p: int, m: int) -> list[list]:
+    """ZB-H1's compute order of every rank, p ranks and m >= p micro-batches (see the module
+    docstring); `schedules.zb_h1` adds the transfers."""
     orders = []
     for r in range(p):
         warm = min(p - r - 1, m)
@@ -42,7 +43,7 @@ def zb_h1(p: int, m: int):
                 w_next += 1
         order += [W(r, i) for i in range(w_next, m)]
         orders.append(order)
-    return add_transfers("zb-h1", p, m, 1, orders, tuple(min(p, m) for _ in range(p)))
+    return orders
 
 
 def _zbv_rank(p: int, n: int, r: int) -> list:
@@ -86,14 +87,26 @@ def _zbv_rank(p: int, n: int, r: int) -> list:
     return order
 
 
-def zbv(p: int, m: int):
-    """ZB-V for p ranks (2 chunks each) and any m >= 1: the order is built for max(m, 2p - 1)
-    micro-batches (what its warm-up needs) and the actions of the extra ones are dropped."""
-    n = max(m, 2 * p - 1)
-    orders = [[a for a in _zbv_rank(p, n, r) if a.mb < m] for r in range(p)]
-    # at most 2p chunk activations (p micro-batches of a rank's layers, 1F1B's peak), 2m if fewer
-    bounds = tuple(min(2 * p, 2 * m) for _ in range(p))
-    return add_transfers("zbv", p, m, 2, orders, bounds, placement="v")
+def zbv_orders(p: int, m: int) -> list[list]:
+    """ZB-V's compute order of every rank, p ranks (2 chunks each) and any m >= 1: built for
+    max(m, 2p - 1) micro-batches (what its warm-up needs), the extra ones' actions dropped;
+    `schedules.zbv` adds the transfers (placement "v")."""
+    return [_zbv_order(p, m, r) for r in range(p)]
 
 
-__all__ = ["zb_h1", "zbv"]
+def _zbv_order(p: int, m: int, r: int) -> list:
+    return [a for a in _zbv_rank(p, max(m, 2 * p - 1), r) if a.mb < m]
+
+
+def zbv_peak(p: int, m: int, r: int) -> int:
+    """Most chunk activations rank r holds at once under ZB-V (F done, W not yet): counted on the
+    order, there being no closed form for small m; 2p (p micro-batches of the rank's layers, 1F1B's
+    peak) once m >= 2p."""
+    live = peak = 0
+    for a in _zbv_order(p, m, r):
+        live += {"F": 1, "W": -1}.get(a.op, 0)
+        peak = max(peak, live)
+    return peak
+
+
+__all__ = ["zb_h1_orders", "zbv_orders", "zbv_peak"]

@@ -4,7 +4,7 @@ The ground truth is mini3d's own engine: the learner's lists become a `mini3d.pp
 (transfers added by `add_transfers`), which `check()` must pass (rules, B before W, no deadlock,
 1F1B's memory: at most pp micro-batches alive per rank), whose simulated bubble with
 t_F = t_B = t_W = 1 must be ZB-H1's closed form (p-1)/(3m+p-1), below 1F1B's (p-1)/(m+p-1), and
-whose order must be Qi et al.'s (`mini3d.pp.zero_bubble.zb_h1`, equal to PyTorch's order).
+whose order must be Qi et al.'s (`mini3d.pp.schedules.zb_h1`, equal to PyTorch's order).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def bubble(ctx):
 
 
 def exact_order(ctx):
-    from mini3d.pp.zero_bubble import zb_h1
+    from mini3d.pp.schedules import zb_h1
 
     for pp, m in _meshes(ctx.rng):
         ref = zb_h1(pp, m)

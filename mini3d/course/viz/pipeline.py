@@ -108,7 +108,7 @@ def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = N
 # Chunk c of an interleaved schedule (stages c*p .. c*p + p-1) in its own shade, darkest first.
 CHUNK_SHADES = {"forward": ["#3b6fb6", "#8fb3e3", "#1f3d66", "#c5d8f2"],
                 "backward": ["#e8893a", "#f5c18f", "#9c4f12", "#fbe0c4"],
-                "weight": ["#5a9e5f", "#a8d5ab", "#2f5e33", "#d5ecd6"]}
+                "weight": ["#5a9e5f", "#a8d5ab", "#2e5e32", "#d4ecd5"]}  # W of split schedules
 
 
 def _trace_name(kind: str, chunk: int) -> str:
@@ -116,7 +116,8 @@ def _trace_name(kind: str, chunk: int) -> str:
 
 
 def trace_colors() -> dict[str, str]:
-    """Colour of every Gantt trace name: forward / backward (and their chunks), transfer, idle."""
+    """Colour of every Gantt trace name: forward / backward / weight (and their chunks), transfer,
+    idle."""
     colors = {"transfer": "#9a9a9a", "idle": ACTION_COLORS["idle"]}
     for kind, shades in CHUNK_SHADES.items():
         colors.update({_trace_name(kind, c): shade for c, shade in enumerate(shades)})
@@ -126,7 +127,7 @@ def trace_colors() -> dict[str, str]:
 def gantt_traces(timeline: Sequence[Sequence]) -> dict[str, dict]:
     """Bar data per trace name: {'forward': {x, base, y, text}, 'backward': ..., 'idle': ...}."""
     p = max(len(timeline), 1)
-    out = {k: dict(x=[], base=[], y=[], text=[]) for k in ("forward", "backward", "weight", "transfer", "idle")}
+    out = {k: dict(x=[], base=[], y=[], text=[]) for k in ("forward", "backward", "transfer", "idle")}
     for r, row in enumerate(timeline):
         for s, e, a in row:
             op, stage, mb = parse_action(a)
@@ -200,5 +201,5 @@ def gpipe_timeline(p: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0) -> li
 
 
 __all__ = ["gantt_figure", "gantt_traces", "trace_colors", "CHUNK_SHADES", "fill_gantt", "idle_gaps",
-           "bubble_from_timeline", "bubble_formula_text", "parse_action", "gpipe_timeline", "chunks_for",
-           "SCHEDULE_MENU", "COMPUTE_OPS"]
+           "bubble_from_timeline", "bubble_formula_text", "parse_action", "gpipe_timeline",
+           "chunks_for", "SCHEDULE_MENU", "COMPUTE_OPS"]
