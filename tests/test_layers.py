@@ -135,7 +135,7 @@ def unit(module: str) -> str:
 def test_no_import_cycle_between_modules():
     graph = package_graph()
     assert "mini3d.course.grading.core" in graph["mini3d.course.grading.runner"]
-    assert "mini3d.pp.actions" in graph["mini3d.pp.rules"]
+    assert "mini3d.pp.schedules" in graph["mini3d.pp.rules"]
     assert find_cycle(graph) is None
 
 
