@@ -96,7 +96,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim, "intermediate_size": cfg.d_ff,
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-            "rope_theta": cfg.rope_base, "rope_parameters": rope,
+            "rope_theta": cfg.rope_base, "rope_parameters": rope,  # (transformers >= 5)
+            **({"rope_scaling": dict(rope)} if cfg.rope_scaling else {}),  # (transformers 4)
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, **common}
 
 
