@@ -38,13 +38,15 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig, Plan
 from ..dp.buckets import transient_grad_bytes
 from ..pp.partition import partition_layers, stage_rank
-from ..pp.schedules import in_flight_bound, placement_of
+from ..pp.schedules import placement_of
 from ..tp.layers import padded_size
+from .activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatches,  # noqa: F401
+                          inflight_microbatches, layer_activation_bytes, local_seq_len,
+                          paper_layer_activation_bytes, ring_block_bytes)
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
 STATE_BYTES = {"float32": (4, 4, 8), "bf16": (2, 2, 12)}  # (params, grads, optimizer) per param
-ELEMENT_BYTES = {"float32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -129,136 +131,6 @@ def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int,
         g = ELEMENT_BYTES[grad_dtype]
     shard = lambda per, stage_from: n_params * per / (dp if zero >= stage_from else 1)  # noqa: E731
     return (math.ceil(shard(p, 3)), math.ceil(shard(g, 2)), math.ceil(shard(o, 1)))
-
-
-# ----------------------------------------------------------------------------- activations
-
-def local_seq_len(plan: Plan) -> int:
-    """Tokens of each sequence one rank holds: s, or s / cp under context parallelism."""
-    return plan.seq_len // plan.cp
-
-
-def ring_block_bytes(cfg: ModelConfig, plan: Plan, element_bytes: int | None = None) -> float:
-    """One message of ring attention (mini3d.cp.ring), per layer and micro-batch on one tp rank:
-    the K and V of a rank's chunks, 2 * (s/cp) * b * h * e / tp bytes. The backward's dK/dV
-    accumulators have this shape in float32 (`element_bytes=4`)."""
-    e = ELEMENT_BYTES[plan.dtype] if element_bytes is None else element_bytes
-    return 2 * local_seq_len(plan) * plan.micro_batch_size * cfg.d_model * e / plan.tp
-
-
-def paper_layer_activation_bytes(s, b, h, a, tp=1, sp=False, recompute="none") -> float:
-    """Korthikanti et al. 2022, eqs. 1-6: one layer, one micro-batch, 16-bit, with dropout."""
-    if recompute == "full":
-        return 2 * s * b * h / (tp if sp else 1)
-    quad = 0 if recompute == "selective" else 5 * a * s / h
-    if sp or tp == 1:
-        return s * b * h * (34 + quad) / tp
-    return s * b * h * (10 + 24 / tp + quad / tp)
-
-
-def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool | None = None,
-                           recompute: str | None = None) -> dict:
-    """Bytes one transformer block keeps for backward, one micro-batch, on one tp rank.
-
-    Adapted from Korthikanti et al. 2022 (s*b*h*(34 + 5*a*s/h) at 16 bits), term by term, with
-    e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
-
-    * LayerNorm inputs 4sbh -> 2 * sbh*e (ln1, ln2); replicated over tp unless sequence parallel.
-    * qkv input 2sbh and MLP fc input 2sbh -> 2 * sbh*e (the LayerNorm outputs); same tp rule.
-    * Q, K (4sbh) and V (2sbh) -> 3 * sbh*e / t (the qkv output, saved by the attention core).
-    * softmax 2as^2b + its dropout mask as^2b + dropout output 2as^2b: mini3d has no dropout and
-      writes the attention core out (mini3d.model.attention_core), so it keeps the softmax
-      probabilities: a*s^2*b*e / t (`plan.attention="explicit"`, the default). A fused kernel
-      (`plan.attention="sdpa"`: scaled_dot_product_attention's flash path) keeps only its output
-      and the fp32 log-sum-exp (4*a*s*b / t); the output is laid out (b, s, a, h/a), so the
-      projection's input below is a view of it, not a second copy (measured: tests/test_attention.py).
-      `fused_attention` overrides the plan.
-    * attention projection input 2sbh -> sbh*e / t (the core's output, made contiguous).
-    * attention and MLP dropout masks (sbh each): absent (no dropout).
-    * GELU input 8sbh and MLP projection input 8sbh -> 2 * sbf*e / t (Korthikanti has f = 4h).
-
-    * ring attention (cp > 1, either block math): its float32 output and log-sum-exp,
-      4*s*b*h/t + 4*a*s*b/t with s the local s/cp tokens (the output is laid out (b, a, s, h/a), so
-      the projection's input is a second tensor); q, k, v are views of the qkv output above.
-    Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
-    keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
-    With e = 2, f = 4h, a math kernel and dropout masks added back, the sum is the paper's
-    formula (tested). Returns {"stored": bytes kept per layer per micro-batch, "full": bytes
-    the block keeps without recompute (the transient peak while one block is recomputed)}.
-    """
-    s, b, h, a, f = local_seq_len(plan), plan.micro_batch_size, cfg.d_model, cfg.n_heads, cfg.d_ff
-    t, e = plan.tp, ELEMENT_BYTES[plan.dtype]
-    if fused_attention is None:
-        fused_attention = plan.attention == "sdpa"
-    sbh = s * b * h * e
-    if cfg.family == "llama":
-        rep, qkv, mlp = _llama_terms(cfg, fused_attention)
-    else:
-        rep, qkv, mlp = 4, 3 * h, 2 * f
-    rep = rep * sbh / (t if plan.sequence_parallel else 1)
-    core = 4 * a * s * b / t if fused_attention else a * s * s * b * e / t
-    if plan.cp > 1:
-        core = (4 * s * b * h + 4 * a * s * b) / t
-    split = (qkv * s * b * e + sbh + mlp * s * b * e) / t
-    full = rep + split + core
-    recompute = plan.recompute if recompute is None else recompute
-    if recompute == "full":
-        stored = sbh / (t if plan.sequence_parallel else 1)
-    elif recompute == "selective":
-        stored = rep + split
-    else:
-        stored = full
-    return {"stored": stored, "full": full}
-
-
-def _llama_terms(cfg: ModelConfig, fused_attention: bool) -> tuple[int, int, int]:
-    """The llama family's counts in `layer_activation_bytes`, measured with the saved-tensor
-    ledger (tests/test_memory.py): (replicated tensors in units of sbh*e, saved q/k/v width,
-    saved MLP width). Each RMSNorm keeps its input, the normalised x and (for the next matmul) its
-    output: 3 sbh each, 6 for two (LayerNorm's fused kernel keeps 2). The explicit core keeps
-    contiguous q, k, v, (h + 2 kv) wide with kv = n_kv_heads * head_dim (grouped-query attention:
-    the smaller K/V); the fused one keeps the rotated q and k (h + kv) and, through v, the whole
-    qkv output (h + 2 kv). SwiGLU keeps gate, up, silu(gate) and their product: 4 f."""
-    h, kv = cfg.d_model, cfg.kv_dim
-    return 6, (2 * h + 3 * kv) if fused_attention else (h + 2 * kv), 4 * cfg.d_ff
-
-
-def inflight_microbatches(plan: Plan, stage: int) -> float:
-    """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole-stage units.
-
-    GPipe runs every forward first: m; looped BFS likewise (m v chunks of 1/v). 1F1B:
-    min(m, pp - stage). Interleaved 1F1B (Megatron's order): rank r runs 2*(pp-r-1) + (v-1)*g
-    warm-up chunk forwards (g = pp when pp divides m, else PyTorch's round m // max(1, m // pp)),
-    plus the one in flight, each chunk being 1/v of the stage, capped at m*v chunks. Rank 0 holds
-    (1 + (pp-1)/(pp*v)) * pp micro-batches' worth of its layers (Korthikanti et al. 2022, sec.
-    4.2.3). ZB-H1: a micro-batch lives until its W, which rank r runs r micro-batches late:
-    min(m, pp) on every rank, 1F1B's peak. ZB-V: the peak of its order, at most 2 pp half chunks.
-    All from `mini3d.pp.schedules.in_flight_bound`, what the schedules promise and check() proves."""
-    v = plan.virtual_stages
-    return in_flight_bound(plan.schedule, plan.pp, plan.micro_batches, v, stage) / v
-
-
-def head_microbatches(plan: Plan) -> int:
-    """Micro-batches whose head activations (log-softmax etc.) the last stage holds at once: all m
-    when every forward runs first (GPipe, looped BFS), min(m, pp) for ZB-H1 (the last rank runs its
-    W pp - 1 micro-batches late and the graph, head included, stays until W), else 1 (ZB-V runs
-    the last chunk's F, B and W back to back on rank 0)."""
-    if plan.schedule in ("gpipe", "looped-bfs"):
-        return plan.micro_batches
-    if plan.schedule == "zb-h1":
-        return min(plan.micro_batches, plan.pp)
-    return 1
-
-
-def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
-    """Last stage, one micro-batch: ln_f input, output-projection input and the fp32 log-softmax
-    over the tp-local vocabulary slice that cross-entropy keeps for backward."""
-    s, b, h, t = local_seq_len(plan), plan.micro_batch_size, cfg.d_model, plan.tp
-    e = ELEMENT_BYTES[plan.dtype]
-    ln = s * b * h * e / (t if plan.sequence_parallel else 1)
-    if cfg.family == "llama":
-        ln *= 2  # RMSNorm keeps its input and the normalised x (see _llama_terms)
-    return ln + s * b * h * e + s * b * padded_size(cfg.vocab_size, t) // t * 4
 
 
 def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:

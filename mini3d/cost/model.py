@@ -60,16 +60,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass, field
 
-from ..comm import ring_steps, ring_wire_bytes
 from ..config import ModelConfig, Plan, PlanError
 from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
-from ..tp.layout import comm_per_layer
+from .comm_time import cp_time, dp_time, tp_time
 from .hardware import Hardware
-from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,
+from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,  # noqa: F401
                      ring_block_bytes, sharding_degree, stage_layers, stage_param_count)
 
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
@@ -192,72 +190,6 @@ def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
     return r, len(stage_layers(cfg, plan, r))
 
 
-def _tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, float]:
-    """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch on
-    pipeline rank `stage` (the first holds the embedding, the last the head and the loss)."""
-    t, sb = plan.tp, local_seq_len(plan) * plan.micro_batch_size
-    if t == 1:
-        return 0.0, 0.0, 0.0
-    first, last = stage == 0, stage == head_rank(plan)
-    c = comm_per_layer(t, plan.micro_batch_size, local_seq_len(plan), cfg.d_model, plan.sequence_parallel,
-                       ELEMENT_BYTES[plan.dtype])
-
-    def seconds(ops):
-        return sum(o["count"] * hw.collective_s(o["op"], t, o["bytes"], bw) for o in ops)
-
-    redo = plan.recompute == "full"  # the backward runs the forward's collectives again
-    act = sb * cfg.d_model * ELEMENT_BYTES[plan.dtype]
-    end_s, end_wire = hw.collective_s("all_reduce", t, act, bw), ring_wire_bytes("all_reduce", t, act)
-    loss = [4 * sb, 8 * sb] if last else []  # cross-entropy: the max, then the two sums (fp32)
-    fwd_s = layers * seconds(c["forward"]) + first * end_s + sum(
-        hw.collective_s("all_reduce", t, n, bw) for n in loss)
-    bwd_s = layers * (seconds(c["backward"]) + redo * seconds(c["forward"])) + last * end_s
-    wire = (layers * (c["forward_wire_bytes"] * (1 + redo) + c["backward_wire_bytes"])
-            + (first + last) * end_wire + sum(ring_wire_bytes("all_reduce", t, n) for n in loss))
-    return fwd_s, bwd_s, wire
-
-
-def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
-    """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step."""
-    d = sharding_degree(plan)
-    if d == 1:
-        return 0.0, 0.0, 0.0
-    grads = params = float(n_params * ELEMENT_BYTES[plan.dtype])
-    bucket = plan.bucket_mb * 2**20
-    n_buckets = max(1, math.ceil(grads / bucket))
-    g_op = "all_reduce" if plan.zero == 0 else "reduce_scatter"
-    g_wire = ring_wire_bytes(g_op, d, grads)
-    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * plan.micro_batches}[plan.zero]  # parameter all-gathers
-    p_wire = gathers * ring_wire_bytes("all_gather", d, params)
-    t_grad = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw)
-    t_last = min(t_grad, hw.collective_s(g_op, d, min(bucket, grads), bw))
-    exposed = max(t_last, t_grad - t_bwd)
-    t_param = (p_wire / bw + n_buckets * ring_steps("all_gather", d) * hw.latency_s) if gathers else 0.0
-    if plan.zero == 3:
-        per_layer = t_param / max(1, 2 * plan.micro_batches * cfg.n_layers)
-        exposed += max(per_layer, t_param - t_compute)
-    else:
-        exposed += t_param
-    return t_grad + t_param, exposed, g_wire + p_wire
-
-
-def _cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
-    """Ring attention per micro-batch: exposed forward / backward seconds, all transfer seconds and
-    wire bytes, given `attn_block_s`, the forward seconds of one block's attention (see above)."""
-    cp = plan.cp
-    if cp == 1:
-        return {"fwd": 0.0, "bwd": 0.0, "total": 0.0, "wire": 0.0}
-    kv, acc = ring_block_bytes(cfg, plan), ring_block_bytes(cfg, plan, 4)
-    hop = lambda nbytes: nbytes / bw + hw.latency_s  # noqa: E731
-    fwd_passes = 2 if plan.recompute == "full" else 1
-    fwd = fwd_passes * (cp - 1) * max(0.0, hop(kv) - attn_block_s)
-    bwd = (cp - 1) * max(0.0, hop(kv + acc) - 2 * attn_block_s) + hop(acc)
-    total = (fwd_passes * (cp - 1) + cp - 1) * hop(kv) + cp * hop(acc)
-    wire = (fwd_passes * (cp - 1) + cp - 1) * kv + cp * acc
-    return {"fwd": layers * fwd, "bwd": layers * bwd, "total": layers * total,
-            "wire": layers * wire}
-
-
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
                   eff: Efficiency | None = None) -> CostEstimate:
     """Step time, throughput, utilisation, communication and memory of `plan` (validated first)."""
@@ -280,8 +212,8 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     if slowdown > 1:  # on a shared host communication is CPU work too (copies, gloo, Python)
         hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
-    tp_fwd, tp_bwd, tp_wire = _tp_time(cfg, plan, hw, layers, bw["tp"], stage)
-    ring = _cp_time(cfg, plan, hw, layers, bw["cp"], f["attention"] * tokens_mb / t / plan.cp / rate)
+    tp_fwd, tp_bwd, tp_wire = tp_time(cfg, plan, hw, layers, bw["tp"], stage)
+    ring = cp_time(cfg, plan, hw, layers, bw["cp"], f["attention"] * tokens_mb / t / plan.cp / rate)
     t_fwd, t_bwd = c_fwd + tp_fwd + ring["fwd"], c_bwd + tp_bwd + ring["bwd"]
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
@@ -289,7 +221,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     pp_s = 2 * (v * m + p - 1) * hw.collective_s("send", 2, msg, bw["pp"]) if p > 1 else 0.0
     pp_wire = 2 * v * m * msg if p > 1 else 0.0
     n_params = stage_param_count(cfg, plan, stage)
-    dp_total, dp_exposed, dp_wire = _dp_time(cfg, plan, hw, n_params, bw["dp"], t_bwd,
+    dp_total, dp_exposed, dp_wire = dp_time(cfg, plan, hw, n_params, bw["dp"], t_bwd,
                                              m * (t_fwd + t_bwd))
     local = n_params / (sharding_degree(plan) if plan.zero >= 1 else 1)
     opt_s = ADAM_BYTES_PER_PARAM * local / hw.memory_bw * slowdown
