@@ -145,7 +145,8 @@ def test_resume_of_another_model_shape_exits_2_naming_both_values(runs, capsys, 
     assert "Nothing was started" in err
     # the matching shape passes these checks (and would start processes)
     with pytest.raises(AssertionError, match="a process was started"):
-        cli.main(["train", *MODEL_FLAGS, "--steps", "6", "--resume", runs["root"]])
+        cli.main(["train", *MODEL_FLAGS, "--steps", "6", "--seed", str(SEED), "--global-batch", "16",
+                  "--seq-len", "16", "--resume", runs["root"]])  # the same run: no --allow-change
 
 
 class NotATensor:

@@ -25,7 +25,7 @@ def _train(tmp_path, *extra):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("fault,rc_want,culprit,kind,needle,first", [
-    ("crash:1:1", (1,), 1, "crash", "rank 1 (tp=1, pp=0, dp=0) crashed",
+    ("crash:1:1", (1, 3), 1, "crash", "rank 1 (tp=1, pp=0, dp=0) crashed",
      "rank 1 (tp=1, pp=0, dp=0) was killed by signal 9 (SIGKILL) in step 1"),
     ("skip:1:1", (3,), 1, "skip", "rank 1 skipped one all_reduce on this group",
      "rank 1 (tp=1, pp=0, dp=0) skipped a collective"),

@@ -36,7 +36,7 @@ def test_a_failing_job_does_not_stop_another_sharing_its_run_dir(tmp_path, capfd
             time.sleep(0.1)
         rc = main(["train", *SMALL, "--dp", "2", "--steps", "3", "--run-dir", str(run),
                    "--inject-fault", "crash:1:1", "--hang-timeout", "3", "--timeout", "90"])
-        assert rc == 1
+        assert rc in (1, 3)  # the crash, or (machine loaded) the hang it causes
         out = healthy.communicate(timeout=150)[0]
     finally:
         if healthy.poll() is None:
