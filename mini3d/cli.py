@@ -266,7 +266,8 @@ def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
     data, global batch or tokenizer too (a warning instead with --allow-change)."""
     import dataclasses
 
-    from .checkpoint import latest_dir, read_meta, shape_mismatch, verify_checkpoint
+    from .checkpoint import latest_dir, read_meta
+    from .checkpoint_verify import shape_mismatch, verify_checkpoint
 
     ckpt = latest_dir(root)
     if ckpt is None:

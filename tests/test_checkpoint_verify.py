@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from mini3d import cli
-from mini3d.checkpoint import CheckpointWriter, latest_dir, read_states, verify_checkpoint
+from mini3d.checkpoint import CheckpointWriter, latest_dir, read_states
+from mini3d.checkpoint_verify import verify_checkpoint
 from mini3d.config import Plan, model_from_preset
 from mini3d.launch import launch
 from mini3d.train import make_spec
