@@ -206,7 +206,8 @@ def _dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, floa
     if d == 1:
         return 0.0, 0.0, 0.0
     e = ELEMENT_BYTES[plan.dtype]
-    grads = params = n_params * e
+    g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e  # fp32 grads by default
+    grads, params = n_params * g, n_params * e
     frac = (d - 1) / d
     bucket = plan.bucket_mb * 2**20
     n_buckets = max(1, math.ceil(grads / bucket))
