@@ -12,7 +12,10 @@ STRICT = os.environ.setdefault("MINI3D_STRICT_DEVICE", "1")
 # The course's graded exercises and notebooks run learner-facing code written for a CPU laptop
 # (the grader's own scenario tensors too): they are not the engine's parity matrix, so they run
 # with ordinary defaults. (Making the grader strict-clean belongs with the course machinery.)
-_NOT_STRICT = ("test_exercises.py", "test_course_notebooks.py", "test_browser.py")
+# test_cost_local.py compares measured step times with the cost model: strict mode's default-device
+# mode adds Python overhead to every torch call, which is not what the model predicts.
+_NOT_STRICT = ("test_exercises.py", "test_course_notebooks.py", "test_browser.py",
+               "test_cost_local.py")
 
 
 def pytest_runtest_setup(item):

@@ -129,10 +129,11 @@ def allreduce_probe(sizes: list[int], repeats: int) -> list[tuple[int, float]]:
     from ..grid import Grid, build_topology
 
     topo = build_topology(Grid(1, 1, dist.get_world_size()), dist.get_rank())
-    a, b = torch.randn(256, 64), torch.randn(64, 256)
+    dev = topo.device  # explicit: a launched worker's default device may be meta (strict mode)
+    a, b = torch.randn(256, 64, device=dev), torch.randn(64, 256, device=dev)
     out = []
     for n in sizes:
-        x = torch.ones(max(1, n // 4))
+        x = torch.ones(max(1, n // 4), device=dev)
         comm.all_reduce(x, topo.dp)
         times = []
         for _ in range(repeats):

@@ -45,7 +45,9 @@ def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float
     d = sharding_degree(plan)
     if d == 1:
         return 0.0, 0.0, 0.0
-    grads = params = float(n_params * ELEMENT_BYTES[plan.dtype])
+    e = ELEMENT_BYTES[plan.dtype]
+    g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e  # fp32 grads by default
+    grads, params = float(n_params * g), float(n_params * e)
     bucket = plan.bucket_mb * 2**20
     n_buckets = max(1, math.ceil(grads / bucket))
     g_op = "all_reduce" if plan.zero == 0 else "reduce_scatter"

@@ -4,8 +4,8 @@ Every op issued through `mini3d.comm` sits in `topo.log.pending` until it comple
 `wait()` returned, which on NCCL happens at once while the host blocks later (in `.item()`, outside
 mini3d), but until its `Work` reports completion. Each poll the watchdog first asks the log to end
 the ops whose Work has completed (`CommLog.reap`, which calls `is_completed()` from this thread),
-then looks at the oldest op still pending (under `topo.log.lock`); when it has been pending longer
-than `hang_timeout` seconds the watchdog
+then looks at the most recently issued op still pending (under `topo.log.lock`); when it has been
+pending longer than `hang_timeout` seconds the watchdog
 
 1. creates the job's abort marker `RUN_DIR/ABORT-<job id>` (atomically: the first rank to see a
    hang wins; another job sharing the run directory, or a stale marker, has another name),
@@ -132,11 +132,6 @@ class Watchdog:
             pending = list(self.topo.log.pending.values())
         return max(pending, key=lambda e: e.start) if pending else None
 
-    def stuck_event(self):
-        """The oldest op not completed yet (or None): on NCCL the host may run ahead of it."""
-        with self.topo.log.lock:
-            pending = list(self.topo.log.pending.values())
-        return min(pending, key=lambda e: e.start) if pending else None
 
     def state(self, status: str, reason: str, extra: dict | None = None) -> dict:
         log, grid = self.topo.log, self.topo.grid
@@ -186,7 +181,7 @@ class Watchdog:
             if os.path.exists(self.marker):
                 self._abort()
             self.topo.log.reap()  # end the ops whose Work completed after their wait returned
-            ev = self.stuck_event()
+            ev = self.blocked_event()
             if ev is not None and time.perf_counter() - ev.start > self.hang_timeout:
                 self._hang(ev)
 
