@@ -33,136 +33,17 @@ The wrappers are thin on purpose; the cost is one small object and two clock rea
 
 from __future__ import annotations
 
-import collections
-import itertools
-import os
-import threading
-import time
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
+
+from .comm_log import DEFERRED_WAIT_ENV, CommLog, Event  # noqa: F401  (the event log; re-exported)
 
 # torch >= 2.10 renamed the *_into_tensor / *_tensor collectives; use whichever this torch has.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-DEFERRED_WAIT_ENV = "MINI3D_DEFERRED_WAIT"  # test mode: waits return before completion (NCCL-like)
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
            "avg": None}
-
-
-@dataclass(slots=True)
-class Event:
-    rank: int  # world rank that issued the op
-    axis: str  # tp, pp, dp, mp, embedding or world
-    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier
-    seq: int  # per (axis, op-kind) sequence number on this rank: equal across a group's members
-    group: tuple  # world ranks of the group
-    shape: tuple
-    dtype: str
-    bytes: int  # payload bytes (full tensor)
-    wire_bytes: int  # ring-algorithm bytes this rank sends
-    start: float  # time.perf_counter() at issue
-    end: float | None = None  # completion (None while pending)
-    peer: int | None = None  # p2p partner (world rank)
-    context: dict = field(default_factory=dict)  # e.g. {"step": 3, "action": "F1", "mb": 2}
-
-    def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-class CommLog:
-    """Per-process, bounded record of communication, with per-axis counters."""
-
-    def __init__(self, rank: int = 0, capacity: int = 4096):
-        self.rank = rank
-        self.events: collections.deque[Event] = collections.deque(maxlen=capacity)
-        self.bytes_by_axis: collections.Counter = collections.Counter()
-        self.wire_bytes_by_axis: collections.Counter = collections.Counter()
-        self.count_by_axis_op: collections.Counter = collections.Counter()
-        self._seq: collections.Counter = collections.Counter()
-        self.pending: dict[int, Event] = {}
-        self.works: dict = {}  # event id -> Work, for pending ops whose wait returned (see reap)
-        self.deferred_wait = os.environ.get(DEFERRED_WAIT_ENV, "") == "1"
-        self._ids = itertools.count()
-        self.context: dict = {}  # set by the trainer / pipeline runtime (step, action, micro-batch)
-        self.lock = threading.Lock()  # the watchdog thread reads `pending`
-        self.fault = None  # optional callable(event, tensor) -> tensor, or SKIP to drop the op
-
-    def reset_counters(self):
-        self.bytes_by_axis.clear()
-        self.wire_bytes_by_axis.clear()
-        self.count_by_axis_op.clear()
-
-    def begin(self, axis, op: str, tensor: torch.Tensor, nbytes: int, wire: int,
-              peer: int | None = None, seq_key: str | None = None) -> tuple[int, Event]:
-        key = (axis.name, seq_key or op)
-        if self.works:
-            self.reap()
-        with self.lock:  # the watchdog thread reads the counters (seq_counts) while we issue
-            self._seq[key] += 1
-            ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
-                       str(tensor.dtype).replace("torch.", ""), nbytes, wire, time.perf_counter(),
-                       peer=peer, context=dict(self.context))
-            self.bytes_by_axis[axis.name] += nbytes
-            self.wire_bytes_by_axis[axis.name] += wire
-            self.count_by_axis_op[(axis.name, op)] += 1
-            eid = next(self._ids)
-            self.pending[eid] = ev
-            self.events.append(ev)
-        return eid, ev
-
-    def end(self, eid: int, ev: Event):
-        ev.end = time.perf_counter()
-        with self.lock:
-            self.pending.pop(eid, None)
-            self.works.pop(eid, None)
-
-    def settle(self, eid: int, ev: Event, work, blocked: bool = False):
-        """The host's wait for `work` returned: end the event if the op has completed (`blocked`:
-        the wait itself blocked until it had, as gloo's does; some gloo Works never report
-        is_completed()), else keep following its Work (`reap`)."""
-        if blocked or work is None or work.is_completed():
-            self.end(eid, ev)
-        else:
-            with self.lock:
-                self.works[eid] = work
-
-    def reap(self):
-        """End every pending op whose Work has completed since its wait returned (thread-safe)."""
-        with self.lock:
-            done = [eid for eid, w in self.works.items() if w.is_completed()]
-            now = time.perf_counter()
-            for eid in done:
-                self.works.pop(eid)
-                ev = self.pending.pop(eid, None)
-                if ev is not None:
-                    ev.end = now
-
-    def retract(self, eid: int, ev: Event, seq_key: str | None = None):
-        """Undo `begin` for an op that will not be issued (fault injection: a skipped collective)."""
-        with self.lock:
-            self._seq[(ev.axis, seq_key or ev.op)] -= 1
-            self.bytes_by_axis[ev.axis] -= ev.bytes
-            self.wire_bytes_by_axis[ev.axis] -= ev.wire_bytes
-            self.count_by_axis_op[(ev.axis, ev.op)] -= 1
-            self.pending.pop(eid, None)
-            if self.events and self.events[-1] is ev:
-                self.events.pop()
-
-    def seq_counts(self) -> dict[str, int]:
-        """Ops issued so far per "axis/op-kind" key (p2p keys name the peer, e.g. "pp/p2p->3").
-        Safe from another thread (the watchdog): read under the lock `begin` writes under."""
-        with self.lock:
-            return {f"{a}/{k}": n for (a, k), n in self._seq.items()}
-
-    def count(self, axis: str, op: str) -> int:
-        return self.count_by_axis_op[(axis, op)]
-
-    def snapshot(self) -> list[dict]:
-        with self.lock:
-            return [e.as_dict() for e in self.events]
 
 
 def _wait(log: CommLog, eid: int, ev: Event, work, after=None, blocking: bool = True):
