@@ -17,6 +17,8 @@ from .model_args import add_family_args, family_overrides
 
 from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_OOM, bad_input  # noqa: F401
 from .exits import EXIT_NONFINITE
+from .train_cli import (check_resume, report_failure, report_interrupt,  # noqa: F401
+                        run_from_args)
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
 SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
@@ -135,8 +137,12 @@ def add_grade_command(sub):
     g.set_defaults(func=lambda args: importlib.import_module("mini3d.course.grading.cli").main(args.words))
 
 
-def cmd_train(args) -> int:
-    from .launch import LaunchError, LaunchTimeout, WorkerError, choose_device, in_torchrun
+def validated_train(args):
+    """Everything `mini3d train` checks before a process starts: the RunConfig it will run, or the
+    exit code (2 for bad input naming every value; a dry run's verdict).
+
+    Returns (spec, plan, world, torchrun, derived run dir) or an int."""
+    from .launch import LaunchError, choose_device, in_torchrun
 
     try:
         cfg = model_from_args(args)
@@ -189,7 +195,16 @@ def cmd_train(args) -> int:
         problems.append(str(e))
     if problems:
         return bad_input(problems)
+    return spec, plan, world, torchrun, derived
 
+
+def cmd_train(args) -> int:
+    from .launch import LaunchTimeout, WorkerError
+
+    job = validated_train(args)
+    if isinstance(job, int):
+        return job
+    spec, plan, world, torchrun, derived = job
     from .train import summary_line
 
     spec = spec.replace(stop_on_signal=True)  # Ctrl-C / SIGTERM: stop at a step boundary
@@ -226,73 +241,6 @@ def cmd_train(args) -> int:
 
         shutil.rmtree(spec.run_dir, ignore_errors=True)
     return EXIT_OK
-
-
-def report_interrupt(stopped: dict, got: list, save: str | None) -> int:
-    """One line for a job stopped by a signal; 130 (SIGINT) or 143 (SIGTERM)."""
-    from .stop import exit_code, name
-
-    signum = got[0]
-    where = f"; checkpoint {save}/step-{stopped['step']:06d} saved" if stopped["saved"] else ""
-    print(f"mini3d train: stopped by {name(signum)} after step {stopped['step']}{where}",
-          file=sys.stderr, flush=True)
-    return exit_code(signum)
-
-
-def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
-    """Print the failure culprit first (mini3d.diagnose.report), else the launcher's exception."""
-    from .diagnose.report import failure_report
-
-    lines = failure_report(run_dir)
-    if lines is None:
-        lines = [str(exc)] + ([f"(per-rank state: mini3d explain-hang {run_dir})"] if run_dir else [])
-    print("mini3d train: " + "\n".join(lines), file=sys.stderr, flush=True)
-    return code
-
-
-def run_from_args(args, cfg: ModelConfig, plan: Plan, diagnose: dict):
-    """The RunConfig that `mini3d train`'s flags ask for (not validated yet: see cmd_train)."""
-    from .run_config import RunConfig
-
-    return RunConfig(model=cfg, plan=plan, steps=args.steps, lr=args.lr, seed=args.seed,
-                     grad_clip=args.grad_clip, data=args.data, log_jsonl=args.log_jsonl,
-                     progress=not args.no_progress, save=args.save, save_every=args.save_every,
-                     init_from_hf=args.init_from_hf, **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
-
-
-def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
-                 plan: Plan | None = None) -> tuple[str | None, list[str]]:
-    """(checkpoint directory, problems) for --resume ROOT; with `args` and `plan`, a changed seed,
-    data, global batch or tokenizer too (a warning instead with --allow-change)."""
-    import dataclasses
-
-    from .checkpoint import latest_dir, read_meta
-    from .checkpoint_verify import shape_mismatch, verify_checkpoint
-
-    ckpt = latest_dir(root)
-    if ckpt is None:
-        return None, [f"--resume {root!r} holds no complete checkpoint"]
-    broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
-    if broken:
-        return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
-    meta = read_meta(ckpt)
-    out = []
-    diff = shape_mismatch(meta, dataclasses.asdict(cfg))
-    if diff:
-        out.append(f"checkpoint {ckpt!r} is of another model shape ({'; '.join(diff)})")
-    if meta["step"] >= steps:
-        out.append(f"checkpoint {ckpt!r} is at step {meta['step']}, --steps={steps} asks for no more "
-                   f"(--steps is the total number of steps to reach)")
-    if args is not None and plan is not None:
-        from .run_checks import resume_changes
-
-        changes = resume_changes(meta, args, plan)
-        if changes and not args.allow_change:
-            out += [f"{c} (the resumed run would not see the batches of an uninterrupted one; "
-                    f"pass --allow-change to resume anyway)" for c in changes]
-        for c in changes if args.allow_change else ():
-            print(f"mini3d train: warning: {c}; resuming anyway (--allow-change)", file=sys.stderr)
-    return ckpt, out
 
 
 def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):

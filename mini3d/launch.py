@@ -1,14 +1,13 @@
-"""Starting processes: backend and device are chosen here and nowhere else.
+"""Starting processes (backend and device are chosen in `mini3d.devices`, and nowhere else).
 
 `launch(fn, world_size, *args)` spawns `world_size` local processes (the `spawn` start method, so it
 works from a Jupyter kernel as long as `fn` lives in an importable module), initialises
 torch.distributed in each through a FileStore in a private directory (no network listener; gloo's
 and NCCL's own sockets are pinned to the loopback interface), runs `fn(*args)`, and returns every
-rank's result in rank order. A worker that raises ends the whole job with a `WorkerError` carrying that rank's
-traceback; a job that runs past `timeout` is stopped with `LaunchTimeout`. In every case all children
-are terminated (then killed) before `launch` returns or raises, and each child also dies with its
-parent (PR_SET_PDEATHSIG) if the parent itself is killed.
-
+rank's result in rank order. A worker that raises ends the whole job with a `WorkerError` carrying
+its traceback; a job past `timeout` is stopped with `LaunchTimeout`. Either way all children are
+terminated (then killed) before `launch` returns or raises, and each child also dies with its
+parent (PR_SET_PDEATHSIG, armed in mini3d._boot before torch is imported) if the parent is killed.
 Under `torchrun`, `init_from_env()` initialises from the environment it sets instead.
 
 torch.multiprocessing.start_processes would spawn too, but it neither returns results nor applies a
@@ -33,56 +32,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEVICE_ENV = "MINI3D_DEVICE"
+from .devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_device, choose_device,  # noqa: F401
+                      current_device, device_index, device_memory, dump_memory_snapshot,
+                      enter_strict_device, strict_device, visible_gpus)  # (re-exported)
+from .jobs import (ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, JOB_ENV, HangDetected,  # noqa: F401
+                   LaunchTimeout, WorkerError, _clear_run_dir, abort_marker)
+
 PG_TIMEOUT_ENV = "MINI3D_PG_TIMEOUT_S"  # process-group timeout, set from --hang-timeout (watchdog.py)
-STRICT_ENV = "MINI3D_STRICT_DEVICE"  # "1": workers compute with torch's default device set to meta
-HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
-ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
-ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
-JOB_ENV = "MINI3D_JOB_ID"  # this job's id: its abort marker is ABORT-<id> (see abort_marker)
 _FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
 _CHILDREN: set = set()  # the live worker processes of this launcher (for forward_stop)
-
-
-class LaunchError(RuntimeError):
-    """The job could not start as asked (e.g. --device cuda without enough GPUs)."""
-
-
-class WorkerError(RuntimeError):
-    """A rank raised or died; carries its rank and traceback."""
-
-    def __init__(self, rank: int, message: str, tb: str = ""):
-        self.rank, self.message, self.traceback = rank, message, tb
-        text = f"rank {rank} failed: {message}"
-        if tb:
-            text += f"\n--- traceback from rank {rank} ---\n{tb.rstrip()}"
-        super().__init__(text)
-
-
-class LaunchTimeout(TimeoutError):
-    """The job did not finish in time; `pending` lists the ranks that had not returned."""
-
-    def __init__(self, timeout: float, pending: list[int]):
-        self.pending = pending
-        super().__init__(f"job did not finish within {timeout:.0f} s; ranks still running: {pending} "
-                         f"(all processes were stopped)")
-
-
-class HangDetected(LaunchTimeout):
-    """A rank's watchdog saw an op pending past the hang timeout; every rank dumped to `run_dir`."""
-
-    def __init__(self, rank: int, run_dir: str | None):
-        self.rank, self.run_dir, self.pending = rank, run_dir, [rank]
-        TimeoutError.__init__(self, f"hang detected by rank {rank}'s watchdog; every rank dumped its "
-                                    f"communication state to {run_dir} (all processes were stopped); "
-                                    f"run: mini3d explain-hang {run_dir}")
-
-
-def abort_marker(run_dir: str, job: str | None = None) -> str:
-    """RUN_DIR/ABORT-<job id>: one marker per job, so that neither a stale marker left by a failed
-    job nor another job sharing the run directory can stop this one."""
-    job = job or os.environ.get(JOB_ENV)
-    return os.path.join(run_dir, f"{ABORT_MARKER}-{job}" if job else ABORT_MARKER)
 
 
 def forward_stop():
@@ -98,71 +56,6 @@ def forward_stop():
 def on_failure(hook):
     """Register `hook(exc)` to run in this worker process when its function raises (e.g. a dump)."""
     _FAILURE_HOOKS.append(hook)
-
-
-def visible_gpus() -> int:
-    """CUDA devices this process can see (CUDA_VISIBLE_DEVICES applied); 0 without CUDA."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def device_index(local_rank: int, local_world_size: int, n_visible: int) -> int:
-    """The visible CUDA device a process computes on. Two layouts work: each process sees every
-    GPU of the node (`torchrun`, the local launcher): device LOCAL_RANK; or each sees exactly one
-    (Slurm `--gpus-per-task=1`, a per-process CUDA_VISIBLE_DEVICES): device 0."""
-    if n_visible >= local_world_size:
-        return local_rank
-    if n_visible == 1:
-        return 0
-    raise LaunchError(f"--device cuda with {local_world_size} processes on this node needs one GPU "
-                      f"per process: each process sees {n_visible} (need {local_world_size}, or "
-                      f"exactly 1 each, e.g. Slurm --gpus-per-task=1)")
-
-
-def choose_device(device: str = "auto", local_world_size: int = 1, backend: str | None = None,
-                  per_process: bool = False) -> tuple[str, str]:
-    """(backend, device type): NCCL + CUDA when the GPUs suffice, gloo + CPU when there are none.
-
-    The GPUs suffice when this process sees one per local rank, or (`per_process`: the process
-    is one of several started by torchrun / Slurm, each with its own view) exactly one. `auto`
-    with some GPUs but too few is an error naming the counts, as `cuda` is: quietly training on
-    the CPU of a GPU node is never what was meant (ask for `--device cpu` to do it on purpose)."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise LaunchError(f"device={device!r} is unknown (choose auto, cpu or cuda)")
-    n_gpu, asked = visible_gpus(), device
-    if device == "auto":
-        device = "cuda" if n_gpu else "cpu"
-    if device == "cuda":
-        if n_gpu == 0:
-            raise LaunchError(f"--device cuda needs {local_world_size} GPUs on this node, found 0 "
-                              f"(use --device cpu)")
-        if not (n_gpu >= local_world_size or (per_process and n_gpu == 1)):
-            raise LaunchError(f"--device {asked} needs {local_world_size} GPUs on this node, found "
-                              f"{n_gpu} (one per local process; use --device cpu, or fewer local "
-                              f"processes)")
-    return backend or ("nccl" if device == "cuda" else "gloo"), device
-
-
-def current_device() -> torch.device:
-    """The device this process computes on, as set by `launch` or `init_from_env`."""
-    return torch.device(os.environ.get(DEVICE_ENV, "cpu"))
-
-
-def device_memory(device: torch.device) -> dict:
-    """CUDA allocator statistics of `device` in bytes (allocated now, peak, capacity); {} on CPU."""
-    if device.type != "cuda":
-        return {}
-    return {"allocated": int(torch.cuda.memory_allocated(device)),
-            "peak": int(torch.cuda.max_memory_allocated(device)),
-            "capacity": int(torch.cuda.get_device_properties(device).total_memory)}
-
-
-def dump_memory_snapshot(path: str) -> bool:
-    """Write the CUDA allocator's recorded history (MINI3D_MEMORY_SNAPSHOT=1 starts the recording)
-    for https://pytorch.org/memory_viz; False when there is nothing to write."""
-    if not (torch.cuda.is_available() and os.environ.get("MINI3D_MEMORY_SNAPSHOT")):
-        return False
-    torch.cuda.memory._dump_snapshot(path)
-    return True
 
 
 def free_port() -> int:
@@ -195,18 +88,6 @@ def _die_with_parent():
     die_with_parent()
 
 
-def _set_device(device_type: str, local_rank: int, local_world_size: int | None = None):
-    if device_type == "cuda":
-        index = local_rank if local_world_size is None else \
-            device_index(local_rank, local_world_size, visible_gpus())
-        torch.cuda.set_device(index)
-        os.environ[DEVICE_ENV] = f"cuda:{index}"
-        if os.environ.get("MINI3D_MEMORY_SNAPSHOT"):
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-    else:
-        os.environ[DEVICE_ENV] = "cpu"
-
-
 def _pg_timeout(job_timeout: float | None):
     """The process group's timeout: --hang-timeout + 60 s when the diagnostics set it (so the
     mini3d watchdog reports first), else the job timeout (at least 30 s), else torch's default."""
@@ -215,20 +96,6 @@ def _pg_timeout(job_timeout: float | None):
     if job_timeout is None:
         return None
     return datetime.timedelta(seconds=max(30.0, job_timeout))
-
-
-def strict_device() -> bool:
-    """True when MINI3D_STRICT_DEVICE=1: this process must never rely on torch's default device."""
-    return os.environ.get(STRICT_ENV, "") == "1"
-
-
-def enter_strict_device():
-    """Under MINI3D_STRICT_DEVICE=1, make torch's default device `meta` (this thread: where the
-    worker computes, and on CPU its autograd too). A tensor created without an explicit device then
-    has no data and no device of the run: any op mixing it with real tensors, and any collective
-    on it, fails at once, as a stray CPU tensor fails under NCCL / CUDA."""
-    if strict_device():
-        torch.set_default_device("meta")
 
 
 def init_from_env(device: str = "auto", backend: str | None = None, threads: int | None = None):
@@ -292,15 +159,6 @@ def _stop(procs):
             p.join(5)
 
 
-def _clear_run_dir(run_dir: str):
-    """Remove a previous job's marker and dumps, so that they cannot abort or confuse this one."""
-    os.makedirs(run_dir, exist_ok=True)
-    for name in os.listdir(run_dir):
-        if name in (ABORT_MARKER, "launcher.json") or (
-                name.startswith("rank") and name.endswith((".json", ".stack", ".stderr"))):
-            os.remove(os.path.join(run_dir, name))
-
-
 def _process_state(p) -> str | None:
     """'stopped' (SIGSTOP, a debugger), 'running' (alive) or None (gone), from /proc."""
     if p.pid is None or p.exitcode is not None:
@@ -355,6 +213,36 @@ def _abort_and_record(procs, q, run_dir: str, grace: float, first, job: str) -> 
         return hung[0]
 
 
+def _collect(procs, q, world_size: int, deadline: float, timeout: float) -> dict:
+    """Every rank's result from the queue; a rank's error, a rank that died without a report, or
+    the deadline raise (WorkerError, LaunchTimeout), and `launch` stops them all."""
+    results: dict[int, object] = {}
+    while len(results) < world_size:
+        try:
+            rank, status, payload, tb = q.get(timeout=0.1)
+        except queue.Empty:
+            rank = None
+        if rank is not None:
+            if status != "ok":
+                raise WorkerError(rank, payload, tb)
+            results[rank] = pickle.loads(payload)
+            continue
+        for r, p in enumerate(procs):
+            if p.exitcode not in (None, 0) and r not in results:
+                try:  # its own report may still be in flight
+                    rank, status, payload, tb = q.get(timeout=1.0)
+                    if status != "ok":
+                        raise WorkerError(rank, payload, tb)
+                    results[rank] = pickle.loads(payload)
+                    break
+                except queue.Empty:
+                    raise WorkerError(r, f"process exited with code {p.exitcode} "
+                                         f"(killed or crashed without a Python exception)")
+        if time.monotonic() > deadline:
+            raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(results)))
+    return results
+
+
 def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None = None,
            timeout: float = 600.0, threads: int = 1, env: dict | None = None,
            run_dir: str | None = None, grace: float = 5.0) -> list:
@@ -381,35 +269,12 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
                                                           device_type, threads, fn, args, env,
                                                           timeout)), q))
              for r in range(world_size)]
-    results: dict[int, object] = {}
     deadline = time.monotonic() + timeout
     _CHILDREN.update(procs)
     try:
         for p in procs:
             p.start()
-        while len(results) < world_size:
-            try:
-                rank, status, payload, tb = q.get(timeout=0.1)
-            except queue.Empty:
-                rank = None
-            if rank is not None:
-                if status != "ok":
-                    raise WorkerError(rank, payload, tb)
-                results[rank] = pickle.loads(payload)
-                continue
-            for r, p in enumerate(procs):
-                if p.exitcode not in (None, 0) and r not in results:
-                    try:  # its own report may still be in flight
-                        rank, status, payload, tb = q.get(timeout=1.0)
-                        if status != "ok":
-                            raise WorkerError(rank, payload, tb)
-                        results[rank] = pickle.loads(payload)
-                        break
-                    except queue.Empty:
-                        raise WorkerError(r, f"process exited with code {p.exitcode} "
-                                             f"(killed or crashed without a Python exception)")
-            if time.monotonic() > deadline:
-                raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(results)))
+        results = _collect(procs, q, world_size, deadline, timeout)
         for p in procs:
             p.join(max(1.0, min(30.0, deadline - time.monotonic())))
     except (WorkerError, LaunchTimeout) as e:

@@ -38,11 +38,10 @@ def peak_flops_per_rank(device, dtype: str) -> float | None:
     matched by CUDA device name), else None (CPUs, unknown GPUs): MFU is then left out."""
     if device.type != "cuda":
         return None
-    import torch
-
     from .cost.hardware import PRESETS
+    from .devices import device_name
 
-    name = torch.cuda.get_device_name(device).upper()
+    name = device_name(device).upper()
     for key, hw in PRESETS.items():
         model, mem = key.split("-")
         if model in name and (mem.rstrip("GB") in name or model != "A100"):

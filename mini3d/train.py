@@ -12,8 +12,6 @@ progress bar, writes `--log-jsonl` (one JSON object per optimizer step) and retu
 from __future__ import annotations
 
 import contextlib
-import math
-import resource
 import time
 
 import torch
@@ -30,12 +28,12 @@ import torch.nn as nn
 
 from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
                          read_states, restore_full_state, restore_rng)
-from .optim import WeightDecay, set_lr
+from .optim import WeightDecay, adamw, set_lr  # noqa: F401  (adamw re-exported)
 from .periodic import checkpoint_meta, periodic, resumed_schedule
 from .report import RunReport, model_flops_utilisation, peak_flops_per_rank
 from .tokenizer import get_tokenizer
-from .dp import make_dp, model_state_ledger
-from .launch import current_device, device_memory
+from .dp import make_dp
+from .launch import current_device
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule, placement_of
@@ -44,23 +42,11 @@ from .cp import apply_cp, chunk_batch, set_positions
 from .model import set_attention
 from .recompute import apply_recompute, measure_activations
 from .run_config import RunConfig, make_spec
+from .records import (NonFiniteLoss, check_finite, collected, describe_plan,  # noqa: F401
+                      memory_by_category, peak_activation_bytes, peak_memory_bytes,
+                      reporter_records, summary_line)
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
                  sum_replicated_grads)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: CUDA's allocator peak on GPUs, the process' peak RSS on CPU."""
-    if device.type == "cuda":
-        return device_memory(device)["peak"]
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
-
-
-def adamw(params, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    """mini3d's optimizer. On CUDA the fused kernel: one pass over each flat master instead of the
-    default multi-tensor path's several elementwise kernels; on CPU torch's default (what the
-    float32 parity tests compare with)."""
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay,
-                             fused=True if device.type == "cuda" else None)
 
 
 class Trainer:
@@ -201,11 +187,12 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     return stages, net, optimizer
 
 
-def train_worker(run: RunConfig) -> dict:
-    """Run optimizer steps until step `run.steps` on this rank; return what this rank saw."""
+def _setup(run: RunConfig) -> dict:
+    """Everything this rank's loop reads: topology, tokenizer, batches, the trainer (resumed or
+    initialised from Hugging Face), the lr schedule, diagnostics, the reporter."""
     cfg, plan = run.model, run.plan
-    rank = dist.get_rank()
-    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), rank, current_device())
+    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), dist.get_rank(),
+                          current_device())
     torch.manual_seed(run.seed)
     tok = get_tokenizer(run.tokenizer)
     batches = Batches(open_tokens(run.data, tok), plan.seq_len, plan.global_batch, run.seed)
@@ -218,81 +205,81 @@ def train_worker(run: RunConfig) -> dict:
         from .hf import init_from_hf
 
         init_from_hf(trainer, run.init_from_hf)  # each rank slices its share of the HF weights
-    schedule = resumed_schedule(run)  # the checkpoint's schedule continues exactly
     diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
     if run.stop_on_signal:  # Ctrl-C / SIGTERM: every rank stops at the same boundary (mini3d.stop)
         from .launch import in_torchrun
 
         stop.install(in_torchrun())
-    interrupted = None
     reporter = trainer.holds_loss and topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0
-    report = RunReport(run, reporter, start, f"train {describe_plan(plan)}")
-    peak = peak_flops_per_rank(topo.device, plan.dtype)  # None on CPU: no MFU
-    records = []
-    tokens_per_step = plan.global_batch * plan.seq_len
-    collect, extra = set(run.collect), {}
+    return dict(topo=topo, tok=tok, batches=batches, val_batches=val_batches, trainer=trainer,
+                start=start, schedule=resumed_schedule(run), diag=diag, reporter=reporter,
+                report=RunReport(run, reporter, start, f"train {describe_plan(plan)}"),
+                peak=peak_flops_per_rank(topo.device, plan.dtype))  # peak None on CPU: no MFU
+
+
+def _train_step(run: RunConfig, st: dict, step: int, extra: dict) -> dict:
+    """One optimizer step of the loop: the batch (a cp rank's chunks), the step, the checks, and
+    the step's record."""
+    plan, trainer, topo = run.plan, st["trainer"], st["topo"]
     budget = parse_size(run.memory_budget) if run.memory_budget else None
-    for step in range(start, run.steps):
-        topo.log.context = {"step": step}
-        diag.step_start(step, lambda: memory_by_category(trainer))  # diagnose
-        t0 = time.perf_counter()
-        set_lr(trainer.optimizer, schedule.at(step))
-        mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
-        if plan.cp > 1:  # this cp rank's zig-zag chunks of every sequence, and their positions
-            mbs = [chunk_batch(x, y, plan.cp, topo.cp.index) for x, y in mbs]
-        measure = step == start and len(trainer.chunks) == 1 and ("activations" in collect or budget)
-        loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)
-        if acts is not None and "activations" in collect:
-            extra["activations"] = acts
-        if budget and step == start:  # --memory-budget: the measured ledgers against the budget
-            check_budget(memory_by_category(trainer, peak_activation_bytes(trainer, acts)), budget,
-                         rank, topo.coords, cfg, plan)
-        loss = trainer.mean_loss_over_dp(loss)
-        check_finite(loss, step, topo)
-        dt = time.perf_counter() - t0
-        rec = {"step": step + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt,
-               "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": schedule.at(step),
-               "peak_grad_bytes": trainer.last_peak_grad_bytes}
-        if trainer.last_grad_norm is not None:
-            rec["grad_norm"] = trainer.last_grad_norm  # before clipping
-        if peak:
-            rec["mfu"] = model_flops_utilisation(cfg, plan, dt, peak)
+    topo.log.context = {"step": step}
+    st["diag"].step_start(step, lambda: memory_by_category(trainer))  # diagnose
+    t0 = time.perf_counter()
+    set_lr(trainer.optimizer, st["schedule"].at(step))
+    mbs = st["batches"].micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
+    if plan.cp > 1:  # this cp rank's zig-zag chunks of every sequence, and their positions
+        mbs = [chunk_batch(x, y, plan.cp, topo.cp.index) for x, y in mbs]
+    first = step == st["start"]
+    measure = first and len(trainer.chunks) == 1 and ("activations" in run.collect or budget)
+    loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)
+    if acts is not None and "activations" in run.collect:
+        extra["activations"] = acts
+    if budget and first:  # --memory-budget: the measured ledgers against the budget
+        check_budget(memory_by_category(trainer, peak_activation_bytes(trainer, acts)), budget,
+                     topo.rank, topo.coords, run.model, plan)
+    loss = trainer.mean_loss_over_dp(loss)
+    check_finite(loss, step, topo)
+    dt = time.perf_counter() - t0
+    rec = {"step": step + 1, "loss": loss, "step_time_s": dt,
+           "tokens_per_s": plan.global_batch * plan.seq_len / dt,
+           "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": st["schedule"].at(step),
+           "peak_grad_bytes": trainer.last_peak_grad_bytes}
+    if trainer.last_grad_norm is not None:
+        rec["grad_norm"] = trainer.last_grad_norm  # before clipping
+    if st["peak"]:
+        rec["mfu"] = model_flops_utilisation(run.model, plan, dt, st["peak"])
+    return rec
+
+
+def train_worker(run: RunConfig) -> dict:
+    """Run optimizer steps until step `run.steps` on this rank; return what this rank saw."""
+    st = _setup(run)
+    trainer, topo, report = st["trainer"], st["topo"], st["report"]
+    records, extra, interrupted = [], {}, None
+    for step in range(st["start"], run.steps):
+        rec = _train_step(run, st, step, extra)
         done = step + 1
-        rec.update(periodic(trainer, run, done, val_batches, tok, report))
+        rec.update(periodic(trainer, run, done, st["val_batches"], st["tok"], report))
         records.append(rec)
         report.step(rec)
         saved = bool(run.save) and (done == run.steps or bool(run.save_every and
                                                                done % run.save_every == 0))
         signum = stop.agree(topo.device) if run.stop_on_signal else 0
         if saved or (signum and run.save):  # a stop saves first (at this boundary, on every rank)
-            trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok))
+            trainer.save(run.save, done, checkpoint_meta(run, done, st["schedule"], st["tok"]))
             if run.keep_last and topo.rank == 0:
                 prune_checkpoints(run.save, run.keep_last)
         if signum:
             interrupted = {"signal": signum, "step": done, "saved": bool(run.save)}
             break
     report.close()
-    diag.finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
-    return {"rank": rank, "coords": topo.coords, "reporter": reporter, "records": records,
+    st["diag"].finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
+    return {"rank": topo.rank, "coords": topo.coords, "reporter": st["reporter"], "records": records,
             "device": topo.device.type, "interrupted": interrupted,
             "comm_bytes": dict(topo.log.bytes_by_axis),
             "comm_wire_bytes": dict(topo.log.wire_bytes_by_axis),
             "peak_in_flight": trainer.last_result.peak_in_flight if trainer.last_result else {},
-            **collected(trainer, collect), **extra}
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became nan or inf: `mini3d train` stops with its own exit code (5)."""
-
-
-def check_finite(loss: float, step: int, topo):
-    """Raise NonFiniteLoss naming the step and the rank; every rank holds the same loss here (the
-    pipeline broadcasts it, dp averages it), so all stop at the same point."""
-    if not math.isfinite(loss):
-        c = topo.coords
-        raise NonFiniteLoss(f"the loss is {loss} at step {step + 1} (seen on rank {topo.rank}, "
-                            f"tp={c['tp']}, pp={c['pp']}, dp={c['dp']}): training diverged; "
-                            f"lower --lr, set --grad-clip, or check the data")
+            **collected(trainer, set(run.collect)), **extra}
 
 
 def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | None = None):
@@ -307,69 +294,6 @@ def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | Non
                        trainer.plan, run_dir) from err
     acts = {k: v / len(mbs) for k, v in ledger.by_category.items()} if measure else None
     return loss, acts
-
-
-def peak_activation_bytes(trainer: Trainer, acts: dict | None) -> float:
-    """Measured activation peak: bytes saved per micro-batch x micro-batches in flight at once
-    (1 without a pipeline: each micro-batch's backward frees them before the next forward)."""
-    if not acts:
-        return 0.0
-    in_flight = max(trainer.last_result.peak_in_flight.values()) if trainer.last_result else 1
-    return sum(acts.values()) * in_flight
-
-
-def memory_by_category(trainer: Trainer, activations: float = 0) -> dict:
-    """Measured bytes of this rank in the estimator's categories (model states from the live
-    ledger; activations as measured by the caller)."""
-    led = model_state_ledger(trainer.net, trainer.optimizer)
-    return {"params": led["parameters"], "grads": led["gradients"],
-            "optimizer": led["master_weights"] + led["optimizer_states"] + led["optimizer_scalars"],
-            "activations": activations, "comm_buffers": 0}
-
-
-def collected(trainer: Trainer, what: set) -> dict:
-    """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
-    "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
-    "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
-    micro-batch by module, measured during the first step; one model chunk only)."""
-    out = {}
-    if "events" in what:
-        out["events"] = trainer.topo.log.snapshot()
-    if "timeline" in what and trainer.last_result is not None:
-        out["timeline"] = [(s, e, a) for s, e, a in trainer.last_result.timeline]
-    if "ledger" in what:
-        out["ledger"] = model_state_ledger(trainer.net, trainer.optimizer)
-    return out
-
-
-def describe_plan(plan: Plan) -> str:
-    s = f"tp{plan.tp} x pp{plan.pp} x dp{plan.dp}"
-    if plan.cp > 1:
-        s = f"tp{plan.tp} x cp{plan.cp} x pp{plan.pp} x dp{plan.dp}"
-    if plan.zero:
-        s += f" zero{plan.zero}"
-    if plan.pp > 1:
-        s += f" {plan.schedule}"
-    if plan.attention != "explicit":
-        s += f" {plan.attention}"
-    return s
-
-
-def summary_line(records: list[dict], plan: Plan, device_type: str = "cpu") -> str:
-    first, last = records[0], records[-1]
-    n = len(records)
-    mean_tps = sum(r["tokens_per_s"] for r in records[1:] or records) / max(1, len(records[1:] or records))
-    val = [r["val_loss"] for r in records if "val_loss" in r]
-    val_text = f", val loss {val[0]:.4f} -> {val[-1]:.4f}" if len(val) > 1 else (
-        f", val loss {val[0]:.4f}" if val else "")
-    what = "peak memory" if device_type == "cuda" else "peak memory (process RSS, not model bytes)"
-    return (f"done: {n} steps on {describe_plan(plan)} ({plan.world_size} processes, {plan.dtype}): "
-            f"loss {first['loss']:.4f} -> {last['loss']:.4f}{val_text}, {mean_tps:,.0f} tokens/s, "
-            f"{what} {max(r['peak_mem_bytes'] for r in records) / 2**20:,.0f} MiB per rank")
-
-
-def reporter_records(results: list[dict]) -> list[dict]:
-    return next(r["records"] for r in results if r["reporter"])
 
 
 __all__ = ["Trainer", "parallelize", "train_worker", "make_spec", "summary_line", "reporter_records",
