@@ -72,7 +72,8 @@ class WeightDecay:
     def __init__(self, optimizer, module: nn.Module, weight_decay: float, decay_embeddings: bool):
         self.optimizer, self.wd = optimizer, weight_decay
         embeddings = {id(m.weight) for m in module.modules() if isinstance(m, nn.Embedding)}
-        embeddings |= {id(p) for n, p in module.named_parameters() if _is_embedding(n)}
+        tied = any(getattr(getattr(m, "cfg", None), "tie_embeddings", False) for m in module.modules())
+        embeddings |= {id(p) for n, p in module.named_parameters() if _is_embedding(n, tied)}
         names = {p: n for n, p in module.named_parameters()}
         sharded = optimizer.wrapper.stage >= 1
         self.ranges = []  # per master: [(lo, hi)] within the master to decay
@@ -96,9 +97,10 @@ class WeightDecay:
                 master[a:b].mul_(factor)
 
 
-def _is_embedding(name: str) -> bool:
-    # tensor-parallel embeddings are not nn.Embedding subclasses: known by their reference names
-    return name.endswith(("wte.weight", "wpe.weight"))
+def _is_embedding(name: str, tied: bool = False) -> bool:
+    # tensor-parallel embeddings are not nn.Embedding subclasses: known by their reference names;
+    # a tied head's copy on the last pipeline stage is the embedding (mini3d.model.canonical_name)
+    return name.endswith(("wte.weight", "wpe.weight")) or (tied and name.endswith("head.out.weight"))
 
 
 def _merge(spans: list) -> list:
