@@ -259,7 +259,8 @@ def test_every_chapter_widget_moves(lab, browser, shots):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     problems = []
     try:
-        page.goto(f"{base}/lab/tree/course/widgets.ipynb?token={token}", timeout=90_000)
+        # reset: a fresh workspace, so the tabs the first test opened do not come back in front
+        page.goto(f"{base}/lab/tree/course/widgets.ipynb?reset&token={token}", timeout=90_000)
         page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=90_000)
         _accept_kernel_dialog(page)
         page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
