@@ -9,7 +9,7 @@ token auth and all Jupyter state in a temp dir. Two tests share it:
   exercise link opens `exercises/count_params.py` in an editor tab.
 - `test_every_chapter_widget_moves`: a notebook made of each chapter's import cell and its main widget
   cell (the cells tagged `imports` and `main-widget`, so it runs the chapters' own code without their
-  multi-process runs) is run once; then every slider of every explorer is moved to its extreme
+  multi-process runs; chapter 08 has no explorer) is run once; then every slider of every explorer is moved to its extreme
   positions (End, Home). After each move the figure must have changed (for at least one move per
   explorer), no Python error may appear, and no two text boxes of the rendered SVG may overlap
   (bar totals, annotations, titles, legend, tick labels against the others). Screenshots of every
@@ -236,12 +236,15 @@ def overlapping_labels(boxes: list[dict], tol: float = 1.0) -> list[tuple[str, s
 
 
 def _wait_changed(page, box, before: str, timeout_s: float) -> str:
-    deadline, now = time.time() + timeout_s, before
+    """The explorer's signature once it differs from `before` and has settled: the status line
+    changes first and Plotly redraws asynchronously, so wait for three equal samples in a row."""
+    deadline, now, same = time.time() + timeout_s, before, 0
     while time.time() < deadline:
-        now = box.evaluate(_SIGNATURE)
-        if now != before and "computing" not in now:
+        time.sleep(0.4)
+        last, now = now, box.evaluate(_SIGNATURE)
+        same = same + 1 if now == last else 0
+        if now != before and "computing" not in now and same >= 2:
             return now
-        time.sleep(0.3)
     return now
 
 
@@ -256,7 +259,8 @@ def test_every_chapter_widget_moves(lab, browser, shots):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     problems = []
     try:
-        page.goto(f"{base}/lab/tree/course/widgets.ipynb?token={token}", timeout=90_000)
+        # reset: a fresh workspace, so the tabs the first test opened do not come back in front
+        page.goto(f"{base}/lab/tree/course/widgets.ipynb?reset&token={token}", timeout=90_000)
         page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=90_000)
         _accept_kernel_dialog(page)
         page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()

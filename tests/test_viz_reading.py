@@ -116,3 +116,21 @@ def test_rank_grid_2d_view_beside_the_cube():
     box = rank_grid_explorer(tp=2, pp=2, dp=2, gpus_per_node=4)
     box.controls["pp"].value = 4
     assert len(box.flat.layout.meta["cells"]) == 16 and box.flat in box.children[-1].children
+
+
+def test_axes_grow_their_margins_instead_of_clipping_labels():
+    import plotly.io as pio
+
+    from mini3d.course.viz.theme import TEMPLATE_NAME
+
+    layout = pio.templates[TEMPLATE_NAME].layout
+    assert layout.xaxis.automargin is True and layout.yaxis.automargin is True
+
+
+def test_explorer_redraws_once_when_its_view_reports_in():
+    calls = []
+    w = widgets.schedule_explorer(lambda *a: calls.append(a) or fake_simulate(*a), kind="1f1b", p=4, m=4)
+    n = len(calls)
+    w.figure._js2py_layoutDelta = {"layout_delta": {}, "layout_edit_id": 0}  # what a new view sends
+    w.figure._js2py_layoutDelta = {"layout_delta": {}, "layout_edit_id": 0}
+    assert len(calls) == n + 1  # once, not on every later resize

@@ -32,7 +32,7 @@ def rank_grid_2d_figure(grid, color_by: str = "tp", gpus_per_node: int = 8, widg
     fig.update_xaxes(tickvals=sorted({c for _, c, _, _ in cells}), range=[-0.7, max(c for _, c, _, _ in cells) + 0.7],
                      showgrid=False)
     fig.update_yaxes(tickvals=sorted({r for _, _, r, _ in cells}), autorange="reversed", showgrid=False)
-    fig.update_layout(width=520, height=180 + 60 * (max(r for _, _, r, _ in cells) + 1),
+    fig.update_layout(width=440, height=180 + 60 * (max(r for _, _, r, _ in cells) + 1),
                       meta={"cells": cells})
     return fig
 

@@ -47,8 +47,11 @@ def _build_template() -> go.layout.Template:
         plot_bgcolor="white",
         margin=dict(l=70, r=30, t=60, b=60),
         colorway=["#3b6fb6", "#e8893a", "#2e9e5b", "#c8553d", "#8e6bbf", "#b59a2a", "#9a9a9a"],
-        xaxis=dict(showgrid=True, gridcolor="#eee", zeroline=False, linecolor="#888", ticks="outside"),
-        yaxis=dict(showgrid=True, gridcolor="#eee", zeroline=False, linecolor="#888", ticks="outside"),
+        # automargin: margins grow to fit long tick labels and titles instead of clipping them
+        xaxis=dict(showgrid=True, gridcolor="#eee", zeroline=False, linecolor="#888", ticks="outside",
+                   automargin=True),
+        yaxis=dict(showgrid=True, gridcolor="#eee", zeroline=False, linecolor="#888", ticks="outside",
+                   automargin=True),
         legend=dict(bgcolor="rgba(255,255,255,0.8)", bordercolor="#ddd", borderwidth=1),
         hoverlabel=dict(bgcolor="white", font_size=12),
         bargap=0.25,

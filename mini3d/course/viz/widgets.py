@@ -43,6 +43,22 @@ def wire(controls: dict, status, update):
         c.observe(on_change, names="value")
 
 
+def redraw_when_shown(figs, update):
+    """Run `update` once more when the first figure's view reports its size to Python (its first
+    `_js2py_layoutDelta`). Under load, a FigureWidget view created after `update` already ran can
+    come up as empty axes (seen in the browser test, and as ch09's empty figures); changes sent while
+    the view exists always render, so the second update restores the picture."""
+    fig = figs[0]
+    state = {"done": False}
+
+    def shown(change):
+        if change["new"] is not None and not state["done"]:
+            state["done"] = True
+            update()
+    if hasattr(fig, "_js2py_layoutDelta"):
+        fig.observe(shown, names="_js2py_layoutDelta")
+
+
 def _explorer(controls: dict, fig, status, update):
     """Lay out controls, status line and figure; wire every control to `update`; run it once.
     The box carries the CSS class `mini3d-explorer` (the browser test finds explorers by it)."""
@@ -51,6 +67,7 @@ def _explorer(controls: dict, fig, status, update):
     box.add_class("mini3d-explorer")
     box.controls, box.figure, box.status, box.refresh = controls, fig, status, update
     update()
+    redraw_when_shown([fig], update)
     return box
 
 
