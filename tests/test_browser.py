@@ -104,7 +104,7 @@ def widgets_notebook() -> nbformat.NotebookNode:
     """Each chapter's `imports` cell and `main-widget` cell, in chapter order, in one notebook."""
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    for path in sorted((ROOT / "course").glob("[0-9][0-9]_*.ipynb")):
+    for path in sorted((ROOT / "course").glob("[0-9][0-9]*_*.ipynb")):
         chapter = nbformat.read(path, as_version=4)
         for tag in ("imports", "main-widget"):
             for cell in chapter.cells:

@@ -110,21 +110,25 @@ def seq_len_figure(rows: list[dict], capacity_bytes: float | None = None, widget
 
 
 def long_sequence_explorer(cfg, capacity_bytes: float = 80e9, seq_lens=None, recompute: str = "none"):
-    """tp / recompute controls over `seq_len_figure` of `cfg` (cp = 1, 2, 4, 8 as lines)."""
+    """tp / recompute controls over `seq_len_figure` of `cfg` (cp = 1, 2, 4, 8 as lines), with a
+    status line saying the longest sequence each cp fits at the chosen tp."""
+    from .widgets import _explorer
+
     seq_lens = seq_lens or [2**k for k in range(11, 18)]
     controls = dict(tp=W.SelectionSlider(options=[1, 2, 4, 8], value=8, description="tp"),
                     recompute=W.Dropdown(options=["none", "full"], value=recompute,
                                          description="recompute"))
     fig = seq_len_figure([], capacity_bytes, widget=True)
+    status = W.HTML()
 
     def update():
-        src = seq_len_figure(activation_rows(cfg, seq_lens, tp=controls["tp"].value,
-                                             recompute=controls["recompute"].value), capacity_bytes)
+        rows = activation_rows(cfg, seq_lens, tp=controls["tp"].value,
+                               recompute=controls["recompute"].value)
+        src = seq_len_figure(rows, capacity_bytes)
         with fig.batch_update():
             fig.data = []
             fig.add_traces(list(src.data))
+        status.value = f"tp={controls['tp'].value}, recompute {controls['recompute'].value}: " \
+                       f"activation bytes per GPU against {capacity_bytes / 2**30:.0f} GiB"
 
-    for c in controls.values():
-        c.observe(lambda change: update(), names="value")
-    update()
-    return W.VBox([W.HBox(list(controls.values())), fig])
+    return _explorer(controls, fig, status, update)

@@ -110,7 +110,7 @@ def schedule_explorer(simulate_fn, kind: str = "1f1b", p: int = 4, m: int = 4, v
 
     def update():
         vals = {k: c.value for k, c in controls.items()}
-        controls["v"].disabled = vals["kind"] != "interleaved"  # the other schedules ignore it
+        controls["v"].disabled = vals["kind"] not in ("interleaved", "looped-bfs")  # others ignore it
         view = _guard(status, lambda: schedule_view(simulate_fn, **vals))
         if view is None:
             return
