@@ -17,7 +17,7 @@ from mini3d.dryrun import record_rank
 from mini3d.launch import launch
 from mini3d.train import make_spec
 
-CFG = ModelConfig(4, 32, 4, 64, 16, name="dry4")
+CFG = ModelConfig(4, 32, 4, 256, 16, name="dry4")  # the byte tokenizer needs 256 rows
 CASES = [
     (Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, global_batch=8, seq_len=8), 1.0),
     (Plan(tp=2, dp=4, zero=3, micro_batches=2, global_batch=8, seq_len=8), 1.0),
