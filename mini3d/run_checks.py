@@ -87,8 +87,11 @@ def run_problems(args, plan, cfg) -> list[str]:
 def resume_changes(meta: dict, args, plan) -> list[str]:
     """What differs between a checkpoint's run and the one asked for, among what decides the
     batches: the seed, the data file and the global batch (checkpoints that did not record one of
-    them are not compared on it)."""
+    them are not compared on it). A step-0 checkpoint (`mini3d import-hf`) has no batches behind it
+    to continue, so nothing is compared."""
     out = []
+    if int(meta.get("step", 0)) == 0:
+        return out
     if "seed" in meta and meta["seed"] != args.seed:
         out.append(f"--seed {args.seed} differs from the checkpoint's seed {meta['seed']}")
     if "data" in meta:
