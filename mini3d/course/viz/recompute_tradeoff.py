@@ -97,15 +97,9 @@ def recompute_explorer(models=("gpt-7b", "gpt-22b", "gpt-175b"), model: str = "g
                         f"micro-batch per GPU ({view['saved_fraction']:.0%} less than none), "
                         f"{view['extra_compute']:+.1%} compute per step")
 
-    from .widgets import redraw_when_shown, wire
+    from .widgets import _explorer
 
-    wire(controls, status, update)
-    box = W.VBox([W.HBox(list(controls.values())[:3]), W.HBox(list(controls.values())[3:]), status, fig])
-    box.add_class("mini3d-explorer")
-    box.controls, box.figure, box.status, box.refresh = controls, fig, status, update
-    update()
-    redraw_when_shown([fig], update)
-    return box
+    return _explorer(controls, fig, status, update, per_row=3)
 
 
 def layer_ledger_bytes(activations: dict, layer: int = 0) -> float:

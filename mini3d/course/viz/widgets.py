@@ -59,11 +59,13 @@ def redraw_when_shown(figs, update):
         fig.observe(shown, names="_js2py_layoutDelta")
 
 
-def _explorer(controls: dict, fig, status, update):
-    """Lay out controls, status line and figure; wire every control to `update`; run it once.
-    The box carries the CSS class `mini3d-explorer` (the browser test finds explorers by it)."""
+def _explorer(controls: dict, fig, status, update, per_row: int = 4):
+    """Lay out controls (`per_row` on the first row), status line and figure; wire every control
+    to `update`; run it once. The box carries the CSS class `mini3d-explorer` (the browser test
+    finds explorers by it)."""
     wire(controls, status, update)
-    box = W.VBox([W.HBox(list(controls.values())[:4]), W.HBox(list(controls.values())[4:]), status, fig])
+    row = list(controls.values())
+    box = W.VBox([W.HBox(row[:per_row]), W.HBox(row[per_row:]), status, fig])
     box.add_class("mini3d-explorer")
     box.controls, box.figure, box.status, box.refresh = controls, fig, status, update
     update()
