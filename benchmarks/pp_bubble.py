@@ -36,10 +36,13 @@ from mini3d.pp.runtime import PipelineRuntime
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import bubble_formula, simulate
 
-CFG = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=256, max_seq_len=64)
+CFG = ModelConfig(n_layers=4, d_model=256, n_heads=4, vocab_size=256, max_seq_len=64)
 B, T = 4, 64
-# MINI3D_PP_BUBBLE_WIDTH=256 (say) widens the model, so that compute outweighs the per-action
-# Python and gloo overheads of a shared CPU (which the simulator does not model)
+# d_model 256, not smaller: each action costs about a millisecond of Python and gloo overhead on a
+# CPU (which the simulator charges only as measured per-action cost), and a split schedule runs
+# three actions per micro-batch instead of two; at d_model 128 that overhead is as large as the W
+# pass itself, so zero-bubble schedules cannot show their gain (on a GPU, at real sizes, compute
+# dominates). MINI3D_PP_BUBBLE_WIDTH=128 (say) sets another width.
 WIDTH = int(os.environ.get("MINI3D_PP_BUBBLE_WIDTH", CFG.d_model))
 CFG = dataclasses.replace(CFG, d_model=WIDTH)
 
