@@ -35,7 +35,10 @@ Pending a GPU: no CUDA device was available where this file was written. On a ma
 CUDA GPU run `bash benchmarks/gpu_check.sh` (mini3d train --device cuda --dtype bf16 at world size 1
 on gpt2-small, tokens/s, MFU against the matching H100/H200/A100 preset, peak CUDA memory next to
 the estimator's prediction, the step-time ratio to two plain PyTorch loops (pure bf16; fp32 under
-bf16 autocast) and a torch.profiler table); its output goes here.
+bf16 autocast) and a torch.profiler table, then llama-3.2-1b in bf16 with sdpa and --compile:
+tokens/s, MFU, compile warm-up, peak memory vs the estimate, ratio to a plain loop with compiled
+blocks); its output goes here. `GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh` runs the same logic
+on a CPU with tiny shapes.
 """
 
 
