@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .wgrad import Linear
 
 
 def canonical_name(name: str, cfg: ModelConfig) -> str:
@@ -110,8 +111,8 @@ class Attention(nn.Module):
         self.rope_base = cfg.rope_base if cfg.family == "llama" else None
         self.rope_scaling = cfg.rope_scaling
         # rows: [q heads | k heads | v heads]
-        self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.biases)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.biases)
+        self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.biases)
+        self.proj = Linear(cfg.d_model, cfg.d_model, bias=cfg.biases)
         self.drop = _dropout(cfg)
         self.core = attention_core
 
@@ -180,9 +181,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.biases)
-        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.family == "llama" else None
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.biases)
+        self.fc = Linear(cfg.d_model, cfg.d_ff, bias=cfg.biases)
+        self.gate = Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.family == "llama" else None
+        self.proj = Linear(cfg.d_ff, cfg.d_model, bias=cfg.biases)
         self.act = ACTIVATIONS[cfg.activation]
         self.drop = _dropout(cfg)
 
@@ -234,7 +235,7 @@ class Head(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln_f = norm(cfg)
-        self.out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.out = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.loss_fn = cross_entropy  # tensor parallelism swaps in the vocab-parallel version
 
     def forward(self, x, targets=None):

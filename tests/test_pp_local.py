@@ -17,12 +17,14 @@ M, B, T = 3, 2, 8
 
 
 class FakeDP:
-    """Records whether each backward of its stage ran inside no_sync()."""
+    """Records whether each gradient accumulation of its stage ran inside no_sync() (like
+    mini3d.dp, it hooks the accumulation into .grad: a split backward computes some gradients in
+    B but accumulates them only in W)."""
 
     def __init__(self, param):
         self.inside = False
         self.seen = []
-        param.register_hook(lambda g: self.seen.append(self.inside))
+        param.register_post_accumulate_grad_hook(lambda p: self.seen.append(self.inside))
 
     @contextlib.contextmanager
     def no_sync(self):

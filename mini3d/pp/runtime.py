@@ -12,9 +12,9 @@
   so the activations alive on a stage are exactly its in-flight micro-batches; the runtime tracks
   their peak per stage (`StepResult.peak_in_flight`) and per rank (`peak_chunks`);
 * split backward (schedules with W actions, `zero_bubble.py`): B computes only the gradient of the
-  stage input and sends it at once; the autograd graph, with every tensor W needs, stays alive
-  until W computes the weight gradients (`split_backward.py`); the micro-batch counts as in
-  flight until its W;
+  stage input and sends it at once; each linear layer's input and output gradient, which W needs,
+  stay alive until W computes the weight gradients (`split_backward.py`, `mini3d/wgrad.py`); the
+  micro-batch counts as in flight until its W;
 * each action's start and end (time.perf_counter, one clock for all local processes) is recorded
   (`StepResult.timeline`), and `topo.log.context` is set to {step, action, stage, mb} before each
   action so every logged transfer says which action issued it.
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mini3d import comm
+from mini3d.wgrad import WeightGradStore, deferring
 
 from .p2p import PipeP2P, SendQueue
 from .split_backward import backward_input
@@ -136,6 +137,7 @@ class _StepState:
         acts = rt.schedule.actions[rt.pp_rank]
         self.split = {(a.stage, a.mb) for a in acts if a.op == "W"}  # B now, W later
         self.pending = {}  # (stage, mb) -> split_backward.PendingWeightGrad, from B to W
+        self.stores = {}  # (stage, mb) -> the wgrad.WeightGradStore its forward recorded, F to B
         last = {}  # stage -> its last action producing weight gradients
         for a in acts:
             if a.op == "W" or (a.op == "B" and (a.stage, a.mb) not in self.split):
@@ -190,11 +192,16 @@ class _StepState:
         module = self.rt.stages[s]
         x, y = self.mbs[mb]
         h = x.to(self.rt.device) if s == 0 else self.inputs[(s, mb)]
-        if s == self.last_stage:
-            out = module(h, y.to(self.rt.device))  # the micro-batch's mean token loss
-            self.losses.append(out.detach())
-        else:
-            out = module(h)  # (b, T, C)
+        # linears' W work; stage 0 has no input gradient, so its B is empty and W a whole backward
+        store = WeightGradStore() if s > 0 and (s, mb) in self.split else None
+        with deferring(store):
+            if s == self.last_stage:
+                out = module(h, y.to(self.rt.device))  # the micro-batch's mean token loss
+                self.losses.append(out.detach())
+            else:
+                out = module(h)  # (b, T, C)
+        if store is not None:
+            self.stores[(s, mb)] = store
         self.outputs[(s, mb)] = out
         if s < self.last_stage and self.rt.schedule.rank_of(s + 1) == self.rt.pp_rank:
             self.inputs[(s + 1, mb)] = out.detach().requires_grad_()  # local hand-over (p == 1)
@@ -215,7 +222,7 @@ class _StepState:
             grad = (torch.tensor(1.0 / self.m, device=self.rt.device) if s == self.last_stage
                     else self.grad_out.pop((s, mb)))
             dinp, self.pending[(s, mb)] = backward_input(
-                out, grad, inp, list(self.rt.stages[s].parameters()))
+                out, grad, inp, list(self.rt.stages[s].parameters()), self.stores.pop((s, mb), None))
         else:
             with self._sync_context(s, mb):
                 if s == self.last_stage:

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mini3d.wgrad import linear
+
 from . import mappings
 
 
@@ -86,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
             x = mappings.gather_from_sequence(x, self.axis)  # (B, T/tp, C) -> (B, T, C)
         else:
             x = mappings.copy_to_tp(x, self.axis)  # f
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        y = linear(x, self.weight, self.bias)  # (B, T, out/tp)
         return mappings.gather_from_tp(y, self.axis) if self.gather_output else y
 
     def extra_repr(self):
@@ -113,7 +115,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight)  # partial sum (B, T, C)
+        y = linear(x, self.weight)  # partial sum (B, T, C)
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence(y, self.axis)  # (B, T/tp, C)
         else:
