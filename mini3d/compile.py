@@ -27,11 +27,11 @@ compiled graphs (the saved-tensor count matches the forward's, as checkpoint req
 recomputation checkpoints the attention core inside the block; dynamo traces the checkpoint as a
 region to recompute within the compiled graph.
 
-The zero-bubble split backward (mini3d.pp.split_backward) cannot see inside a compiled graph: the
-backward of a compiled piece is one autograd node, both the input's and the weights' gradients.
-That node becomes the split node of every parameter in it: B runs it in full (keeping the gradient
-arriving there), W runs it again for the weights. The result is exact, but a compiled piece pays
-its backward twice under zb-h1 / zbv (tests/test_compile.py checks the parity).
+The zero-bubble split backward (mini3d.pp.split_backward) defers the weight gradients of the
+linear layers it sees (mini3d.wgrad); inside a compiled graph the linears are plain F.linear and the
+backward of a compiled piece is one autograd node, so B computes that piece's weight gradients
+too and holds them until W accumulates them: exact (tests/test_compile.py checks zb-h1 and zbv),
+but for the compiled blocks B costs a whole backward and W only the accumulation.
 """
 
 from __future__ import annotations
@@ -50,38 +50,11 @@ def apply_compile(model: nn.Module, plan) -> nn.Module:
         raise ValueError(f"compile={plan.compile!r} is unknown (choose {', '.join(BACKENDS)})")
     if plan.compile == "none":
         return model
-    keep = _backward_runs_twice(plan)
     for block in getattr(model, "blocks", {}).values():
         if not getattr(block.forward, "compiled", False):
-            block.forward = _compiled(block.forward, plan.compile, keep)
+            block.forward = torch.compile(block.forward, backend=plan.compile)
+            block.forward.compiled = True
     return model
-
-
-def _backward_runs_twice(plan) -> bool:
-    """Whether the pipeline schedule splits each backward into B and W (mini3d.pp.split_backward),
-    which runs a compiled piece's backward node twice over a retained graph."""
-    if plan.pp == 1:
-        return False
-    from .pp.schedules import make_schedule
-
-    return make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages).split
-
-
-def _compiled(forward, backend: str, keep_graph: bool):
-    """`forward` through torch.compile. With `keep_graph`, AOT autograd is told not to donate the
-    saved tensors' buffers to the backward (its default frees them in the first backward, which
-    then refuses `retain_graph=True`: the split backward's B needs the graph kept for W)."""
-    compiled = torch.compile(forward, backend=backend)
-    if keep_graph:
-        no_donation = torch._functorch.config.patch(donated_buffer=False)  # read when it compiles
-
-        def call(*args, **kwargs):
-            with no_donation:
-                return compiled(*args, **kwargs)
-    else:
-        call = compiled
-    call.compiled = True
-    return call
 
 
 __all__ = ["BACKENDS", "apply_compile"]

@@ -20,8 +20,9 @@ orders. Measured with inductor (torch 2.13, CPU): step-0 gradients within 9e-7 o
 max (bound 1e-5), later steps 6e-6 (bound 3e-4). aot_eager runs the eager aten ops, so on one rank
 it equals eager exactly, and in the layouts only the layouts' own summation orders remain. A
 compiled forward whose output is off by 1e-4 relative fails the layouts' test (tried by hand).
-The split-backward schedules (zb-h1, zbv) see each compiled piece as one autograd node, run in B
-and again in W (see mini3d/compile.py): exact, which the zb-h1 and zbv layouts check.
+Under the split-backward schedules (zb-h1, zbv) a compiled piece is one autograd node whose
+linears are not deferred (mini3d.wgrad): B computes its weight gradients and W accumulates them
+(see mini3d/compile.py), which the zb-h1 and zbv layouts check.
 """
 
 from __future__ import annotations
