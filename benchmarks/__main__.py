@@ -8,6 +8,7 @@ Runs, on local CPU processes with gloo, each benchmark module's `run(quick)`:
     pp_bubble     measured pipeline bubble vs the simulator's
     train_runs    tokens/s of the tiny 3D run (tp2 pp2 dp2)
     cost_local    cost model predicted vs measured step time (calibrated first, in this run)
+    compile_bench --compile (inductor) vs eager, one process and tp2, and the compile warm-up
 
 prints one table and writes it, with the machine description, to benchmarks/RESULTS.md (the
 sections other scripts own there, e.g. profile_3d's, are kept). A module that fails becomes a row
@@ -25,7 +26,7 @@ import traceback
 
 from .common import machine_description, markdown_table, replace_section
 
-MODULES = ("dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs", "cost_local")
+MODULES = ("dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs", "cost_local", "compile_bench")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 GPU_NOTE = """## GPU path
@@ -34,7 +35,10 @@ Pending a GPU: no CUDA device was available where this file was written. On a ma
 CUDA GPU run `bash benchmarks/gpu_check.sh` (mini3d train --device cuda --dtype bf16 at world size 1
 on gpt2-small, tokens/s, MFU against the matching H100/H200/A100 preset, peak CUDA memory next to
 the estimator's prediction, the step-time ratio to two plain PyTorch loops (pure bf16; fp32 under
-bf16 autocast) and a torch.profiler table); its output goes here.
+bf16 autocast) and a torch.profiler table, then llama-3.2-1b in bf16 with sdpa and --compile:
+tokens/s, MFU, compile warm-up, peak memory vs the estimate, ratio to a plain loop with compiled
+blocks); its output goes here. `GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh` runs the same logic
+on a CPU with tiny shapes.
 """
 
 

@@ -54,13 +54,15 @@ def peak_for(device_name: str, memory_bytes: float | None = None) -> tuple[str, 
 
 
 def run_mini3d(model: str, seq_len: int, global_batch: int, steps: int, device: str,
-               dtype: str, timeout: float, attention: str = "explicit") -> list[dict]:
-    """`mini3d train` at world size 1 in a subprocess; returns its --log-jsonl records."""
+               dtype: str, timeout: float, attention: str = "explicit", extra=()) -> list[dict]:
+    """`mini3d train` at world size 1 in a subprocess (`extra`: more flags, e.g. --compile);
+    returns its --log-jsonl records."""
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "log.jsonl")
         cmd = [sys.executable, "-m", "mini3d", "train", "--model", model, "--seq-len", str(seq_len),
                "--global-batch", str(global_batch), "--steps", str(steps), "--device", device,
-               "--dtype", dtype, "--attention", attention, "--no-progress", "--log-jsonl", log]
+               "--dtype", dtype, "--attention", attention, "--no-progress", "--log-jsonl", log,
+               *extra]
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
         if r.returncode != 0:

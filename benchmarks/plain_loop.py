@@ -38,11 +38,15 @@ def _sync(device: torch.device):
 
 def plain_step_times(cfg: ModelConfig, global_batch: int, seq_len: int, steps: int,
                      device: str = "cpu", dtype: str = "bf16", lr: float = 3e-3,
-                     seed: int = 0, attention: str = "explicit") -> dict:
-    """Seconds per training step of the plain loop (all `steps`, first ones included) and losses."""
+                     seed: int = 0, attention: str = "explicit", compile_blocks: bool = False) -> dict:
+    """Seconds per training step of the plain loop (all `steps`, first ones included) and losses.
+    `compile_blocks`: torch.compile each block's forward, as torchtitan does (the first steps then
+    include the compilation)."""
     dev = torch.device(device)
     torch.manual_seed(seed)
     model = set_attention(GPT(cfg, seed), attention).to(device=dev, dtype=DTYPES[dtype])
+    for block in model.blocks.values() if compile_blocks else ():
+        block.forward = torch.compile(block.forward)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0,
                             fused=dev.type == "cuda" or None)
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dtype == "amp")

@@ -75,6 +75,9 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--attention", default="explicit",
                    help="explicit (written out, keeps the s x s matrix: what the course measures) "
                         "or sdpa (torch's fused scaled_dot_product_attention: for real runs)")
+    g.add_argument("--compile", nargs="?", const="inductor", default="none", metavar="BACKEND",
+                   help="torch.compile each transformer block (regional compilation; the collectives "
+                        "stay eager): --compile alone is inductor; aot_eager traces without codegen")
 
 
 def plan_from_args(args) -> Plan:
@@ -83,7 +86,7 @@ def plan_from_args(args) -> Plan:
                 recompute=args.recompute, dtype=args.dtype, global_batch=args.global_batch,
                 seq_len=args.seq_len, sequence_parallel=args.sequence_parallel,
                 bucket_mb=args.bucket_mb, attention=args.attention, grad_dtype=args.grad_dtype,
-                cp=args.cp)
+                cp=args.cp, compile=args.compile)
 
 
 def build_parser() -> argparse.ArgumentParser:

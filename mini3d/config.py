@@ -20,6 +20,7 @@ MULTI_CHUNK = ("interleaved", "looped-bfs", "zbv")  # kinds with v > 1 chunks pe
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("float32", "bf16")
 ATTENTION = ("explicit", "sdpa")
+COMPILE = ("none", "inductor", "aot_eager")  # Plan.compile: off, or the torch.compile backend
 
 
 def schedule_problems(kind: str, p: int, m: int, v: int = 1) -> list[str]:
@@ -73,6 +74,9 @@ class Plan:
     # bf16: half the gradient memory and dp traffic, but rounded at every sum (see mini3d/dp/ddp.py)
     grad_dtype: str = "float32"
     cp: int = 1  # context-parallel degree (splits each sequence; attention by ring attention)
+    # torch.compile each transformer block (mini3d.compile): "none", or the backend ("inductor";
+    # "aot_eager" traces and partitions the same graphs without generating code, for quick tests)
+    compile: str = "none"
 
     @property
     def world_size(self) -> int:
@@ -120,6 +124,8 @@ class Plan:
         elif self.grad_dtype == "bf16" and self.dtype != "bf16":
             out.append("grad_dtype='bf16' needs dtype='bf16' (float32 parameters have float32 "
                        "gradients)")
+        if self.compile not in COMPILE:
+            out.append(f"compile={self.compile!r} is unknown (choose {', '.join(COMPILE)})")
         if self.attention not in ATTENTION:
             out.append(f"attention={self.attention!r} is unknown (choose {', '.join(ATTENTION)})")
         elif self.attention == "sdpa" and self.recompute == "selective":
@@ -217,5 +223,5 @@ def plan_from_dict(d: dict) -> Plan:
     return Plan(**{k: v for k, v in d.items() if k in names})
 
 
-__all__ = ["ModelConfig", "Plan", "PlanError", "schedule_problems", "MULTI_CHUNK", "PRESETS", "ALIASES", "FAMILIES", "SCHEDULES", "RECOMPUTE", "DTYPES", "ATTENTION",
+__all__ = ["ModelConfig", "Plan", "PlanError", "schedule_problems", "MULTI_CHUNK", "PRESETS", "ALIASES", "FAMILIES", "SCHEDULES", "RECOMPUTE", "DTYPES", "ATTENTION", "COMPILE",
            "model_from_preset", "plan_from_dict", "model_from_dict"]

@@ -79,6 +79,8 @@ def describe_plan(plan: Plan) -> str:
         s += f" {plan.schedule}"
     if plan.attention != "explicit":
         s += f" {plan.attention}"
+    if plan.compile != "none":
+        s += " compiled" + ("" if plan.compile == "inductor" else f":{plan.compile}")
     return s
 
 

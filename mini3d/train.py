@@ -25,7 +25,7 @@ from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
 from .grid import Grid, build_topology
 import torch.nn as nn
-
+from .compile import apply_compile
 from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
                          read_states, restore_full_state, restore_rng)
 from .optim import WeightDecay, adamw, set_lr  # noqa: F401  (adamw re-exported)
@@ -167,8 +167,8 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     2. tensor parallelism: slice each stage's matrices for this tp rank (still shapes), then give
        each slice its value on this rank's device: the slice of the same parameter of the full
        reference model (one full parameter in host memory at a time, never the unsliced stage);
-    3. the attention core (written out, or torch's fused sdpa; ring attention over cp when cp > 1)
-       and the recomputation policy;
+    3. the attention core (written out, or torch's fused sdpa; ring attention over cp when cp > 1),
+       each block's torch.compile (`plan.compile`, mini3d.compile), the recomputation policy;
     4. data parallelism / ZeRO over the cp x dp ranks (the dp axis when cp = 1), which also builds
        the optimizer.
 
@@ -180,7 +180,7 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
         materialize_reference(module, topo, seed, topo.device)
         set_attention(module, plan.attention)
         apply_cp(module, topo, plan.attention)
-        apply_recompute(module, plan.recompute)
+        apply_recompute(apply_compile(module, plan), plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
     net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)

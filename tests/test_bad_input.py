@@ -48,6 +48,7 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--dtype fp16", "dtype='fp16' is unknown"),
     ("--attention flash", "attention='flash' is unknown"),
     ("--attention sdpa --recompute selective", "recompute='selective' recomputes"),
+    ("--compile tensorrt", "compile='tensorrt' is unknown (choose none, inductor, aot_eager)"),
     ("--model nope", "model='nope' is not a preset"),
     ("--layers 0", "n_layers=0 must be >= 1"),
     ("--hidden 0", "d_model=0 must be >= 1"),

@@ -189,6 +189,7 @@ def test_gpu_check_sh_strict_train_runs_on_cpu(tmp_path):
     text = open(os.path.join(REPO, "benchmarks", "gpu_check.sh")).read()
     cmd = re.search(r'MINI3D_STRICT_DEVICE=1 timeout \d+ "\$PY" -m mini3d train (.*?)\|\| STRICT_RC',
                     text, re.S).group(1).replace("\\\n", " ")
+    cmd = cmd.replace('"$DEV"', "cpu").replace('"${STRICT_MODEL[@]}"', "")  # set by its mode
     args = [a for a in shlex.split(cmd.replace('"$STRICT_DIR"', str(tmp_path)).replace(
         "$STRICT_DIR", str(tmp_path)))]
     assert "--dtype" in args and "bf16" in args and "--zero" in args and "--run-dir" in args
@@ -199,3 +200,23 @@ def test_gpu_check_sh_strict_train_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "done: 1 steps" in r.stdout
     assert (tmp_path / "strict_train.jsonl").exists()
+
+
+def test_gpu_llama_shape_and_report():
+    """benchmarks/gpu_llama.py's model is the ~1B llama preset as the CLI builds it, and its report
+    names every number (the CPU run of the whole logic: GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh)."""
+    from benchmarks import gpu_llama
+    from mini3d.cli import build_parser, model_from_args
+
+    cfg = model_from_args(build_parser().parse_args(["train", *gpu_llama.MODEL_FLAGS[False]]))
+    assert cfg.family == "llama" and 1.1e9 < cfg.n_params() < 1.4e9
+    r = {"device": "H200", "model": cfg.name, "n_params": cfg.n_params(), "seq_len": 2048,
+         "global_batch": 4, "peak_flops": 989e12, "peak_source": "H200-141GB preset", "error": None,
+         "estimated_mem_bytes": 2**34, "timed_steps": 9, "step_s": 0.2, "tokens_per_s": 40960.0,
+         "warmup_s": 50.0, "mfu": 0.4, "peak_mem_bytes": 2**34, "loss_first_last": (12.0, 8.0),
+         "plain_step_s": 0.19, "plain_warmup_s": 5.0, "plain_loss_first_last": (12.0, 8.0),
+         "ratio": 1.05, "ratio_min": 1.0, "ratio_max": 1.1}
+    text = gpu_llama.report(r)
+    for piece in ("1.24B params", "40,960 tokens/s", "compile warm-up 50.0 s", "MFU: 40.0%",
+                  "estimator 16.00 GiB", "mini3d / this loop = 1.050"):
+        assert piece in text, (piece, text)

@@ -112,6 +112,7 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+@torch.compiler.disable  # its p2p ring stays outside compiled graphs (see mini3d.compile)
 def ring_attention(q, k, v, axis, kind: str = "explicit", scale: float | None = None):
     """Ring attention of local (B, nh, T_local, hd) q, k, v over the cp `axis` (zig-zag layout)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

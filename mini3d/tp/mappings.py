@@ -186,39 +186,48 @@ class ScatterToSequence(torch.autograd.Function):
 # thin public wrappers: each takes the tp Axis explicitly
 # ---------------------------------------------------------------------------------------------
 
+@torch.compiler.disable
+def _outside_graphs(function, *args):
+    """Run `function.apply(*args)` eagerly even inside a `torch.compile`d block (mini3d.compile):
+    dynamo breaks the graph here, so the collective goes through `mini3d.comm` (and its event log)
+    exactly as in eager mode. On a one-member axis every mapping is the identity and the wrappers
+    return their input before reaching this, so a block on one tp rank compiles to one graph."""
+    return function.apply(*args)
+
+
 def copy_to_tp(x, axis):
     """`f`: identity forward, all-reduce backward."""
-    return CopyToTP.apply(x, axis)
+    return x if axis.size == 1 else _outside_graphs(CopyToTP, x, axis)
 
 
 def reduce_from_tp(x, axis):
     """`g`: all-reduce forward, identity backward."""
-    return ReduceFromTP.apply(x, axis)
+    return x if axis.size == 1 else _outside_graphs(ReduceFromTP, x, axis)
 
 
 def scatter_to_tp(x, axis):
     """Split the last dim forward, all-gather it backward."""
-    return ScatterToTP.apply(x, axis)
+    return x if axis.size == 1 else _outside_graphs(ScatterToTP, x, axis)
 
 
 def gather_from_tp(x, axis):
     """All-gather the last dim forward, split it backward."""
-    return GatherFromTP.apply(x, axis)
+    return x if axis.size == 1 else _outside_graphs(GatherFromTP, x, axis)
 
 
 def gather_from_sequence(x, axis, dim=SEQ_DIM):
     """All-gather along the sequence forward, reduce-scatter backward."""
-    return GatherFromSequence.apply(x, axis, dim)
+    return x if axis.size == 1 else _outside_graphs(GatherFromSequence, x, axis, dim)
 
 
 def reduce_scatter_to_sequence(x, axis, dim=SEQ_DIM):
     """Reduce-scatter along the sequence forward, all-gather backward."""
-    return ReduceScatterToSequence.apply(x, axis, dim)
+    return x if axis.size == 1 else _outside_graphs(ReduceScatterToSequence, x, axis, dim)
 
 
 def scatter_to_sequence(x, axis, dim=SEQ_DIM):
     """Split the sequence forward, all-gather it backward."""
-    return ScatterToSequence.apply(x, axis, dim)
+    return x if axis.size == 1 else _outside_graphs(ScatterToSequence, x, axis, dim)
 
 
 __all__ = ["copy_to_tp", "reduce_from_tp", "scatter_to_tp", "gather_from_tp", "gather_from_sequence",
