@@ -68,10 +68,10 @@ def _tagged(nb, tag):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", [p for p in CHAPTERS if not p.name.startswith("08")], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_main_widget_builds_from_the_imports_cell_alone(path):
     """The browser test runs each chapter's `imports` + `main-widget` cells; they must stand alone
-    and build an explorer (chapter 08 has figures of failed runs, no explorer)."""
+    and build an explorer."""
     nb = nbformat.read(path, as_version=4)
     (imports,), (widget,) = _tagged(nb, "imports"), _tagged(nb, "main-widget")
     ns: dict = {}
