@@ -1,0 +1,38 @@
+"""Chapter 08's budget explorer and the 70B scenario figures (the data behind them)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+
+from mini3d.config import PRESETS  # noqa: E402
+from mini3d.course.viz import oom_explorer as oe  # noqa: E402
+
+
+def test_budget_view_reports_the_oom_of_the_chapter_run_and_its_fixes():
+    tiny = PRESETS["tiny"]
+    v = oe.budget_view(tiny, budget_mib=4)  # the chapter's run: pp=1, one micro-batch, 4 MiB
+    assert v["oom"] is not None and v["oom"].category == "activations"
+    assert "OUT OF MEMORY on rank 0" in v["oom"].report
+    # the predict question's answer: with pp=1 the model states stay whole, nothing fits 4 MiB
+    assert all(oe.budget_view(tiny, 4, 1, m, r)["oom"] is not None
+               for m in (1, 2, 4, 8) for r in ("none", "selective", "full"))
+    assert oe.budget_view(tiny, 4, pp=2, micro_batches=8)["oom"] is None
+    assert oe.budget_view(tiny, budget_mib=32)["oom"] is None
+    with pytest.raises(ValueError, match="micro_batches"):
+        oe.budget_view(tiny, 4, pp=2, micro_batches=1)
+
+
+def test_oom_explorer_moves_between_report_and_fit():
+    box = oe.oom_explorer(PRESETS["tiny"])
+    assert "exit status 4" in box.status.value and "largest" in box.status.value
+    before = [list(t.y) for t in box.figure.data if t.y is not None]
+    box.controls["budget_mib"].value = 32
+    assert box.status.value.startswith("fits")
+    box.controls["pp"].value = 2  # one micro-batch for two stages: refused, named in the status
+    assert "micro_batches" in box.status.value
+    box.controls["micro_batches"].value = 8
+    after = [list(t.y) for t in box.figure.data if t.y is not None]
+    assert after != before and len(box.figure._widget_data) == len(box.figure.data)
