@@ -36,3 +36,33 @@ def test_oom_explorer_moves_between_report_and_fit():
     box.controls["micro_batches"].value = 8
     after = [list(t.y) for t in box.figure.data if t.y is not None]
     assert after != before and len(box.figure._widget_data) == len(box.figure.data)
+
+
+def test_story_rows_follow_each_chapters_technique():
+    from mini3d.course.viz import story70b as s
+
+    rows = {r["label"]: r for r in s.story_rows({
+        "zero0": dict(dp=8), "zero3": dict(dp=8, zero=3), "tp8": dict(tp=8, zero=1),
+        "pp2": dict(tp=8, pp=2, zero=1), "none": dict(tp=8, pp=2, dp=2, zero=1),
+        "full": dict(tp=8, pp=2, dp=2, zero=1, recompute="full")})}
+    assert rows["zero3"]["memory"]["optimizer"] < rows["zero0"]["memory"]["optimizer"] / 4
+    assert rows["zero3"]["memory"]["params"] < rows["zero0"]["memory"]["params"]
+    assert rows["zero0"]["time"]["bubble"] == 0 < rows["pp2"]["time"]["bubble"]
+    assert rows["tp8"]["time"]["tp_comm"] > 0 == rows["zero0"]["time"]["tp_comm"]
+    assert rows["full"]["memory"]["activations"] < rows["none"]["memory"]["activations"]
+    assert rows["full"]["time"]["compute"] > rows["none"]["time"]["compute"]  # the price of recompute
+    for r in rows.values():  # the terms are the whole step, as the cost model adds it up
+        assert abs(sum(r["time"].values()) - r["step_time_s"]) < 1e-9 * r["step_time_s"]
+    assert rows["zero0"]["gpus"] == 8 and rows["none"]["gpus"] == 32 and not rows["zero0"]["fits"]
+    assert "does NOT fit" in s.story_lines([rows["zero0"]])
+
+
+def test_story_figure_has_both_panels_and_the_capacity():
+    from mini3d.course.viz import story70b as s
+
+    fig = s.story_figure(s.story_rows({"a": dict(dp=8), "b": dict(tp=8, pp=2)}))
+    axes = {(t.xaxis or "x") for t in fig.data if t.type == "bar"}
+    assert axes == {"x", "x2"}  # memory on the left, time on the right
+    names = {t.name for t in fig.data}
+    assert {"optimizer state", "pipeline bubble", "GPU capacity 80 GiB"} <= names
+    assert [r["label"] for r in fig.layout.meta["rows"]] == ["a", "b"]
