@@ -112,7 +112,12 @@ def _meta(row: dict) -> dict:
 
 def show_story(layouts: dict, title: str | None = None, **kw):
     """Print `story_lines` and return `story_figure` (the one cell each chapter runs)."""
+    from ..story import GPU_70B, MODEL_70B
+
     rows = story_rows(layouts, **kw)
+    b = STORY_BATCH
+    print(f"{kw.get('model') or MODEL_70B} on {kw.get('gpu') or GPU_70B}, global batch {b['global_batch']} "
+          f"sequences of {b['seq_len']:,} tokens, {b['dtype']}:")
     print(story_lines(rows))
     return story_figure(rows, title)
 
