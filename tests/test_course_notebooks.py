@@ -82,13 +82,14 @@ def test_main_widget_builds_from_the_imports_cell_alone(path):
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_predict_before_the_explorer_and_the_70b_story(path):
-    """Predict-then-reveal: the markdown right before the main explorer, and before the 70B
-    scenario cell (every chapter but 08, which changes neither memory nor step time), asks the
-    learner to predict first."""
+    """Predict-then-reveal: the cell right before the main explorer, and before the 70B scenario
+    cell (every chapter but 08, which changes neither memory nor step time), asks the learner to
+    predict first (markdown, or a `predict(...)` multiple choice)."""
     nb = nbformat.read(path, as_version=4)
     at = [i for i, c in enumerate(nb.cells) if "main-widget" in c.get("metadata", {}).get("tags", [])
           or (c.cell_type == "code" and "show_story(" in c.source)]
     assert len(at) == (1 if path.name.startswith("08") else 2), path.name
     for i in at:
-        prev = nb.cells[i - 1]
-        assert prev.cell_type == "markdown" and "**Predict first.**" in prev.source, (path.name, i)
+        prev = nb.cells[i - 1]  # a question in markdown, or a multiple choice revealing a computed answer
+        assert ("**Predict first.**" in prev.source if prev.cell_type == "markdown"
+                else "predict(" in prev.source), (path.name, i)

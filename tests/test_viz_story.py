@@ -66,3 +66,19 @@ def test_story_figure_has_both_panels_and_the_capacity():
     names = {t.name for t in fig.data}
     assert {"optimizer state", "pipeline bubble", "GPU capacity 80 GiB"} <= names
     assert [r["label"] for r in fig.layout.meta["rows"]] == ["a", "b"]
+
+
+def test_predict_reveals_the_computed_answer_and_judges_the_pick():
+    from mini3d.course.viz.predict import predict
+
+    box = predict("How many?", [7, 14, 28], 28, why="because")
+    box.reveal()
+    assert "<b>28</b> (no guess" in box.shown.value and "because" in box.shown.value
+    box.pick.value = 14
+    box.reveal()
+    assert "not quite" in box.shown.value
+    box.pick.value = 28
+    box.reveal()
+    assert "(right" in box.shown.value
+    with pytest.raises(ValueError, match="not among"):
+        predict("?", ["a", "b"], "c")
