@@ -9,8 +9,9 @@ token auth and all Jupyter state in a temp dir. Two tests share it:
   exercise link opens `exercises/count_params.py` in an editor tab.
 - `test_every_chapter_widget_moves`: a notebook made of each chapter's import cell and its main widget
   cell (the cells tagged `imports` and `main-widget`, so it runs the chapters' own code without their
-  multi-process runs; chapter 08 has no explorer) is run once; then every slider of every explorer is moved to its extreme
-  positions (End, Home). After each move the figure must have changed (for at least one move per
+  multi-process runs) is run once; every figure of every explorer must be drawn (traces, not empty
+  axes) on that first render, before anything is touched; then every slider of every explorer is
+  moved to its extreme positions (End, Home). After each move the figure must have changed (for at least one move per
   explorer), no Python error may appear, and no two text boxes of the rendered SVG may overlap
   (bar totals, annotations, titles, legend, tick labels against the others). Screenshots of every
   explorer at every extreme go to a temp dir, printed in the test log.
@@ -248,6 +249,22 @@ def _wait_changed(page, box, before: str, timeout_s: float) -> str:
     return now
 
 
+_TRACE_COUNTS = "(root) => [...root.querySelectorAll('.js-plotly-plot')].map(d => (d.data || []).length)"
+
+
+def _empty_on_first_render(boxes, n: int, timeout_s: float = 30) -> list[str]:
+    """Explorers with a figure that has no trace drawn (the empty axes of issue #19), waiting up to
+    `timeout_s` in all for the views to draw."""
+    deadline = time.time() + timeout_s
+    while True:
+        counts = [boxes.nth(k).evaluate(_TRACE_COUNTS) for k in range(n)]
+        empty = [f"explorer {k}: traces per figure {c} on first render" for k, c in enumerate(counts)
+                 if not c or 0 in c]
+        if not empty or time.time() > deadline:
+            return empty
+        time.sleep(1)
+
+
 def _python_errors(page) -> list[str]:
     return page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
 
@@ -270,6 +287,7 @@ def test_every_chapter_widget_moves(lab, browser, shots):
         while boxes.count() < n_widgets or page.locator(f"{EXPLORER} .js-plotly-plot").count() < n_widgets:
             assert time.time() < deadline, f"{boxes.count()} of {n_widgets} explorers appeared; {_python_errors(page)}"
             time.sleep(1)
+        problems += _empty_on_first_render(boxes, n_widgets)
         for k in range(n_widgets):
             box = boxes.nth(k)
             box.scroll_into_view_if_needed()

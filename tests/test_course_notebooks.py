@@ -68,13 +68,28 @@ def _tagged(nb, tag):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", [p for p in CHAPTERS if not p.name.startswith("08")], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_main_widget_builds_from_the_imports_cell_alone(path):
     """The browser test runs each chapter's `imports` + `main-widget` cells; they must stand alone
-    and build an explorer (chapter 08 has figures of failed runs, no explorer)."""
+    and build an explorer."""
     nb = nbformat.read(path, as_version=4)
     (imports,), (widget,) = _tagged(nb, "imports"), _tagged(nb, "main-widget")
     ns: dict = {}
     exec(compile(imports.source, f"{path.name}[imports]", "exec"), ns)
     box = eval(compile(widget.source, f"{path.name}[main-widget]", "eval"), ns)
     assert "mini3d-explorer" in box._dom_classes and box.controls
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_predict_before_the_explorer_and_the_70b_story(path):
+    """Predict-then-reveal: the cell right before the main explorer, and before the 70B scenario
+    cell (every chapter but 08, which changes neither memory nor step time), asks the learner to
+    predict first (markdown, or a `predict(...)` multiple choice)."""
+    nb = nbformat.read(path, as_version=4)
+    at = [i for i, c in enumerate(nb.cells) if "main-widget" in c.get("metadata", {}).get("tags", [])
+          or (c.cell_type == "code" and "show_story(" in c.source)]
+    assert len(at) == (1 if path.name.startswith("08") else 2), path.name
+    for i in at:
+        prev = nb.cells[i - 1]  # a question in markdown, or a multiple choice revealing a computed answer
+        assert ("**Predict first.**" in prev.source if prev.cell_type == "markdown"
+                else "predict(" in prev.source), (path.name, i)

@@ -127,10 +127,20 @@ def test_axes_grow_their_margins_instead_of_clipping_labels():
     assert layout.xaxis.automargin is True and layout.yaxis.automargin is True
 
 
-def test_explorer_redraws_once_when_its_view_reports_in():
-    calls = []
-    w = widgets.schedule_explorer(lambda *a: calls.append(a) or fake_simulate(*a), kind="1f1b", p=4, m=4)
-    n = len(calls)
-    w.figure._js2py_layoutDelta = {"layout_delta": {}, "layout_edit_id": 0}  # what a new view sends
-    w.figure._js2py_layoutDelta = {"layout_delta": {}, "layout_edit_id": 0}
-    assert len(calls) == n + 1  # once, not on every later resize
+def test_explorer_figures_carry_their_picture_in_synced_state():
+    """A view created after the first update draws from `_widget_data` / `_widget_layout` (the
+    browser drops delta messages sent before plotly's module has loaded): both must hold the
+    current picture after the first update and after every move, for every figure of the box."""
+    from mini3d.course.viz.grid_links import rank_grid_explorer
+
+    def state_is_current(fig):
+        return (fig._widget_data == fig._data and len(fig._widget_data) > 0
+                and fig._widget_layout == fig._layout_obj._props)
+
+    w = widgets.schedule_explorer(fake_simulate, kind="1f1b", p=4, m=4)
+    assert state_is_current(w.figure)
+    w.controls["m"].value = 8
+    assert state_is_current(w.figure) and list(w.figure._widget_data[0]["x"]) == list(w.figure.data[0].x)
+    box = rank_grid_explorer(tp=2, pp=2, dp=2, gpus_per_node=4)
+    box.controls["pp"].value = 4
+    assert state_is_current(box.figure) and state_is_current(box.flat)

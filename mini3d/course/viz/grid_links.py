@@ -98,7 +98,7 @@ def rank_grid_explorer(tp: int = 2, pp: int = 2, dp: int = 2, color_by: str = "t
         rows = link_table(g, v["gpus_per_node"])
         status.value = link_table_html(rows)
 
-    box = _explorer(controls, fig, status, update)
+    box = _explorer(controls, fig, status, update, also=[flat])
     fig.layout.width = 470  # with the 2D view (440) side by side within a notebook's width
     box.children = (*box.children[:-1], W.HBox([fig, flat]))  # the cube and its 2D view side by side
     box.flat = flat

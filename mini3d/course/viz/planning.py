@@ -20,7 +20,7 @@ from __future__ import annotations
 import ipywidgets as W
 
 from .theme import CAPACITY_COLOR, new_figure, to_gib
-from .widgets import redraw_when_shown, wire
+from .widgets import synced, wire
 
 # The step-time terms of mini3d.cost.model, in the order they are stacked.
 TIME_TERMS = ("compute", "tp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
@@ -167,13 +167,13 @@ def plan_explorer(plan_fn, models=("gpt-1.3b", "gpt-7b", "gpt-22b", "gpt-70b"), 
         scatter.layout.meta = {"best": view["best"]}
         status.value = view["explanation"]
 
+    update = synced(update, [scatter, bars])
     wire(controls, status, update)
     box = W.VBox([W.HBox(list(controls.values())), status, scatter, bars])
     box.add_class("mini3d-explorer")
     box.controls, box.figure, box.figures, box.status, box.refresh = controls, scatter, (scatter, bars), \
         status, update
     update()
-    redraw_when_shown([scatter, bars], update)
     return box
 
 

@@ -43,33 +43,43 @@ def wire(controls: dict, status, update):
         c.observe(on_change, names="value")
 
 
-def redraw_when_shown(figs, update):
-    """Run `update` once more when the first figure's view reports its size to Python (its first
-    `_js2py_layoutDelta`). Under load, a FigureWidget view created after `update` already ran can
-    come up as empty axes (seen in the browser test, and as ch09's empty figures); changes sent while
-    the view exists always render, so the second update restores the picture."""
-    fig = figs[0]
-    state = {"done": False}
+def synced(update, figs):
+    """`update`, followed by storing each FigureWidget's whole picture in its synced state.
 
-    def shown(change):
-        if change["new"] is not None and not state["done"]:
-            state["done"] = True
-            update()
-    if hasattr(fig, "_js2py_layoutDelta"):
-        fig.observe(shown, names="_js2py_layoutDelta")
+    Why: a FigureWidget nested in a box is never displayed itself, so plotly never runs its
+    `_repr_mimebundle_`, the one place that copies the figure into the synced `_widget_data` /
+    `_widget_layout` traits; they keep the figure as it was built (empty here). The browser's copy
+    follows only through plotly's `_py2js_*` delta messages, applied by listeners that the widget's
+    5 MB JavaScript module registers once it has loaded. Deltas sent before that (the explorer's
+    first `update()`, while the browser still loads the module) are dropped, and a view created
+    afterwards draws the stale state: empty axes under a status line that did update (ch09's
+    symptom). Synced traits are state, not events, so the browser keeps their last value whenever
+    it arrives, and every view draws from them (the same copy `_repr_mimebundle_` makes)."""
+    import copy
+
+    import plotly.graph_objects as go
+
+    def run():
+        update()
+        for fig in figs:
+            if isinstance(fig, go.FigureWidget):
+                fig._widget_layout = copy.deepcopy(fig._layout_obj._props)
+                fig._widget_data = copy.deepcopy(fig._data)
+    return run
 
 
-def _explorer(controls: dict, fig, status, update, per_row: int = 4):
+def _explorer(controls: dict, fig, status, update, per_row: int = 4, also=()):
     """Lay out controls (`per_row` on the first row), status line and figure; wire every control
-    to `update`; run it once. The box carries the CSS class `mini3d-explorer` (the browser test
+    to `update` (with the figures' state synced after it, see `synced`; `also`: more figures it
+    redraws); run it once. The box carries the CSS class `mini3d-explorer` (the browser test
     finds explorers by it)."""
+    update = synced(update, [fig, *also])
     wire(controls, status, update)
     row = list(controls.values())
     box = W.VBox([W.HBox(row[:per_row]), W.HBox(row[per_row:]), status, fig])
     box.add_class("mini3d-explorer")
     box.controls, box.figure, box.status, box.refresh = controls, fig, status, update
     update()
-    redraw_when_shown([fig], update)
     return box
 
 
@@ -272,5 +282,5 @@ def planner_explorer(plan_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"
     return _explorer(controls, fig, status, update)
 
 
-__all__ = ["BUSY", "wire", "cluster_line", "schedule_view", "schedule_explorer", "memory_view", "memory_calculator", "zero_explorer",
+__all__ = ["BUSY", "wire", "synced", "cluster_line", "schedule_view", "schedule_explorer", "memory_view", "memory_calculator", "zero_explorer",
            "planner_view", "planner_explorer"]
