@@ -17,11 +17,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.cost.calibration import calibrate_machine
 from mini3d.cost.hardware import Hardware
+from mini3d.cost.host_probe import host_cores, probed_hardware
 from mini3d.cost.model import predict_step_time
 
 from .common import stats
@@ -49,24 +51,40 @@ def fit_layer_overhead(cfg: ModelConfig, plan: Plan, hw: Hardware, measured_s: f
     return dataclasses.replace(hw, layer_overhead_s=max(0.0, (measured_s - t0) / slope))
 
 
-def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int) -> dict:
-    """Measure `plan` and compare each timed step with the prediction."""
+PROBE_UNITS = 30  # host-probe units each rank runs right before its training steps
+
+
+def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int, reference_s: float) -> dict:
+    """Measure `plan` right after a host probe in the same processes (the layout's own process
+    count), and compare each timed step with the prediction made with what the probe saw."""
+    load = os.getloadavg()[0]
+    m = measure_train(cfg, plan, steps=steps, probe=PROBE_UNITS)
+    hw = probed_hardware(hw, plan.world_size, m["probe"], reference_s)
     predicted = predict_step_time(cfg, plan, hw)
-    m = measure_train(cfg, plan, steps=steps)
-    ratios = [t / predicted for t in m["times"]]
-    s = stats(ratios)
+    s = stats([t / predicted for t in m["times"]])
     return {"measured_s": m["median"], "predicted_s": predicted, "ratio": m["median"] / predicted,
-            "ratio_min": s["min"], "ratio_max": s["max"], "times": m["times"]}
+            "ratio_min": s["min"], "ratio_max": s["max"], "times": m["times"],
+            "slowdown": hw.slowdown(plan.world_size), "latency_s": hw.latency_s,
+            "load": (load + os.getloadavg()[0]) / 2,
+            "naive_slowdown": max(1.0, plan.world_size / host_cores())}
 
 
 def validate(cfg: ModelConfig = TINY, layouts=None, steps: int = 6, quick_calibration: bool = True,
              hw: Hardware | None = None) -> tuple[Hardware, dict, list[tuple[str, dict]]]:
-    """(calibrated + refitted hardware, the fit run, [(layout name, comparison)])."""
+    """(calibrated + refitted hardware, the fit run, [(layout name, comparison)]). The fit run and
+    every layout run their host probe first, in their own processes; the fit divides its load out
+    (`fit_layer_overhead` with the probed slowdown; the reference unit is the fit probe's best),
+    each layout's prediction multiplies its own back in."""
     hw = hw or calibrate_machine(quick=quick_calibration)
-    fit_run = measure_train(cfg, FIT_PLAN, steps=steps)
-    hw = fit_layer_overhead(cfg, FIT_PLAN, hw, fit_run["median"])
+    load = os.getloadavg()[0]
+    fit_run = measure_train(cfg, FIT_PLAN, steps=steps, probe=PROBE_UNITS)
+    reference = fit_run["probe"]["best"]
+    hw1 = probed_hardware(hw, 1, fit_run["probe"], reference)
+    hw = dataclasses.replace(fit_layer_overhead(cfg, FIT_PLAN, hw1, fit_run["median"]),
+                             host_slowdown=())
+    fit_run = {**fit_run, "slowdown": hw1.slowdown(1), "load": (load + os.getloadavg()[0]) / 2}
     names = layouts or list(LAYOUTS)
-    return hw, fit_run, [(n, compare(cfg, LAYOUTS[n], hw, steps)) for n in names]
+    return hw, fit_run, [(n, compare(cfg, LAYOUTS[n], hw, steps, reference)) for n in names]
 
 
 def run(quick: bool = True) -> list[dict]:
@@ -79,13 +97,18 @@ def run(quick: bool = True) -> list[dict]:
              "goal": None, "note": f"fits layer_overhead_s={hw.layer_overhead_s * 1e3:.2f} ms; "
                                    f"peak {hw.peak_flops / 1e9:.0f} GFLOP/s, half width "
                                    f"{hw.eff_half_width:.0f}, all-reduce "
-                                   f"{hw.nvlink_bw / 1e9:.2f} GB/s + {hw.latency_s * 1e6:.0f} us"}]
+                                   f"{hw.nvlink_bw / 1e9:.2f} GB/s + {hw.latency_s * 1e6:.0f} us; "
+                                   f"host slowdown (1 process) {fit_run['slowdown']:.2f}, "
+                                   f"load {fit_run['load']:.1f}"}]
     for name, c in results:
         inside = 0.7 <= c["ratio"] <= 1.3
         rows.append({"name": f"cost model: {name} measured/predicted", "ours_s": c["measured_s"],
                      "theirs_s": c["predicted_s"], "ratio": c["ratio"], "ratio_min": c["ratio_min"],
                      "ratio_max": c["ratio_max"], "goal": "0.7-1.3",
-                     "note": "within 30%" if inside else "OUTSIDE 30%"})
+                     "note": ("within 30%" if inside else "OUTSIDE 30%")
+                     + f"; host slowdown {c['slowdown']:.2f} measured with {LAYOUTS[name].world_size} "
+                       f"processes (world/cores {c['naive_slowdown']:.1f}), latency "
+                       f"{c['latency_s'] * 1e6:.0f} us, load {c['load']:.1f}"})
     return rows
 
 

@@ -27,6 +27,7 @@ from ..config import PRESETS as MODELS
 from ..config import Plan
 from .hardware import PRESETS as GPUS
 from .hardware import Hardware
+from .host_probe import host_cores
 from .model import Efficiency, estimate_cost
 
 
@@ -203,7 +204,7 @@ def calibrate_machine(quick: bool = False) -> Hardware:
     reps = 3 if quick else 7
     mm = measure_matmul(repeats=reps)
     ar = measure_allreduce(repeats=4 * reps + 9)
-    cores = os.cpu_count() or 1
+    cores = host_cores()  # the affinity's cores: `taskset -c 0` makes a one-core machine
     fixed, per_token = measure_layer_overhead(mm["peak_flops"], mm["half_width"], reps)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name=f"cpu-{os.uname().nodename}", peak_flops=mm["peak_flops"],

@@ -1,0 +1,111 @@
+"""How much slower one rank computes when a layout's processes share this host, measured now.
+
+mini3d's CPU runs put every rank on one host's cores: 8 ranks of a tp2 x pp2 x dp2 run on 2 cores
+each get about a quarter of a core, and other people's jobs on a shared machine take their share
+too. Dividing the world size by the core count misses both the external load and what the
+operating system really gives 8 busy processes, so the cost model reads a measured factor instead
+(`Hardware.host_slowdown`, looked up by `Hardware.slowdown(world)`):
+
+    slowdown(world) = median seconds of one probe unit with `world` processes running it at once
+                      / best seconds of the same unit on one process (the reference)
+
+The probe unit is the forward + backward of one small mini3d Block (h=64, 4 x 64 tokens, one
+thread, like a rank of the tiny model); `world` processes are launched (the same count as the
+layout, never extrapolated from fewer), meet at a barrier, and each times `repeats` units. Run it
+right before measuring a layout, so that the factor sees the same neighbours' load as the run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+PROBE_BATCH = 4  # micro-batch of the probe unit: PROBE_BATCH x 64 tokens
+PAIR_BYTES = PROBE_BATCH * 64 * 64 * 4  # its activation in float32: a tp all-reduce's payload
+
+
+def host_cores() -> int:
+    """Cores this process may run on (its affinity: `taskset -c 0` gives 1), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
+    """On each launched rank: {"unit": seconds of each of `repeats` probe units, "all_reduce":
+    seconds of the all-reduce of `nbytes` between rank pairs (2i, 2i+1) that follows each unit, as
+    a tp all-reduce follows a layer's compute}, timed after a barrier so that every rank computes
+    at the same time. Pairs only with an even world size greater than 1."""
+    import torch.distributed as dist
+
+    from ..config import ModelConfig
+    from ..model import Block
+
+    torch.set_num_threads(1)
+    dev = torch.device("cpu")  # explicit: a launched worker's default device may be meta
+    torch.manual_seed(0)
+    with dev:
+        block = Block(ModelConfig(1, 64, 4, 256, 64))
+    x = torch.randn(PROBE_BATCH, 64, 64, device=dev, requires_grad=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pair, buf = None, torch.ones(max(1, nbytes // 4), device=dev)
+    if world > 1 and world % 2 == 0:
+        groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+        pair = groups[dist.get_rank() // 2]
+        dist.all_reduce(buf, group=pair)  # connect before timing
+    block(x).sum().backward()  # first touch: allocations, autograd caches
+    if world > 1:
+        dist.barrier()
+    units, reduces = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(x).sum().backward()
+        t1 = time.perf_counter()
+        if pair is not None:
+            dist.all_reduce(buf, group=pair)
+        units.append(t1 - t0)
+        reduces.append(time.perf_counter() - t1)
+    return {"unit": units, "all_reduce": reduces if pair is not None else []}
+
+
+def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
+    """Launch `world` processes running the probe and summarise it (`summarise`)."""
+    from ..launch import launch
+
+    return summarise(launch(probe_worker, world, repeats, device="cpu", timeout=timeout))
+
+
+def summarise(results: list[dict]) -> dict:
+    """{"median": s, "best": s, "all_reduce": s or None} over every rank's probe: the median
+    unit, the fastest unit, and the median pair all-reduce (the slower of each pair's two)."""
+    units = [t for r in results for t in r["unit"]]
+    pairs = [max(a, b) for r0, r1 in zip(results[::2], results[1::2])
+             for a, b in zip(r0["all_reduce"], r1["all_reduce"])]
+    return {"median": statistics.median(units), "best": min(units),
+            "all_reduce": statistics.median(pairs) if pairs else None}
+
+
+def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int = PAIR_BYTES):
+    """`hw` as the probe saw this host with `world` processes: `host_slowdown` for `world`
+    (median unit / `reference_s`, the best one-process unit), and, when the probe had pairs, the
+    `latency_s` that makes `Hardware.collective_s` of its all-reduce, times that slowdown (the
+    cost model's rule for CPU communication), equal to the measured all-reduce."""
+    import dataclasses
+
+    from ..comm import ring_steps, ring_wire_bytes
+
+    s = probe["median"] / reference_s
+    hw = dataclasses.replace(hw, host_slowdown=((world, s),))
+    if probe.get("all_reduce"):
+        wire_s = ring_wire_bytes("all_reduce", 2, nbytes) / hw.nvlink_bw
+        latency = (probe["all_reduce"] / s - wire_s) / ring_steps("all_reduce", 2)
+        hw = dataclasses.replace(hw, latency_s=max(1e-6, latency))
+    return hw
+
+
+__all__ = ["host_cores", "probe_worker", "probe_unit_s", "summarise", "probed_hardware",
+           "PROBE_BATCH", "PAIR_BYTES"]
