@@ -51,7 +51,7 @@ def fit_layer_overhead(cfg: ModelConfig, plan: Plan, hw: Hardware, measured_s: f
     return dataclasses.replace(hw, layer_overhead_s=max(0.0, (measured_s - t0) / slope))
 
 
-PROBE_UNITS = 30  # host-probe units each rank runs right before its training steps
+PROBE_UNITS = 40  # host-probe units each rank runs around its training steps (half before, half after)
 
 
 def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int, reference_s: float) -> dict:
@@ -72,17 +72,17 @@ def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int, reference_s:
 def validate(cfg: ModelConfig = TINY, layouts=None, steps: int = 6, quick_calibration: bool = True,
              hw: Hardware | None = None) -> tuple[Hardware, dict, list[tuple[str, dict]]]:
     """(calibrated + refitted hardware, the fit run, [(layout name, comparison)]). The fit run and
-    every layout run their host probe first, in their own processes; the fit divides its load out
-    (`fit_layer_overhead` with the probed slowdown; the reference unit is the fit probe's best),
-    each layout's prediction multiplies its own back in."""
+    every layout run the host probe around their steps, in their own processes. The fit is made
+    load-free by pairing bests: its fastest step is fitted at slowdown 1, and the probe's fastest
+    unit is the reference every slowdown is measured against; each layout's prediction then
+    multiplies in the median slowdown its own probe saw, for its median step."""
     hw = hw or calibrate_machine(quick=quick_calibration)
     load = os.getloadavg()[0]
     fit_run = measure_train(cfg, FIT_PLAN, steps=steps, probe=PROBE_UNITS)
     reference = fit_run["probe"]["best"]
-    hw1 = probed_hardware(hw, 1, fit_run["probe"], reference)
-    hw = dataclasses.replace(fit_layer_overhead(cfg, FIT_PLAN, hw1, fit_run["median"]),
-                             host_slowdown=())
-    fit_run = {**fit_run, "slowdown": hw1.slowdown(1), "load": (load + os.getloadavg()[0]) / 2}
+    hw = fit_layer_overhead(cfg, FIT_PLAN, hw, fit_run["min"])  # best step, as the best unit
+    fit_run = {**fit_run, "slowdown": fit_run["probe"]["median"] / reference,
+               "load": (load + os.getloadavg()[0]) / 2}
     names = layouts or list(LAYOUTS)
     return hw, fit_run, [(n, compare(cfg, LAYOUTS[n], hw, steps, reference)) for n in names]
 

@@ -38,3 +38,47 @@ def test_local_prediction_within_factor_2_5():
     assert len(fit_run["times"]) == 3
     for name, c in results:
         assert 1 / FACTOR <= c["ratio"] <= FACTOR, (name, c)
+
+
+def test_host_slowdown_measured_for_its_world_else_world_over_cores():
+    import dataclasses
+
+    from mini3d.cost.hardware import PRESETS, hardware_from_dict
+
+    hw = dataclasses.replace(CPU, host_slowdown=((8, 5.5),))
+    assert hw.slowdown(8) == 5.5  # measured with 8 processes: used as measured
+    assert hw.slowdown(4) == 2.0 and hw.slowdown(1) == 1.0  # not measured: world / cores, >= 1
+    assert PRESETS["A100-80GB"].slowdown(64) == 1.0  # a GPU per rank
+    assert hardware_from_dict(json_roundtrip(hw.to_dict())).slowdown(8) == 5.5
+
+
+def json_roundtrip(d):
+    import json
+
+    return json.loads(json.dumps(d))
+
+
+def test_probed_hardware_reproduces_the_probe_all_reduce():
+    from mini3d.cost.host_probe import PAIR_BYTES, probed_hardware
+
+    probe = {"median": 3e-3, "best": 1e-3, "all_reduce": 2e-3}
+    hw = probed_hardware(CPU, 8, probe, reference_s=1e-3)
+    s = hw.slowdown(8)
+    assert s == pytest.approx(3.0)
+    # the cost model's CPU rule: latency x s and bandwidth / s
+    got = s * hw.collective_s("all_reduce", 2, PAIR_BYTES, CPU.nvlink_bw)
+    assert got == pytest.approx(2e-3, rel=1e-9)
+
+
+def test_oversubscribed_pipeline_lends_its_bubble_to_other_ranks():
+    """s times slower ranks: a layout without idle time takes s times longer; a pipeline less,
+    since its bubble is CPU time the other ranks use (the work bound of a shared host)."""
+    import dataclasses
+
+    def step(plan, s):
+        return predict_step_time(TINY, plan, dataclasses.replace(
+            CPU, host_slowdown=((plan.world_size, s),)))
+
+    dp, pp = LAYOUTS["dp2"], LAYOUTS["pp2 1f1b m4"]
+    assert step(dp, 4.0) == pytest.approx(4 * step(dp, 1.0), rel=1e-6)
+    assert step(pp, 4.0) < 0.9 * 4 * step(pp, 1.0)

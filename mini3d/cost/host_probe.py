@@ -36,10 +36,11 @@ def host_cores() -> int:
 
 
 def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
-    """On each launched rank: {"unit": seconds of each of `repeats` probe units, "all_reduce":
-    seconds of the all-reduce of `nbytes` between rank pairs (2i, 2i+1) that follows each unit, as
-    a tp all-reduce follows a layer's compute}, timed after a barrier so that every rank computes
-    at the same time. Pairs only with an even world size greater than 1."""
+    """On each launched rank: {"unit": seconds of each of `repeats` probe units run back to back
+    (every rank busy at once), "all_reduce": seconds of each all-reduce of `nbytes` between rank
+    pairs (2i, 2i+1) in `repeats` / 2 more units, one after the forward and one after the
+    backward, as tp all-reduces follow a layer's compute}, timed after a barrier so that every
+    rank starts at the same time. Pairs only with an even world size greater than 1."""
     import torch.distributed as dist
 
     from ..config import ModelConfig
@@ -61,15 +62,22 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
     if world > 1:
         dist.barrier()
     units, reduces = [], []
-    for _ in range(repeats):
+
+    def exchange():  # the pair all-reduce that follows a forward and a backward
+        t = time.perf_counter()
+        dist.all_reduce(buf, group=pair)
+        reduces.append(time.perf_counter() - t)
+
+    for _ in range(repeats):  # every rank busy at once: its share of the cores
         t0 = time.perf_counter()
         block(x).sum().backward()
-        t1 = time.perf_counter()
-        if pair is not None:
-            dist.all_reduce(buf, group=pair)
-        units.append(t1 - t0)
-        reduces.append(time.perf_counter() - t1)
-    return {"unit": units, "all_reduce": reduces if pair is not None else []}
+        units.append(time.perf_counter() - t0)
+    for _ in range(repeats // 2 if pair is not None else 0):  # all-reduces as a tp step has them
+        out = block(x).sum()
+        exchange()
+        out.backward()
+        exchange()
+    return {"unit": units, "all_reduce": reduces}
 
 
 def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
@@ -83,10 +91,9 @@ def summarise(results: list[dict]) -> dict:
     """{"median": s, "best": s, "all_reduce": s or None} over every rank's probe: the median
     unit, the fastest unit, and the median pair all-reduce (the slower of each pair's two)."""
     units = [t for r in results for t in r["unit"]]
-    pairs = [max(a, b) for r0, r1 in zip(results[::2], results[1::2])
-             for a, b in zip(r0["all_reduce"], r1["all_reduce"])]
+    reduces = [t for r in results for t in r["all_reduce"]]
     return {"median": statistics.median(units), "best": min(units),
-            "all_reduce": statistics.median(pairs) if pairs else None}
+            "all_reduce": statistics.median(reduces) if reduces else None}
 
 
 def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int = PAIR_BYTES):
