@@ -8,6 +8,7 @@ Runs, on local CPU processes with gloo, each benchmark module's `run(quick)`:
     pp_bubble     measured pipeline bubble vs the simulator's
     train_runs    tokens/s of the tiny 3D run (tp2 pp2 dp2)
     cost_local    cost model predicted vs measured step time (calibrated first, in this run)
+    overlap_bench measured hidden fraction of dp sync and pp p2p vs the cost model's assumption
 
 prints one table and writes it, with the machine description, to benchmarks/RESULTS.md (the
 sections other scripts own there, e.g. profile_3d's, are kept). A module that fails becomes a row
@@ -25,7 +26,8 @@ import traceback
 
 from .common import machine_description, markdown_table, replace_section
 
-MODULES = ("dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs", "cost_local")
+MODULES = ("dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs", "cost_local",
+           "overlap_bench")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 GPU_NOTE = """## GPU path

@@ -51,6 +51,7 @@ def fit_layer_overhead(cfg: ModelConfig, plan: Plan, hw: Hardware, measured_s: f
     return dataclasses.replace(hw, layer_overhead_s=max(0.0, (measured_s - t0) / slope))
 
 
+FITTED: dict = {}  # quick -> the refitted hardware of the latest `run` (overlap_bench reads it)
 PROBE_UNITS = 40  # host-probe units each rank runs around its training steps (half before, half after)
 
 
@@ -92,6 +93,7 @@ def run(quick: bool = True) -> list[dict]:
     layouts = list(LAYOUTS) if not quick else [*QUICK_LAYOUTS, "tp2 pp2 dp2 1f1b m2"]
     hw, fit_run, results = validate(layouts=layouts, steps=5 if quick else 12,
                                     quick_calibration=quick)
+    FITTED[quick] = hw
     rows = [{"name": "cost model: single process (fit run)", "ours_s": fit_run["median"],
              "theirs_s": fit_run["median"], "ratio": 1.0, "ratio_min": None, "ratio_max": None,
              "goal": None, "note": f"fits layer_overhead_s={hw.layer_overhead_s * 1e3:.2f} ms; "
