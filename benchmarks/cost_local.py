@@ -1,17 +1,21 @@
 """The cost model's predicted step time against measured `mini3d train` runs on this CPU machine.
 
-    python -m benchmarks.cost_local [--quick]
+    python -m benchmarks.cost_local [--quick]          (also under `taskset -c 0`: one core)
 
 1. Calibrate this machine with `mini3d.cost.calibration.calibrate_machine` (matmul rate and its
-   width dependence, memory bandwidth, gloo all-reduce latency and bandwidth, per-layer overhead).
-2. Refit one number on one run: `layer_overhead_s`, from a measured single-process step of the
-   tiny model. The calibrator's own overhead probe times one bare Block, which misses what a real
-   step also pays per layer (the optimizer's per-tensor work, hooks, the head and loss spread over
-   the layers); step time is linear in that overhead, so one measured step pins it. On a shared
-   2-core box the probe also swings with other jobs' load, the refit follows the same load.
-3. Predict `predict_step_time(cfg, plan, hw)` for at least three other layouts (dp, tp, pp, 3D) and
-   measure each; a row's ratio is measured / predicted per timed step (min/median/max). Goal: within
-   30% (ratio 0.7 - 1.3). The fitted layout is reported too, but it is a fit, not a prediction.
+   width dependence, memory bandwidth, gloo all-reduce latency and bandwidth, per-layer overhead;
+   the cores are the process' CPU affinity, so `taskset` makes a smaller machine).
+2. Refit one number on one run: `layer_overhead_s`, from the fastest measured single-process step
+   of the tiny model (what a real step also pays per layer: the optimizer's per-tensor work,
+   hooks, the head and loss spread over the layers; step time is linear in it).
+3. For each layout (dp2, tp2, pp2, tp2 pp2 dp2), the same processes that will train first run the
+   host probe (`mini3d.cost.host_probe`: busy Block units, then tp-like pair all-reduces), train,
+   and run the probe again, so it brackets the measured steps and sees the load they saw, with the
+   layout's own process count (8 processes on 2 cores for the 3D layout, never extrapolated from 2).
+   The prediction uses the probe's slowdown against the fastest one-process unit
+   (`Hardware.host_slowdown`) and its in-step all-reduce (`latency_s`). A row's ratio is measured /
+   predicted per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the
+   latency and the load average (1 minute, mean of before and after) the row ran under.
 """
 
 from __future__ import annotations

@@ -10,9 +10,15 @@ operating system really gives 8 busy processes, so the cost model reads a measur
                       / best seconds of the same unit on one process (the reference)
 
 The probe unit is the forward + backward of one small mini3d Block (h=64, 4 x 64 tokens, one
-thread, like a rank of the tiny model); `world` processes are launched (the same count as the
-layout, never extrapolated from fewer), meet at a barrier, and each times `repeats` units. Run it
-right before measuring a layout, so that the factor sees the same neighbours' load as the run.
+thread, like a rank of the tiny model). `world` processes (the layout's own count, never
+extrapolated from fewer) meet at a barrier and each times units back to back, every rank busy at
+once: that is the rank's share of the cores. Then rank pairs run units with an all-reduce of a tp
+activation after the forward and after the backward: its median is what an in-step all-reduce
+costs now (waiting for the partner included), which `probed_hardware` turns into `latency_s`.
+Run it right next to the measured steps (`benchmarks.train_runs.probe_then_train` runs it in the
+same processes, before and after them), so that it sees the same neighbours' load. The cost model
+lends a slowed rank's idle time to the others (`mini3d.cost.model`, shared host): the busy-unit
+factor is the slowdown of its busy time, not of its waits.
 """
 
 from __future__ import annotations
