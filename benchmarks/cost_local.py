@@ -80,13 +80,13 @@ def validate(cfg: ModelConfig = TINY, layouts=None, steps: int = 6, quick_calibr
     every layout run the host probe around their steps, in their own processes. The fit is made
     load-free by pairing bests: its fastest step is fitted at slowdown 1, and the probe's fastest
     unit is the reference every slowdown is measured against; each layout's prediction then
-    multiplies in the median slowdown its own probe saw, for its median step."""
+    multiplies in the mean slowdown its own probe saw, for its median step."""
     hw = hw or calibrate_machine(quick=quick_calibration)
     load = os.getloadavg()[0]
     fit_run = measure_train(cfg, FIT_PLAN, steps=steps, probe=PROBE_UNITS)
     reference = fit_run["probe"]["best"]
     hw = fit_layer_overhead(cfg, FIT_PLAN, hw, fit_run["min"])  # best step, as the best unit
-    fit_run = {**fit_run, "slowdown": fit_run["probe"]["median"] / reference,
+    fit_run = {**fit_run, "slowdown": fit_run["probe"]["mean"] / reference,
                "load": (load + os.getloadavg()[0]) / 2}
     names = layouts or list(LAYOUTS)
     return hw, fit_run, [(n, compare(cfg, LAYOUTS[n], hw, steps, reference)) for n in names]

@@ -61,7 +61,7 @@ def json_roundtrip(d):
 def test_probed_hardware_reproduces_the_probe_all_reduce():
     from mini3d.cost.host_probe import PAIR_BYTES, probed_hardware
 
-    probe = {"median": 3e-3, "best": 1e-3, "all_reduce": 2e-3}
+    probe = {"mean": 3e-3, "best": 1e-3, "all_reduce": 2e-3}
     hw = probed_hardware(CPU, 8, probe, reference_s=1e-3)
     s = hw.slowdown(8)
     assert s == pytest.approx(3.0)

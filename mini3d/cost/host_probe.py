@@ -6,14 +6,14 @@ too. Dividing the world size by the core count misses both the external load and
 operating system really gives 8 busy processes, so the cost model reads a measured factor instead
 (`Hardware.host_slowdown`, looked up by `Hardware.slowdown(world)`):
 
-    slowdown(world) = median seconds of one probe unit with `world` processes running it at once
+    slowdown(world) = mean seconds of one probe unit with `world` processes running it at once
                       / best seconds of the same unit on one process (the reference)
 
 The probe unit is the forward + backward of one small mini3d Block (h=64, 4 x 64 tokens, one
 thread, like a rank of the tiny model). `world` processes (the layout's own count, never
 extrapolated from fewer) meet at a barrier and each times units back to back, every rank busy at
 once: that is the rank's share of the cores. Then rank pairs run units with an all-reduce of a tp
-activation after the forward and after the backward: its median is what an in-step all-reduce
+activation after the forward and after the backward: its mean is what an in-step all-reduce
 costs now (waiting for the partner included), which `probed_hardware` turns into `latency_s`.
 Run it right next to the measured steps (`benchmarks.train_runs.probe_then_train` runs it in the
 same processes, before and after them), so that it sees the same neighbours' load. The cost model
@@ -94,24 +94,26 @@ def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
 
 
 def summarise(results: list[dict]) -> dict:
-    """{"median": s, "best": s, "all_reduce": s or None} over every rank's probe: the median
-    unit, the fastest unit, and the median pair all-reduce (the slower of each pair's two)."""
+    """{"mean": s, "best": s, "all_reduce": s or None} over every rank's probe: the mean unit,
+    the fastest unit, and the mean pair all-reduce. Means, not medians: an oversubscribed rank's
+    units either run whole or wait out other processes' time slices, a two-humped spread whose
+    median can sit on either hump, while the mean is the rank's share of the cores."""
     units = [t for r in results for t in r["unit"]]
     reduces = [t for r in results for t in r["all_reduce"]]
-    return {"median": statistics.median(units), "best": min(units),
-            "all_reduce": statistics.median(reduces) if reduces else None}
+    return {"mean": statistics.fmean(units), "best": min(units),
+            "all_reduce": statistics.fmean(reduces) if reduces else None}
 
 
 def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int = PAIR_BYTES):
     """`hw` as the probe saw this host with `world` processes: `host_slowdown` for `world`
-    (median unit / `reference_s`, the best one-process unit), and, when the probe had pairs, the
+    (mean unit / `reference_s`, the best one-process unit), and, when the probe had pairs, the
     `latency_s` that makes `Hardware.collective_s` of its all-reduce, times that slowdown (the
     cost model's rule for CPU communication), equal to the measured all-reduce."""
     import dataclasses
 
     from ..comm import ring_steps, ring_wire_bytes
 
-    s = probe["median"] / reference_s
+    s = probe["mean"] / reference_s
     hw = dataclasses.replace(hw, host_slowdown=((world, s),))
     if probe.get("all_reduce"):
         wire_s = ring_wire_bytes("all_reduce", 2, nbytes) / hw.nvlink_bw

@@ -32,9 +32,9 @@ Step time, on the busiest pipeline rank:
   the optimizer AND communication (there it is CPU work: copies, gloo threads, Python) run
   `Hardware.slowdown(world)` times slower: the factor `mini3d.cost.host_probe` measured with that
   many processes (oversubscription and the neighbours' load), else world / cores; GPU presets are
-  not shared hosts. A slowed rank's idle time (bubble, waits) is CPU time the other ranks use, so
-  there the pipeline term is the larger of the rank's slowed busy time and its unslowed critical
-  path (a work bound), not the slowed critical path.
+  not shared hosts. A slowed rank's pipeline bubble is CPU time the other ranks use, so there the
+  pipeline term is the larger of the rank's slowed busy time (compute and its tp collectives, a
+  work bound) and its unslowed critical path, not the slowed critical path.
 * context parallelism (cp > 1): every per-token cost is that of the rank's s/cp tokens (attention
   FLOPs per token still cover the full s); ring attention sends, per layer and micro-batch, cp-1
   K/V blocks forward and cp-1 backward plus cp float32 dK/dV accumulators (`ring_block_bytes`;
