@@ -9,12 +9,12 @@
    of the tiny model (what a real step also pays per layer: the optimizer's per-tensor work,
    hooks, the head and loss spread over the layers; step time is linear in it).
 3. For each layout (dp2, tp2, pp2, tp2 pp2 dp2), the same processes that will train first run the
-   host probe (`mini3d.cost.host_probe`: busy Block units, then tp-like pair all-reduces), train,
+   host probe (`mini3d.cost.host_probe`: Block units paced by tp-like pair all-reduces), train,
    and run the probe again, so it brackets the measured steps and sees the load they saw, with the
    layout's own process count (8 processes on 2 cores for the 3D layout, never extrapolated from 2).
    The prediction uses the probe's slowdown against the fastest one-process unit
-   (`Hardware.host_slowdown`) and its in-step all-reduce (`latency_s`). A row's ratio is measured /
-   predicted per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the
+   (`Hardware.host_slowdown`, in place of world / cores). A row's ratio is measured / predicted
+   per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the calibrated
    latency and the load average (1 minute, mean of before and after) the row ran under.
 """
 

@@ -11,14 +11,15 @@ operating system really gives 8 busy processes, so the cost model reads a measur
 
 The probe unit is the forward + backward of one small mini3d Block (h=64, 4 x 64 tokens, one
 thread, like a rank of the tiny model). `world` processes (the layout's own count, never
-extrapolated from fewer) meet at a barrier and each times units back to back, every rank busy at
-once: that is the rank's share of the cores. Then rank pairs run units with an all-reduce of a tp
-activation after the forward and after the backward: its mean is what an in-step all-reduce
-costs now (waiting for the partner included), which `probed_hardware` turns into `latency_s`.
-Run it right next to the measured steps (`benchmarks.train_runs.probe_then_train` runs it in the
-same processes, before and after them), so that it sees the same neighbours' load. The cost model
-lends a slowed rank's idle time to the others (`mini3d.cost.model`, shared host): the busy-unit
-factor is the slowdown of its busy time, not of its waits.
+extrapolated from fewer) meet at a barrier and time units two ways: back to back, every rank busy
+("unit", the one-process reference and slowdown), then paced as a training rank is, with an
+all-reduce of a tp activation between rank pairs after the forward and after the backward
+("paced": the unit's compute time without the waits; "all_reduce": the waits). A training rank
+blocks on its partners as the paced probe does, and gives the cores to the others while it waits,
+so with pairs the paced units are the slowdown (8 busy ranks on 2 cores overstate what 8 training
+ranks see by about two). Run it right next to the measured steps
+(`benchmarks.train_runs.probe_then_train` runs it in the same processes, before and after them),
+so that it sees the same neighbours' load.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ def host_cores() -> int:
 
 def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
     """On each launched rank: {"unit": seconds of each of `repeats` probe units run back to back
-    (every rank busy at once), "all_reduce": seconds of each all-reduce of `nbytes` between rank
-    pairs (2i, 2i+1) in `repeats` / 2 more units, one after the forward and one after the
-    backward, as tp all-reduces follow a layer's compute}, timed after a barrier so that every
-    rank starts at the same time. Pairs only with an even world size greater than 1."""
+    (every rank busy at once), "paced": the compute seconds of `repeats` / 2 more units each
+    followed, after the forward and after the backward, by an all-reduce of `nbytes` between rank
+    pairs (2i, 2i+1), as tp all-reduces follow a layer's compute, "all_reduce": those
+    all-reduces' seconds}, timed after a barrier so that every rank starts at the same time.
+    Pairs only with an even world size greater than 1."""
     import torch.distributed as dist
 
     from ..config import ModelConfig
@@ -67,23 +69,26 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
     block(x).sum().backward()  # first touch: allocations, autograd caches
     if world > 1:
         dist.barrier()
-    units, reduces = [], []
+    units, reduces, paced = [], [], []
 
     def exchange():  # the pair all-reduce that follows a forward and a backward
         t = time.perf_counter()
         dist.all_reduce(buf, group=pair)
         reduces.append(time.perf_counter() - t)
+        return reduces[-1]
 
     for _ in range(repeats):  # every rank busy at once: its share of the cores
         t0 = time.perf_counter()
         block(x).sum().backward()
         units.append(time.perf_counter() - t0)
     for _ in range(repeats // 2 if pair is not None else 0):  # all-reduces as a tp step has them
+        t0 = time.perf_counter()
         out = block(x).sum()
-        exchange()
+        waited = exchange()
         out.backward()
+        paced.append(time.perf_counter() - t0 - waited)
         exchange()
-    return {"unit": units, "all_reduce": reduces}
+    return {"unit": units, "all_reduce": reduces, "paced": paced}
 
 
 def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
@@ -94,32 +99,25 @@ def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
 
 
 def summarise(results: list[dict]) -> dict:
-    """{"mean": s, "best": s, "all_reduce": s or None} over every rank's probe: the mean unit,
-    the fastest unit, and the mean pair all-reduce. Means, not medians: an oversubscribed rank's
+    """{"mean": s, "best": s, "paced": s or None, "all_reduce": s or None} over every rank's
+    probe: the mean busy unit, the fastest unit, the mean paced unit and the mean pair all-reduce. Means, not medians: an oversubscribed rank's
     units either run whole or wait out other processes' time slices, a two-humped spread whose
     median can sit on either hump, while the mean is the rank's share of the cores."""
     units = [t for r in results for t in r["unit"]]
     reduces = [t for r in results for t in r["all_reduce"]]
+    paced = [t for r in results for t in r.get("paced", ())]
     return {"mean": statistics.fmean(units), "best": min(units),
+            "paced": statistics.fmean(paced) if paced else None,
             "all_reduce": statistics.fmean(reduces) if reduces else None}
 
 
-def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int = PAIR_BYTES):
-    """`hw` as the probe saw this host with `world` processes: `host_slowdown` for `world`
-    (mean unit / `reference_s`, the best one-process unit), and, when the probe had pairs, the
-    `latency_s` that makes `Hardware.collective_s` of its all-reduce, times that slowdown (the
-    cost model's rule for CPU communication), equal to the measured all-reduce."""
+def probed_hardware(hw, world: int, probe: dict, reference_s: float):
+    """`hw` with the `host_slowdown` the probe saw for `world` processes: the mean paced unit (the
+    busy unit when there were no pairs) over `reference_s`, the best one-process unit."""
     import dataclasses
 
-    from ..comm import ring_steps, ring_wire_bytes
-
-    s = probe["mean"] / reference_s
-    hw = dataclasses.replace(hw, host_slowdown=((world, s),))
-    if probe.get("all_reduce"):
-        wire_s = ring_wire_bytes("all_reduce", 2, nbytes) / hw.nvlink_bw
-        latency = (probe["all_reduce"] / s - wire_s) / ring_steps("all_reduce", 2)
-        hw = dataclasses.replace(hw, latency_s=max(1e-6, latency))
-    return hw
+    s = (probe.get("paced") or probe["mean"]) / reference_s
+    return dataclasses.replace(hw, host_slowdown=((world, s),))
 
 
 __all__ = ["host_cores", "probe_worker", "probe_unit_s", "summarise", "probed_hardware",

@@ -32,9 +32,7 @@ Step time, on the busiest pipeline rank:
   the optimizer AND communication (there it is CPU work: copies, gloo threads, Python) run
   `Hardware.slowdown(world)` times slower: the factor `mini3d.cost.host_probe` measured with that
   many processes (oversubscription and the neighbours' load), else world / cores; GPU presets are
-  not shared hosts. A slowed rank's pipeline bubble is CPU time the other ranks use, so there the
-  pipeline term is the larger of the rank's slowed busy time (compute and its tp collectives, a
-  work bound) and its unslowed critical path, not the slowed critical path.
+  not shared hosts.
 * context parallelism (cp > 1): every per-token cost is that of the rank's s/cp tokens (attention
   FLOPs per token still cover the full s); ring attention sends, per layer and micro-batch, cp-1
   K/V blocks forward and cp-1 backward plus cp float32 dK/dV accumulators (`ring_block_bytes`;
@@ -221,8 +219,6 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     t_fwd, t_bwd = c_fwd + tp_fwd + ring["fwd"], c_bwd + tp_bwd + ring["bwd"]
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
-    if slowdown > 1:  # a shared host: a rank's idle time (bubble, waits) is other ranks' CPU time
-        pipeline = max(m * (t_fwd + t_bwd), pipeline / slowdown)
     msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
     pp_s = 2 * (v * m + p - 1) * hw.collective_s("send", 2, msg, bw["pp"]) if p > 1 else 0.0
     pp_wire = 2 * v * m * msg if p > 1 else 0.0
