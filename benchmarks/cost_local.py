@@ -13,8 +13,9 @@
    and run the probe again, so it brackets the measured steps and sees the load they saw, with the
    layout's own process count (8 processes on 2 cores for the 3D layout, never extrapolated from 2).
    The prediction uses the probe's slowdown against the fastest one-process unit
-   (`Hardware.host_slowdown`, in place of world / cores). A row's ratio is measured / predicted
-   per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the calibrated
+   (`Hardware.host_slowdown`, in place of world / cores) and its in-step all-reduce (`latency_s`).
+   A row's ratio is measured / predicted
+   per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the probed
    latency and the load average (1 minute, mean of before and after) the row ran under.
 """
 

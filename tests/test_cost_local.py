@@ -62,7 +62,11 @@ def test_probed_hardware_takes_the_paced_units_when_there_were_pairs():
     from mini3d.cost.host_probe import probed_hardware
 
     paced = {"mean": 6e-3, "best": 1e-3, "paced": 3e-3, "all_reduce": 2e-3}
-    assert probed_hardware(CPU, 8, paced, reference_s=1e-3).slowdown(8) == pytest.approx(3.0)
+    hw8 = probed_hardware(CPU, 8, paced, reference_s=1e-3)
+    assert hw8.slowdown(8) == pytest.approx(3.0)
+    # its latency makes the cost model's CPU all-reduce (latency x s, bandwidth / s) the probe's
+    from mini3d.cost.host_probe import PAIR_BYTES
+    assert 3.0 * hw8.collective_s("all_reduce", 2, PAIR_BYTES, CPU.nvlink_bw) == pytest.approx(2e-3)
     alone = {"mean": 1.5e-3, "best": 1e-3, "paced": None, "all_reduce": None}
     assert probed_hardware(CPU, 1, alone, reference_s=1e-3).slowdown(1) == pytest.approx(1.5)
     # the measured factor replaces world / cores in every term: a layout without a bubble or

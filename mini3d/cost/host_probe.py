@@ -17,7 +17,7 @@ all-reduce of a tp activation between rank pairs after the forward and after the
 ("paced": the unit's compute time without the waits; "all_reduce": the waits). A training rank
 blocks on its partners as the paced probe does, and gives the cores to the others while it waits,
 so with pairs the paced units are the slowdown (8 busy ranks on 2 cores overstate what 8 training
-ranks see by about two). Run it right next to the measured steps
+ranks see by about two), and the median all-reduce gives `latency_s`. Run it right next to the measured steps
 (`benchmarks.train_runs.probe_then_train` runs it in the same processes, before and after them),
 so that it sees the same neighbours' load.
 """
@@ -100,7 +100,9 @@ def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
 
 def summarise(results: list[dict]) -> dict:
     """{"mean": s, "best": s, "paced": s or None, "all_reduce": s or None} over every rank's
-    probe: the mean busy unit, the fastest unit, the mean paced unit and the mean pair all-reduce. Means, not medians: an oversubscribed rank's
+    probe: the mean busy unit, the fastest unit, the mean paced unit and the median pair
+    all-reduce (a typical one: the few that wait out a whole time slice of the partner are
+    the paced units' share of the cores, already in the slowdown). Means, not medians: an oversubscribed rank's
     units either run whole or wait out other processes' time slices, a two-humped spread whose
     median can sit on either hump, while the mean is the rank's share of the cores."""
     units = [t for r in results for t in r["unit"]]
@@ -108,16 +110,26 @@ def summarise(results: list[dict]) -> dict:
     paced = [t for r in results for t in r.get("paced", ())]
     return {"mean": statistics.fmean(units), "best": min(units),
             "paced": statistics.fmean(paced) if paced else None,
-            "all_reduce": statistics.fmean(reduces) if reduces else None}
+            "all_reduce": statistics.median(reduces) if reduces else None}
 
 
-def probed_hardware(hw, world: int, probe: dict, reference_s: float):
-    """`hw` with the `host_slowdown` the probe saw for `world` processes: the mean paced unit (the
-    busy unit when there were no pairs) over `reference_s`, the best one-process unit."""
+def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int = PAIR_BYTES):
+    """`hw` as the probe saw this host with `world` processes: `host_slowdown` for `world` (the
+    mean paced unit, the busy unit when there were no pairs, over `reference_s`, the best
+    one-process unit) and, with pairs, the `latency_s` that makes `Hardware.collective_s` of the
+    probe's all-reduce, times that slowdown (the cost model's rule for CPU communication), equal
+    to its median all-reduce: the in-step cost with this many processes, now."""
     import dataclasses
 
+    from ..comm import ring_steps, ring_wire_bytes
+
     s = (probe.get("paced") or probe["mean"]) / reference_s
-    return dataclasses.replace(hw, host_slowdown=((world, s),))
+    hw = dataclasses.replace(hw, host_slowdown=((world, s),))
+    if probe.get("all_reduce"):
+        wire_s = ring_wire_bytes("all_reduce", 2, nbytes) / hw.nvlink_bw
+        latency = (probe["all_reduce"] / s - wire_s) / ring_steps("all_reduce", 2)
+        hw = dataclasses.replace(hw, latency_s=max(1e-6, latency))
+    return hw
 
 
 __all__ = ["host_cores", "probe_worker", "probe_unit_s", "summarise", "probed_hardware",
