@@ -40,6 +40,16 @@ bf16 autocast) and a torch.profiler table); its output goes here.
 """
 
 
+OVERLAP_NOTE = ("Overlap rows (`mini3d.diagnose.overlap`): of the seconds each dp gradient-sync op "
+                "(all-reduce / reduce-scatter / all-gather on the dp axis) or pp send / receive was in "
+                "flight, from its issue to its completion as the event log records it, the share that "
+                "fell inside the rank's F / B / W actions of its timeline (tp collectives count as "
+                "compute), summed over the ranks of the last step; min/median/max over the ranks. An "
+                "async op's completion is logged when the host learns of it, so the hidden share is an "
+                "upper bound; a blocking receive is all exposed. The note gives the cost model's "
+                "assumption for the same plan (dp: 1 - dp_exposed / dp_total; p2p: none hidden).")
+
+
 def run_all(quick: bool, only=None) -> tuple[list[dict], dict]:
     rows, seconds = [], {}
     for name in only or MODULES:
@@ -64,6 +74,7 @@ def report(rows: list[dict], seconds: dict, quick: bool) -> str:
              f"(other jobs share these cores: read medians, expect wide spreads).", "",
              "Ratios are ours / theirs per repeat (< 1: mini3d faster); for the bubble rows measured / "
              "simulated makespan; for the cost-model rows measured / predicted step time.", "",
+             OVERLAP_NOTE, "",
              markdown_table(rows), "",
              "Wall time per module: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
              + f"; total {total:.0f} s."]
