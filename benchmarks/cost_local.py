@@ -1,27 +1,34 @@
 """The cost model's predicted step time against measured `mini3d train` runs on this CPU machine.
 
-    python -m benchmarks.cost_local [--quick]
+    python -m benchmarks.cost_local [--quick]          (also under `taskset -c 0`: one core)
 
 1. Calibrate this machine with `mini3d.cost.calibration.calibrate_machine` (matmul rate and its
-   width dependence, memory bandwidth, gloo all-reduce latency and bandwidth, per-layer overhead).
-2. Refit one number on one run: `layer_overhead_s`, from a measured single-process step of the
-   tiny model. The calibrator's own overhead probe times one bare Block, which misses what a real
-   step also pays per layer (the optimizer's per-tensor work, hooks, the head and loss spread over
-   the layers); step time is linear in that overhead, so one measured step pins it. On a shared
-   2-core box the probe also swings with other jobs' load, the refit follows the same load.
-3. Predict `predict_step_time(cfg, plan, hw)` for at least three other layouts (dp, tp, pp, 3D) and
-   measure each; a row's ratio is measured / predicted per timed step (min/median/max). Goal: within
-   30% (ratio 0.7 - 1.3). The fitted layout is reported too, but it is a fit, not a prediction.
+   width dependence, memory bandwidth, gloo all-reduce latency and bandwidth, per-layer overhead;
+   the cores are the process' CPU affinity, so `taskset` makes a smaller machine).
+2. Refit one number on one run: `layer_overhead_s`, from the fastest measured single-process step
+   of the tiny model (what a real step also pays per layer: the optimizer's per-tensor work,
+   hooks, the head and loss spread over the layers; step time is linear in it).
+3. For each layout (dp2, tp2, pp2, tp2 pp2 dp2), the same processes that will train first run the
+   host probe (`mini3d.cost.host_probe`: Block units paced by tp-like pair all-reduces), train,
+   and run the probe again, so it brackets the measured steps and sees the load they saw, with the
+   layout's own process count (8 processes on 2 cores for the 3D layout, never extrapolated from 2).
+   The prediction uses the probe's slowdown against the fastest one-process unit
+   (`Hardware.host_slowdown`, in place of world / cores) and its in-step all-reduce (`latency_s`).
+   A row's ratio is measured / predicted
+   per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the probed
+   latency and the load average (1 minute, mean of before and after) the row ran under.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.cost.calibration import calibrate_machine
 from mini3d.cost.hardware import Hardware
+from mini3d.cost.host_probe import host_cores, probed_hardware
 from mini3d.cost.model import predict_step_time
 
 from .common import stats
@@ -49,24 +56,41 @@ def fit_layer_overhead(cfg: ModelConfig, plan: Plan, hw: Hardware, measured_s: f
     return dataclasses.replace(hw, layer_overhead_s=max(0.0, (measured_s - t0) / slope))
 
 
-def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int) -> dict:
-    """Measure `plan` and compare each timed step with the prediction."""
+FITTED: dict = {}  # quick -> the refitted hardware of the latest `run` (overlap_bench reads it)
+PROBE_UNITS = 40  # host-probe units each rank runs around its training steps (half before, half after)
+
+
+def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int, reference_s: float) -> dict:
+    """Measure `plan` right after a host probe in the same processes (the layout's own process
+    count), and compare each timed step with the prediction made with what the probe saw."""
+    load = os.getloadavg()[0]
+    m = measure_train(cfg, plan, steps=steps, probe=PROBE_UNITS)
+    hw = probed_hardware(hw, plan.world_size, m["probe"], reference_s)
     predicted = predict_step_time(cfg, plan, hw)
-    m = measure_train(cfg, plan, steps=steps)
-    ratios = [t / predicted for t in m["times"]]
-    s = stats(ratios)
+    s = stats([t / predicted for t in m["times"]])
     return {"measured_s": m["median"], "predicted_s": predicted, "ratio": m["median"] / predicted,
-            "ratio_min": s["min"], "ratio_max": s["max"], "times": m["times"]}
+            "ratio_min": s["min"], "ratio_max": s["max"], "times": m["times"],
+            "slowdown": hw.slowdown(plan.world_size), "latency_s": hw.latency_s,
+            "load": (load + os.getloadavg()[0]) / 2,
+            "naive_slowdown": max(1.0, plan.world_size / host_cores())}
 
 
 def validate(cfg: ModelConfig = TINY, layouts=None, steps: int = 6, quick_calibration: bool = True,
              hw: Hardware | None = None) -> tuple[Hardware, dict, list[tuple[str, dict]]]:
-    """(calibrated + refitted hardware, the fit run, [(layout name, comparison)])."""
+    """(calibrated + refitted hardware, the fit run, [(layout name, comparison)]). The fit run and
+    every layout run the host probe around their steps, in their own processes. The fit is made
+    load-free by pairing bests: its fastest step is fitted at slowdown 1, and the probe's fastest
+    unit is the reference every slowdown is measured against; each layout's prediction then
+    multiplies in the mean slowdown its own probe saw, for its median step."""
     hw = hw or calibrate_machine(quick=quick_calibration)
-    fit_run = measure_train(cfg, FIT_PLAN, steps=steps)
-    hw = fit_layer_overhead(cfg, FIT_PLAN, hw, fit_run["median"])
+    load = os.getloadavg()[0]
+    fit_run = measure_train(cfg, FIT_PLAN, steps=steps, probe=PROBE_UNITS)
+    reference = fit_run["probe"]["best"]
+    hw = fit_layer_overhead(cfg, FIT_PLAN, hw, fit_run["min"])  # best step, as the best unit
+    fit_run = {**fit_run, "slowdown": fit_run["probe"]["mean"] / reference,
+               "load": (load + os.getloadavg()[0]) / 2}
     names = layouts or list(LAYOUTS)
-    return hw, fit_run, [(n, compare(cfg, LAYOUTS[n], hw, steps)) for n in names]
+    return hw, fit_run, [(n, compare(cfg, LAYOUTS[n], hw, steps, reference)) for n in names]
 
 
 def run(quick: bool = True) -> list[dict]:
@@ -74,18 +98,24 @@ def run(quick: bool = True) -> list[dict]:
     layouts = list(LAYOUTS) if not quick else [*QUICK_LAYOUTS, "tp2 pp2 dp2 1f1b m2"]
     hw, fit_run, results = validate(layouts=layouts, steps=5 if quick else 12,
                                     quick_calibration=quick)
+    FITTED[quick] = hw
     rows = [{"name": "cost model: single process (fit run)", "ours_s": fit_run["median"],
              "theirs_s": fit_run["median"], "ratio": 1.0, "ratio_min": None, "ratio_max": None,
              "goal": None, "note": f"fits layer_overhead_s={hw.layer_overhead_s * 1e3:.2f} ms; "
                                    f"peak {hw.peak_flops / 1e9:.0f} GFLOP/s, half width "
                                    f"{hw.eff_half_width:.0f}, all-reduce "
-                                   f"{hw.nvlink_bw / 1e9:.2f} GB/s + {hw.latency_s * 1e6:.0f} us"}]
+                                   f"{hw.nvlink_bw / 1e9:.2f} GB/s + {hw.latency_s * 1e6:.0f} us; "
+                                   f"host slowdown (1 process) {fit_run['slowdown']:.2f}, "
+                                   f"load {fit_run['load']:.1f}"}]
     for name, c in results:
         inside = 0.7 <= c["ratio"] <= 1.3
         rows.append({"name": f"cost model: {name} measured/predicted", "ours_s": c["measured_s"],
                      "theirs_s": c["predicted_s"], "ratio": c["ratio"], "ratio_min": c["ratio_min"],
                      "ratio_max": c["ratio_max"], "goal": "0.7-1.3",
-                     "note": "within 30%" if inside else "OUTSIDE 30%"})
+                     "note": ("within 30%" if inside else "OUTSIDE 30%")
+                     + f"; host slowdown {c['slowdown']:.2f} measured with {LAYOUTS[name].world_size} "
+                       f"processes (world/cores {c['naive_slowdown']:.1f}), latency "
+                       f"{c['latency_s'] * 1e6:.0f} us, load {c['load']:.1f}"})
     return rows
 
 

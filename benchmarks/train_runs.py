@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 
 from mini3d.config import PRESETS, ModelConfig, Plan
+from mini3d.cost.host_probe import probe_worker, summarise
 from mini3d.launch import launch
 from mini3d.train import make_spec, reporter_records, train_worker
 
@@ -26,23 +27,38 @@ _CACHE: dict = {}  # one `python -m benchmarks` run measures the 3D layout once 
 
 
 def measure_train(cfg: ModelConfig, plan: Plan, steps: int = 8, warmup: int = 2,
-                  timeout: float = 300.0) -> dict:
+                  timeout: float = 300.0, probe: int = 0, collect: tuple = ()) -> dict:
     """Step times (s) of `steps` timed optimizer steps after `warmup` untimed ones, and tokens/s
-    (cached per process: the same run asked twice is measured once)."""
-    key = (cfg, plan, steps, warmup)
+    (cached per process: the same run asked twice is measured once). `probe` > 0: the same
+    processes first run that many host-probe units (`mini3d.cost.host_probe`), summarised under
+    "probe"; `collect`: `RunConfig.collect`, every rank's result under "results"."""
+    key = (cfg, plan, steps, warmup, probe, collect)
     if key not in _CACHE:
-        _CACHE[key] = _measure(cfg, plan, steps, warmup, timeout)
+        _CACHE[key] = _measure(cfg, plan, steps, warmup, timeout, probe, collect)
     return _CACHE[key]
 
 
-def _measure(cfg, plan, steps, warmup, timeout) -> dict:
-    spec = make_spec(cfg, plan, steps=steps + warmup, seed=0)
-    results = launch(train_worker, plan.world_size, spec, device="cpu", timeout=timeout)
+def probe_then_train(repeats: int, run) -> dict:
+    """A launched rank: half the host-probe units, `train_worker`, the other half, in the same
+    processes: the probe brackets the measured steps, so it sees the load they saw."""
+    before = probe_worker((repeats + 1) // 2)
+    out = train_worker(run)
+    after = probe_worker(repeats // 2)
+    return {**out, "probe": {k: before[k] + after[k] for k in before}}
+
+
+def _measure(cfg, plan, steps, warmup, timeout, probe=0, collect=()) -> dict:
+    spec = make_spec(cfg, plan, steps=steps + warmup, seed=0, collect=collect)
+    fn, args = (probe_then_train, (probe, spec)) if probe else (train_worker, (spec,))
+    results = launch(fn, plan.world_size, *args, device="cpu", timeout=timeout)
+    extra = {"probe": summarise([r["probe"] for r in results])} if probe else {}
+    if collect:
+        extra["results"] = results
     times = [r["step_time_s"] for r in reporter_records(results)[warmup:]]
     tokens = plan.global_batch * plan.seq_len
     return {"times": times, "tokens_per_step": tokens, **stats(times),
             "tokens_per_s": tokens / statistics.median(times),
-            "tokens_per_s_all": [tokens / t for t in times]}
+            "tokens_per_s_all": [tokens / t for t in times], **extra}
 
 
 def tokens_row(label: str, m: dict, note: str = "") -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import resource
+import time
 
 import torch
 
@@ -62,10 +63,20 @@ def collected(trainer, what: set) -> dict:
     out = {}
     if "events" in what:
         out["events"] = trainer.topo.log.snapshot()
-    if "timeline" in what and trainer.last_result is not None:
-        out["timeline"] = [(s, e, a) for s, e, a in trainer.last_result.timeline]
+    if "timeline" in what:  # pp = 1: the step's forwards and backwards (Trainer.last_timeline)
+        tl = trainer.last_result.timeline if trainer.last_result else getattr(trainer, "last_timeline", [])
+        out["timeline"] = [(s, e, a) for s, e, a in tl]
     if "ledger" in what:
         out["ledger"] = model_state_ledger(trainer.net, trainer.optimizer)
+    return out
+
+
+def timed(timeline: list, action: str, fn):
+    """Run `fn()`, append (start, end, action) to `timeline` (perf_counter seconds, as the
+    pipeline runtime records its actions) and return what `fn` returned."""
+    t0 = time.perf_counter()
+    out = fn()
+    timeline.append((t0, time.perf_counter(), action))
     return out
 
 
@@ -102,4 +113,4 @@ def reporter_records(results: list[dict]) -> list[dict]:
 
 
 __all__ = ["peak_memory_bytes", "NonFiniteLoss", "check_finite", "peak_activation_bytes", "memory_by_category", "collected",
-           "describe_plan", "summary_line", "reporter_records"]
+           "describe_plan", "summary_line", "reporter_records", "timed"]

@@ -44,7 +44,7 @@ from .recompute import apply_recompute, measure_activations
 from .run_config import RunConfig, make_spec
 from .records import (NonFiniteLoss, check_finite, collected, describe_plan,  # noqa: F401
                       memory_by_category, peak_activation_bytes, peak_memory_bytes,
-                      reporter_records, summary_line)
+                      reporter_records, summary_line, timed)
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
                  sum_replicated_grads)
 
@@ -108,14 +108,14 @@ class Trainer:
         return loss
 
     def _step_no_pipeline(self, micro_batches) -> float:
-        m, total = len(micro_batches), 0.0
+        m, total, self.last_timeline = len(micro_batches), 0.0, []  # [(start, end, "F0")...]
         # The loss stays a tensor until the step ends: one host sync per step, not per micro-batch.
         for i, (x, y) in enumerate(micro_batches):
             self.topo.log.context = {**self.topo.log.context, "mb": i}
             sync = i == m - 1  # the last backward all-reduces buckets as they fill
             with contextlib.nullcontext() if sync else self.net.no_sync():
-                loss = self.net(x, y)
-                (loss / m).backward()  # mean over micro-batches = mean over the replica's batch
+                loss = timed(self.last_timeline, f"F{i}", lambda: self.net(x, y))
+                timed(self.last_timeline, f"B{i}", lambda: (loss / m).backward())  # mean over mbs
             total = total + loss.detach() / m
         return float(total)
 

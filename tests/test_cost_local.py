@@ -38,3 +38,41 @@ def test_local_prediction_within_factor_2_5():
     assert len(fit_run["times"]) == 3
     for name, c in results:
         assert 1 / FACTOR <= c["ratio"] <= FACTOR, (name, c)
+
+
+def test_host_slowdown_measured_for_its_world_else_world_over_cores():
+    import dataclasses
+
+    from mini3d.cost.hardware import PRESETS, hardware_from_dict
+
+    hw = dataclasses.replace(CPU, host_slowdown=((8, 5.5),))
+    assert hw.slowdown(8) == 5.5  # measured with 8 processes: used as measured
+    assert hw.slowdown(4) == 2.0 and hw.slowdown(1) == 1.0  # not measured: world / cores, >= 1
+    assert PRESETS["A100-80GB"].slowdown(64) == 1.0  # a GPU per rank
+    assert hardware_from_dict(json_roundtrip(hw.to_dict())).slowdown(8) == 5.5
+
+
+def json_roundtrip(d):
+    import json
+
+    return json.loads(json.dumps(d))
+
+
+def test_probed_hardware_takes_the_paced_units_when_there_were_pairs():
+    from mini3d.cost.host_probe import probed_hardware
+
+    paced = {"mean": 6e-3, "best": 1e-3, "paced": 3e-3, "all_reduce": 2e-3}
+    hw8 = probed_hardware(CPU, 8, paced, reference_s=1e-3)
+    assert hw8.slowdown(8) == pytest.approx(3.0)
+    # its latency makes the cost model's CPU all-reduce (latency x s, bandwidth / s) the probe's
+    from mini3d.cost.host_probe import PAIR_BYTES
+    assert 3.0 * hw8.collective_s("all_reduce", 2, PAIR_BYTES, CPU.nvlink_bw) == pytest.approx(2e-3)
+    alone = {"mean": 1.5e-3, "best": 1e-3, "paced": None, "all_reduce": None}
+    assert probed_hardware(CPU, 1, alone, reference_s=1e-3).slowdown(1) == pytest.approx(1.5)
+    # the measured factor replaces world / cores in every term: a layout without a bubble or
+    # overlap takes exactly s times as long
+    import dataclasses
+
+    dp = LAYOUTS["dp2"]
+    hw = lambda s: dataclasses.replace(CPU, host_slowdown=((2, s),))  # noqa: E731
+    assert predict_step_time(TINY, dp, hw(3.0)) == pytest.approx(3 * predict_step_time(TINY, dp, hw(1.0)))

@@ -27,6 +27,7 @@ from ..config import PRESETS as MODELS
 from ..config import Plan
 from .hardware import PRESETS as GPUS
 from .hardware import Hardware
+from .host_probe import host_cores
 from .model import Efficiency, estimate_cost
 
 
@@ -201,10 +202,11 @@ LAYER_PROBE_BATCHES = (2, 8)
 def calibrate_machine(quick: bool = False) -> Hardware:
     """A Hardware description of this CPU machine for predicting mini3d's own gloo runs."""
     reps = 3 if quick else 7
-    mm = measure_matmul(repeats=reps)
+    mm = measure_matmul(repeats=max(reps, 9))  # best of 9 even when quick: matmuls take ms, and
+    # a shared machine's load only ever slows a repeat down, so more repeats find its free moments
     ar = measure_allreduce(repeats=4 * reps + 9)
-    cores = os.cpu_count() or 1
-    fixed, per_token = measure_layer_overhead(mm["peak_flops"], mm["half_width"], reps)
+    cores = host_cores()  # the affinity's cores: `taskset -c 0` makes a one-core machine
+    fixed, per_token = measure_layer_overhead(mm["peak_flops"], mm["half_width"], max(reps, 7))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(name=f"cpu-{os.uname().nodename}", peak_flops=mm["peak_flops"],
                     memory_bytes=float(ram), memory_bw=measure_memory_bw(repeats=reps),

@@ -38,11 +38,22 @@ class Hardware:
     shared_host: bool = False  # all ranks share one host's cores (mini3d on a CPU)
     layer_overhead_s: float = 0.0  # fixed cost per layer, micro-batch, forward+backward (kernel launches)
     token_overhead_s: float = 0.0  # per token and layer, fwd+bwd, beyond the matmul FLOPs (CPU only)
+    host_slowdown: tuple = ()  # ((world size, measured factor), ...) on a shared host (host_probe)
 
     def flops(self, dtype: str) -> float:
         if dtype == "float32" and self.peak_flops_fp32:
             return self.peak_flops_fp32
         return self.peak_flops
+
+    def slowdown(self, world: int) -> float:
+        """How many times slower each of `world` ranks computes and communicates than one alone
+        (CPU work: copies, gloo threads and Python too): the factor measured for this world size
+        by `mini3d.cost.host_probe` when there is one, else world / cores on a shared host
+        (never below 1), else 1 (a GPU per rank)."""
+        measured = dict(self.host_slowdown)
+        if world in measured:
+            return float(measured[world])
+        return max(1.0, world / self.gpus_per_node) if self.shared_host else 1.0
 
     def collective_s(self, op: str, n: int, nbytes: float, bandwidth: float) -> float:
         """Seconds of one ring `op` ("all_reduce", "all_gather", "reduce_scatter", "send") of a
@@ -82,6 +93,7 @@ def hardware_from_dict(d: dict) -> Hardware:
                if f.default is dataclasses.MISSING and f.name not in d]
     if missing:
         raise ValueError(f"hardware description lacks {missing}")
+    d = {**d, "host_slowdown": tuple(tuple(p) for p in d.get("host_slowdown", ()))}  # JSON lists
     hw = Hardware(**d)
     bad = [f"{k}={getattr(hw, k)}" for k in ("peak_flops", "memory_bytes", "memory_bw", "nvlink_bw",
                                             "internode_bw", "gpus_per_node")

@@ -28,9 +28,11 @@ Step time, on the busiest pipeline rank:
 * pipeline: (per micro-batch forward + backward) * m / (1 - bubble), the bubble fraction from the
   schedule simulator (`bubble_fraction`); plus p2p messages of s*b*h*e (/ t under sequence
   parallelism) twice per chunk and micro-batch on the critical path: 2 * (v*m + p - 1) messages.
-* shared host (mini3d's own CPU runs, `Hardware.shared_host`): with more ranks than cores, compute,
-  the per-layer overhead, the optimizer AND communication (there it is CPU work: copies, gloo
-  threads, Python) run world / cores times slower; GPU presets are not shared hosts.
+* shared host (mini3d's own CPU runs, `Hardware.shared_host`): compute, the per-layer overhead,
+  the optimizer AND communication (there it is CPU work: copies, gloo threads, Python) run
+  `Hardware.slowdown(world)` times slower: the factor `mini3d.cost.host_probe` measured with that
+  many processes (oversubscription and the neighbours' load), else world / cores; GPU presets are
+  not shared hosts.
 * context parallelism (cp > 1): every per-token cost is that of the rank's s/cp tokens (attention
   FLOPs per token still cover the full s); ring attention sends, per layer and micro-batch, cp-1
   K/V blocks forward and cp-1 backward plus cp float32 dK/dV accumulators (`ring_block_bytes`;
@@ -203,13 +205,13 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     fwd = (layers * f["layer"] + (f["head"] if stage == head_rank(plan) else 0)) * tokens_mb / t
     extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
     width = min(cfg.d_model / t, tokens_mb)
-    slowdown = max(1.0, n / hw.gpus_per_node) if hw.shared_host else 1.0
+    slowdown = hw.slowdown(n)
     rate = hw.flops(plan.dtype) * eff.at(width) / slowdown
     c_fwd, c_bwd = fwd / rate, (2 * fwd + layers * extra * tokens_mb / t) / rate
     per_layer = hw.layer_overhead_s + hw.token_overhead_s * tokens_mb / t
     overhead = layers * per_layer * slowdown  # 1/3 forward, 2/3 backward
     c_fwd, c_bwd = c_fwd + overhead / 3, c_bwd + 2 * overhead / 3
-    if slowdown > 1:  # on a shared host communication is CPU work too (copies, gloo, Python)
+    if slowdown != 1:  # on a shared host communication is CPU work too (copies, gloo, Python)
         hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
     tp_fwd, tp_bwd, tp_wire = tp_time(cfg, plan, hw, layers, bw["tp"], stage)
