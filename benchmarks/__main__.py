@@ -2,6 +2,7 @@
 
 Runs, on local CPU processes with gloo, each benchmark module's `run(quick)`:
 
+    one_process   mini3d on one process vs a plain PyTorch loop (tiny, float32)
     dp_bench      mini3d DataParallel vs DDP (dp=2), ZeRO-3 vs FSDP2
     tp_bench      TP MLP block vs torch.distributed.tensor.parallel
     pp_torch      pipeline 1F1B / GPipe runtime vs torch.distributed.pipelining
@@ -27,7 +28,7 @@ import traceback
 
 from .common import machine_description, markdown_table, replace_section
 
-MODULES = ("dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs", "cost_local",
+MODULES = ("one_process", "dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs", "cost_local",
            "overlap_bench", "compile_bench")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 

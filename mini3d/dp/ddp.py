@@ -25,14 +25,12 @@ What the collective is depends on `zero_stage`:
   backward compute of the layers that produce the next bucket's gradients.
 
 Gradient dtype (`grad_dtype`, Plan.grad_dtype): with bf16 parameters the gradients are accumulated
-and reduced in float32 by default, as Megatron-LM and FSDP do: each bf16 gradient autograd produces is
-added into a float32 bucket buffer and dropped, so micro-batch sums and the dp average are not
-rounded to 8 bits each time; the fp32 shard then feeds the fp32 master without a copy. The price is
-4 instead of 2 bytes per gradient element, in memory and on the wire; `grad_dtype=bf16` keeps
-today's halves (the trade-off: rounding in every accumulation and in the reduction).
+and reduced in float32 by default, as Megatron-LM and FSDP do: each bf16 gradient is added into a
+float32 bucket buffer and dropped, so micro-batch sums and the dp average are not rounded to 8 bits
+each time, and the fp32 shard feeds the fp32 master without a copy; the price is 4 instead of 2
+bytes per gradient element, in memory and on the wire (`grad_dtype=bf16`: halves, rounded).
 
-`meter` (a `ledger.GradMeter`) follows every gradient buffer this wrapper allocates and frees, and
-gives `peak` gradient bytes since its last `reset()` (the trainer resets it each step).
+`meter` (a `ledger.GradMeter`) follows every gradient buffer allocated and freed here: `peak` bytes.
 
 Averaging: the collective divides the sum by dp. With the caller scaling each micro-batch loss by
 1/micro_batches, the result equals the single-process gradient of the mean loss over the global batch.
@@ -96,6 +94,9 @@ class DataParallel(GradSyncWrapper):
         device = params[0].device
         n, idx = (dp_axis.size, dp_axis.index) if zero_stage else (1, 0)
         runs = split_into_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        # one replica whose p.grad are views of the buckets has nothing to reduce or move: no
+        # hooks (their Python, per parameter and step, is a few percent of a small model's step)
+        hooked = dp_axis.size > 1 or zero_stage == 2 or self._separate
         self.buckets = [FlatGroup(i, r, n, idx) for i, r in enumerate(runs)]
         self._bucket_of = {}
         for b in self.buckets:
@@ -113,9 +114,9 @@ class DataParallel(GradSyncWrapper):
                 b.shard_clean = True  # zero: the next reduce-scatter may write straight into it
             for p in b.params:
                 self._bucket_of[p] = b
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                if hooked:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
         self._attach_grad_views()
-        self.require_sync = True
         self._next = 0  # index of the next bucket to launch
         self._works: list = []  # (work, finish callback) in launch order
         self.last_hook_time = None  # perf_counter() of the latest gradient arrival (overlap checks)
@@ -124,8 +125,16 @@ class DataParallel(GradSyncWrapper):
     def _attach_grad_views(self):
         if self.stage < 2 and not self._separate:
             for b in self.buckets:
-                for p, v in b.views(b.grad_buf):
-                    p.grad = v
+                for p in b.params:
+                    if not self._grad_is_view(b, p):
+                        p.grad = b.view_of(b.grad_buf, p)
+
+    @staticmethod
+    def _grad_is_view(b: FlatGroup, p: torch.Tensor) -> bool:
+        """Whether p.grad is still its view of the bucket buffer (by address: building a view
+        to compare costs microseconds per parameter per step)."""
+        g, buf = p.grad, b.grad_buf
+        return g is not None and g.data_ptr() == buf.data_ptr() + b.offset_of[id(p)] * buf.itemsize
 
     # ---- the hook and the launches -------------------------------------------------------
     def _on_grad(self, p: torch.Tensor):
@@ -153,8 +162,8 @@ class DataParallel(GradSyncWrapper):
         as a view of it; otherwise the gradient is moved there (added, when the buffer accumulates
         in its own dtype) and p.grad dropped."""
         if self.stage < 2 and not self._separate:
-            view = b.view_of(b.grad_buf, p)
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():  # someone replaced it
+            if p.grad is not None and not self._grad_is_view(b, p):  # someone replaced it
+                view = b.view_of(b.grad_buf, p)
                 view.copy_(p.grad)
                 p.grad = view
             return
@@ -250,23 +259,19 @@ class DataParallel(GradSyncWrapper):
     # ---- what the sharded optimizer and the ledger read ----------------------------------
     def shard_groups(self) -> list:
         """[(flat group, param shard view, callable giving the grad shard)] for the optimizer."""
-        out = []
-        for b in self.buckets:
-            if self.stage == 0:
-                out.append((b, b.param_buf, lambda b=b: b.grad_buf))
-            elif self.stage == 1:
-                out.append((b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_buf[b.lo:b.hi]))
-            else:
-                out.append((b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_shard))
-        return out
+        if self.stage == 0:
+            return [(b, b.param_buf, lambda b=b: b.grad_buf) for b in self.buckets]
+        if self.stage == 1:
+            return [(b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_buf[b.lo:b.hi])
+                    for b in self.buckets]
+        return [(b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_shard) for b in self.buckets]
 
     def after_step(self):
         """Stages 1/2: every rank updated its shard; all-gather the buckets' parameters."""
         if self.stage == 0:
             return
-        works = [comm.all_gather(b.param_buf, b.param_buf[b.lo:b.hi].clone(), self.axis,
-                                 async_op=True) for b in self.buckets]
-        for w in works:
+        for w in [comm.all_gather(b.param_buf, b.param_buf[b.lo:b.hi].clone(), self.axis,
+                                  async_op=True) for b in self.buckets]:
             w.wait()
 
     def state_tensors(self) -> dict:
