@@ -28,8 +28,8 @@ import traceback
 
 from .common import machine_description, markdown_table, replace_section
 
-MODULES = ("one_process", "dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs", "cost_local",
-           "overlap_bench", "compile_bench")
+MODULES = ("one_process", "dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs",
+           "cost_local", "overlap_bench", "compile_bench")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 GPU_NOTE = """## GPU path
