@@ -204,14 +204,19 @@ def main(argv=None) -> int:
         return 2
     r = check(args.model, args.seq_len, args.global_batch, args.steps, args.warmup, args.device,
               peak_tflops=args.peak_tflops, profile_steps=args.profile_steps, attention=args.attention)
-    text = report(r)
+    return publish(r, report(r), args.json, args.results, "gpu", "GPU path")
+
+
+def publish(r: dict, text: str, json_path, results_path, key: str, title: str) -> int:
+    """Print a check's report, write its JSON and its RESULTS.md section (when asked); exit 1
+    when the check recorded an error."""
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(r, f, indent=2)
-    if args.results:
+    if results_path:
         m = machine_description()
-        replace_section(args.results, "gpu", f"## GPU path\n\n{text}\n\n(torch {m['torch']}, {m['date']})")
+        replace_section(results_path, key, f"## {title}\n\n{text}\n\n(torch {m['torch']}, {m['date']})")
     return 1 if r["error"] else 0
 
 

@@ -26,7 +26,6 @@ by inductor (mini3d.compile).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -36,8 +35,7 @@ from mini3d.config import Plan
 from mini3d.cost.memory import estimate_memory
 from mini3d.report import model_flops_utilisation
 
-from .common import machine_description, replace_section
-from .gpu_check import _ratios, device_peak, run_mini3d
+from .gpu_check import _ratios, device_peak, publish, run_mini3d
 from .plain_loop import plain_step_times
 
 MODEL_FLAGS = {False: ["--model", "llama-3.2-1b"],
@@ -135,16 +133,8 @@ def main(argv=None) -> int:
         return 2
     r = check(args.tiny, args.seq_len, args.global_batch, args.steps, args.warmup, args.device,
               args.peak_tflops, args.timeout)
-    text = report(r)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
-    if args.results:
-        m = machine_description()
-        replace_section(args.results, "gpu-llama", f"## GPU path: Llama ~1B, compiled\n\n{text}"
-                                                   f"\n\n(torch {m['torch']}, {m['date']})")
-    return 1 if r["error"] else 0
+    return publish(r, report(r), args.json, args.results, "gpu-llama",
+                   "GPU path: Llama ~1B, compiled")
 
 
 if __name__ == "__main__":
