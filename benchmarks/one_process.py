@@ -15,14 +15,14 @@ from __future__ import annotations
 import statistics
 import sys
 
-from mini3d.config import PRESETS, Plan
+from mini3d.config import Plan
 from mini3d.launch import launch
 from mini3d.train import make_spec, reporter_records, train_worker
 
 from .common import ratio_row
 from .plain_loop import plain_step_times
+from .train_runs import TINY
 
-TINY = PRESETS["tiny"]
 PLAN = Plan(global_batch=8, seq_len=64)  # one micro-batch of 8 x 64 tokens
 WARMUP = 2
 

@@ -16,38 +16,37 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from . import comm, stop
+from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
+                         read_states, restore_full_state, restore_rng)
+from .compile import apply_compile
 from .config import ModelConfig, Plan
+from .cp import apply_cp, chunk_batch, set_positions
 from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
+from .dp import make_dp
 from .grid import Grid, build_topology
-import torch.nn as nn
-from .compile import apply_compile
-from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
-                         read_states, restore_full_state, restore_rng)
+from .launch import current_device
+from .model import set_attention
 from .optim import WeightDecay, adamw, set_lr  # noqa: F401  (adamw re-exported)
 from .periodic import checkpoint_meta, periodic, resumed_schedule
-from .report import RunReport, model_flops_utilisation, peak_flops_per_rank
-from .tokenizer import get_tokenizer
-from .dp import make_dp
-from .launch import current_device
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule, placement_of
 from .pp.tied import tie_across_stages
-from .cp import apply_cp, chunk_batch, set_positions
-from .model import set_attention
 from .recompute import apply_recompute, measure_activations
-from .run_config import RunConfig, make_spec
 from .records import (NonFiniteLoss, check_finite, collected, describe_plan,  # noqa: F401
                       memory_by_category, peak_activation_bytes, peak_memory_bytes,
                       reporter_records, summary_line, timed)
+from .report import RunReport, model_flops_utilisation, peak_flops_per_rank
+from .run_config import RunConfig, make_spec
+from .tokenizer import get_tokenizer
 from .tp import (apply_tp, boundary_shape, clip_grad_norm_, materialize_reference,
                  sum_replicated_grads)
-
 
 class Trainer:
     """One rank's share of the model and optimizer, and one optimizer step over a global batch.
