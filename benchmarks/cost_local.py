@@ -9,11 +9,12 @@
    of the tiny model (what a real step also pays per layer: the optimizer's per-tensor work,
    hooks, the head and loss spread over the layers; step time is linear in it).
 3. For each layout (dp2, tp2, pp2, tp2 pp2 dp2), the same processes that will train first run the
-   host probe (`mini3d.cost.host_probe`: Block units paced by tp-like pair all-reduces), train,
-   and run the probe again, so it brackets the measured steps and sees the load they saw, with the
-   layout's own process count (8 processes on 2 cores for the 3D layout, never extrapolated from 2).
-   The prediction uses the probe's slowdown against the fastest one-process unit
-   (`Hardware.host_slowdown`, in place of world / cores) and its in-step all-reduce (`latency_s`).
+   host probe (`mini3d.cost.host_probe`: busy Block units, then units paced by tp-like pair
+   all-reduces), train, and run the probe again, so it brackets the measured steps and sees the
+   load they saw, with the layout's own process count (8 processes on 2 cores for the 3D layout,
+   never extrapolated from 2). The prediction simulates the step under processor sharing of the
+   cores (`mini3d.cost.host_share`), with the contention the busy units show beyond the sharing
+   (`Hardware.host_slowdown`) and the exchange's alone-speed latency (`latency_s`).
    A row's ratio is measured / predicted
    per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the probed
    latency and the load average (1 minute, mean of before and after) the row ran under.
@@ -71,6 +72,7 @@ def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int, reference_s:
     return {"measured_s": m["median"], "predicted_s": predicted, "ratio": m["median"] / predicted,
             "ratio_min": s["min"], "ratio_max": s["max"], "times": m["times"],
             "slowdown": hw.slowdown(plan.world_size), "latency_s": hw.latency_s,
+            "exchange_s": m["probe"].get("exchange"),
             "load": (load + os.getloadavg()[0]) / 2,
             "naive_slowdown": max(1.0, plan.world_size / host_cores())}
 
@@ -113,9 +115,12 @@ def run(quick: bool = True) -> list[dict]:
                      "theirs_s": c["predicted_s"], "ratio": c["ratio"], "ratio_min": c["ratio_min"],
                      "ratio_max": c["ratio_max"], "goal": "0.7-1.3",
                      "note": ("within 30%" if inside else "OUTSIDE 30%")
-                     + f"; host slowdown {c['slowdown']:.2f} measured with {LAYOUTS[name].world_size} "
-                       f"processes (world/cores {c['naive_slowdown']:.1f}), latency "
-                       f"{c['latency_s'] * 1e6:.0f} us, load {c['load']:.1f}"})
+                     + f"; busy slowdown {c['slowdown']:.2f} measured with "
+                       f"{LAYOUTS[name].world_size} processes (world/cores "
+                       f"{c['naive_slowdown']:.1f}), exchange "
+                       + (f"{c['exchange_s'] * 1e3:.2f} ms" if c["exchange_s"] else "-")
+                       + f" (alone: latency {c['latency_s'] * 1e6:.0f} us a ring step), "
+                         f"load {c['load']:.1f}"})
     return rows
 
 

@@ -58,21 +58,36 @@ def json_roundtrip(d):
     return json.loads(json.dumps(d))
 
 
-def test_probed_hardware_takes_the_paced_units_when_there_were_pairs():
-    from mini3d.cost.host_probe import probed_hardware
+def test_probed_hardware_takes_the_busy_units_and_the_exchange_over_the_sharing():
+    from mini3d.comm import ring_wire_bytes
+    from mini3d.cost.host_probe import PAIR_BYTES, probed_hardware
 
-    paced = {"mean": 6e-3, "best": 1e-3, "paced": 3e-3, "all_reduce": 2e-3}
-    hw8 = probed_hardware(CPU, 8, paced, reference_s=1e-3)
-    assert hw8.slowdown(8) == pytest.approx(3.0)
-    # its latency makes the cost model's CPU all-reduce (latency x s, bandwidth / s) the probe's
-    from mini3d.cost.host_probe import PAIR_BYTES
-    assert 3.0 * hw8.collective_s("all_reduce", 2, PAIR_BYTES, CPU.nvlink_bw) == pytest.approx(2e-3)
-    alone = {"mean": 1.5e-3, "best": 1e-3, "paced": None, "all_reduce": None}
-    assert probed_hardware(CPU, 1, alone, reference_s=1e-3).slowdown(1) == pytest.approx(1.5)
-    # the measured factor replaces world / cores in every term: a layout without a bubble or
-    # overlap takes exactly s times as long
+    probe = {"mean": 6e-3, "best": 1e-3, "paced": 3e-3, "all_reduce": 2e-3, "exchange": 4e-3}
+    hw8 = probed_hardware(CPU, 8, probe, reference_s=1e-3)
+    assert hw8.slowdown(8) == pytest.approx(6.0)  # every process runnable: the busy units
+    # the exchange was measured with 8 processes on CPU's 2 cores: alone, a quarter of it
+    wire = ring_wire_bytes("all_reduce", 2, PAIR_BYTES) / CPU.nvlink_bw
+    assert hw8.latency_s == pytest.approx((4e-3 / 4 - wire) / 2)
+    assert hw8.collective_s("all_reduce", 2, PAIR_BYTES, CPU.nvlink_bw) == pytest.approx(1e-3)
+    alone = {"mean": 1.5e-3, "best": 1e-3, "paced": None, "all_reduce": None, "exchange": None}
+    hw1 = probed_hardware(CPU, 1, alone, reference_s=1e-3)
+    assert hw1.slowdown(1) == pytest.approx(1.5) and hw1.latency_s == CPU.latency_s
+    # the measured factor replaces world / cores: a layout without a bubble, running no more
+    # processes than cores, takes exactly s times as long (all of it is compute: no collectives)
     import dataclasses
 
     dp = LAYOUTS["dp2"]
-    hw = lambda s: dataclasses.replace(CPU, host_slowdown=((2, s),))  # noqa: E731
+    hw = lambda s: dataclasses.replace(CPU, host_slowdown=((2, s),), latency_s=0.0,  # noqa: E731
+                                       nvlink_bw=1e18, internode_bw=1e18)
     assert predict_step_time(TINY, dp, hw(3.0)) == pytest.approx(3 * predict_step_time(TINY, dp, hw(1.0)))
+
+
+def test_summarise_takes_the_shorter_partner_of_each_exchange():
+    from mini3d.cost.host_probe import summarise
+
+    ranks = [{"unit": [2.0, 1.0], "paced": [1.0], "all_reduce": [5.0, 1.0]},
+             {"unit": [3.0], "paced": [2.0], "all_reduce": [1.0, 3.0]}]
+    s = summarise(ranks)
+    assert s["mean"] == 2.0 and s["best"] == 1.0 and s["paced"] == 1.5
+    assert s["exchange"] == pytest.approx(1.0)  # min(5, 1), min(1, 3): the partner that waited least
+    assert s["all_reduce"] == 2.0  # the median of all four

@@ -32,6 +32,7 @@ import torch
 
 PROBE_BATCH = 4  # micro-batch of the probe unit: PROBE_BATCH x 64 tokens
 PAIR_BYTES = PROBE_BATCH * 64 * 64 * 4  # its activation in float32: a tp all-reduce's payload
+PACED_PER_UNIT = 2  # paced units per busy one: their all-reduces' mean needs many (a heavy tail)
 
 
 def host_cores() -> int:
@@ -81,7 +82,7 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
         t0 = time.perf_counter()
         block(x).sum().backward()
         units.append(time.perf_counter() - t0)
-    for _ in range(repeats // 2 if pair is not None else 0):  # all-reduces as a tp step has them
+    for _ in range(PACED_PER_UNIT * repeats if pair is not None else 0):  # as a tp step has them
         t0 = time.perf_counter()
         out = block(x).sum()
         waited = exchange()
@@ -99,35 +100,44 @@ def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
 
 
 def summarise(results: list[dict]) -> dict:
-    """{"mean": s, "best": s, "paced": s or None, "all_reduce": s or None} over every rank's
-    probe: the mean busy unit, the fastest unit, the mean paced unit and the median pair
-    all-reduce (a typical one: the few that wait out a whole time slice of the partner are
-    the paced units' share of the cores, already in the slowdown). Means, not medians: an oversubscribed rank's
-    units either run whole or wait out other processes' time slices, a two-humped spread whose
-    median can sit on either hump, while the mean is the rank's share of the cores."""
+    """{"mean": s, "best": s, "paced": s or None, "all_reduce": s or None, "exchange": s or None}
+    over every rank's probe: the mean busy unit, the fastest unit, the mean paced unit, the
+    median pair all-reduce, and the exchange: the mean over the pairs' all-reduces of the
+    shorter of the two partners' times. The partner that arrived last waited only for the
+    exchange itself, not for the other's compute (that skew is the processor sharing the cost
+    model simulates); a mean, because the exchanges' heavy tail is part of what a step pays.
+    Means of the units too, not medians: an oversubscribed rank's units either run whole or
+    wait out other processes' time slices, a two-humped spread whose median can sit on either
+    hump, while the mean is the rank's share of the cores."""
     units = [t for r in results for t in r["unit"]]
     reduces = [t for r in results for t in r["all_reduce"]]
     paced = [t for r in results for t in r.get("paced", ())]
+    shorter = [min(a, b) for i in range(0, len(results) - 1, 2)
+               for a, b in zip(results[i]["all_reduce"], results[i + 1]["all_reduce"])]
     return {"mean": statistics.fmean(units), "best": min(units),
             "paced": statistics.fmean(paced) if paced else None,
-            "all_reduce": statistics.median(reduces) if reduces else None}
+            "all_reduce": statistics.median(reduces) if reduces else None,
+            "exchange": statistics.fmean(shorter) if shorter else None}
 
 
 def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int = PAIR_BYTES):
     """`hw` as the probe saw this host with `world` processes: `host_slowdown` for `world` (the
-    mean paced unit, the busy unit when there were no pairs, over `reference_s`, the best
-    one-process unit) and, with pairs, the `latency_s` that makes `Hardware.collective_s` of the
-    probe's all-reduce, times that slowdown (the cost model's rule for CPU communication), equal
-    to its median all-reduce: the in-step cost with this many processes, now."""
+    mean busy unit, every process runnable, over `reference_s`, the best one-process unit) and,
+    with pairs, the alone-speed `latency_s` of one ring step: the probe's exchange, measured
+    while `world` processes shared `hw.gpus_per_node` cores, divided by that sharing (world /
+    cores, at least 1: the cost model's processor sharing puts it back for however many are
+    runnable at each moment of a step), less the wire time, over the all-reduce's 2 ring steps."""
     import dataclasses
 
     from ..comm import ring_steps, ring_wire_bytes
 
-    s = (probe.get("paced") or probe["mean"]) / reference_s
+    s = probe["mean"] / reference_s
     hw = dataclasses.replace(hw, host_slowdown=((world, s),))
-    if probe.get("all_reduce"):
+    exchange = probe.get("exchange")
+    if exchange:
+        share = max(1.0, world / hw.gpus_per_node)
         wire_s = ring_wire_bytes("all_reduce", 2, nbytes) / hw.nvlink_bw
-        latency = (probe["all_reduce"] / s - wire_s) / ring_steps("all_reduce", 2)
+        latency = (exchange / share - wire_s) / ring_steps("all_reduce", 2)
         hw = dataclasses.replace(hw, latency_s=max(1e-6, latency))
     return hw
 

@@ -28,11 +28,16 @@ Step time, on the busiest pipeline rank:
 * pipeline: (per micro-batch forward + backward) * m / (1 - bubble), the bubble fraction from the
   schedule simulator (`bubble_fraction`); plus p2p messages of s*b*h*e (/ t under sequence
   parallelism) twice per chunk and micro-batch on the critical path: 2 * (v*m + p - 1) messages.
-* shared host (mini3d's own CPU runs, `Hardware.shared_host`): compute, the per-layer overhead,
-  the optimizer AND communication (there it is CPU work: copies, gloo threads, Python) run
-  `Hardware.slowdown(world)` times slower: the factor `mini3d.cost.host_probe` measured with that
-  many processes (oversubscription and the neighbours' load), else world / cores; GPU presets are
-  not shared hosts.
+* shared host (mini3d's own CPU runs, `Hardware.shared_host`): every rank is a process on one
+  host's cores, and how fast one runs depends on how many others are runnable at that moment, so
+  the step is simulated (`shared_host_step`, `mini3d.cost.host_share`): each pipeline rank's
+  alone-speed work (compute, per-layer overhead, and communication, which there is CPU work:
+  copies, gloo threads, Python) runs under processor sharing of the cores, the schedule's
+  dependencies deciding who waits; compute also pays the contention left in
+  `Hardware.slowdown(world)` (measured by `mini3d.cost.host_probe` with that many processes, else
+  world / cores) once the sharing is divided out. The per-rank terms above, with that slowdown,
+  stay in the breakdown; `host_sharing` is what the simulation adds to (or takes from) their sum.
+  GPU presets are not shared hosts.
 * context parallelism (cp > 1): every per-token cost is that of the rank's s/cp tokens (attention
   FLOPs per token still cover the full s); ring attention sends, per layer and micro-batch, cp-1
   K/V blocks forward and cp-1 backward plus cp float32 dK/dV accumulators (`ring_block_bytes`;
@@ -69,6 +74,7 @@ from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
 from .comm_time import cp_time, dp_time, tp_time
 from .hardware import Hardware
+from .host_share import rate, shared_makespan
 from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,  # noqa: F401
                      ring_block_bytes, sharding_degree, stage_layers, stage_param_count)
 
@@ -192,20 +198,18 @@ def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
     return r, len(stage_layers(cfg, plan, r))
 
 
-def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
-                  eff: Efficiency | None = None) -> CostEstimate:
-    """Step time, throughput, utilisation, communication and memory of `plan` (validated first)."""
-    plan.validate(cfg, n_gpus)
-    n = plan.world_size
-    eff = efficiency_for(hw, eff)
-    e, t, m, v, p = ELEMENT_BYTES[plan.dtype], plan.tp, plan.micro_batches, plan.virtual_stages, plan.pp
-    stage, layers = _busiest_rank(cfg, plan)
+def _rank_terms(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency, stage: int,
+                slowdown: float) -> dict:
+    """Per-micro-batch seconds of pipeline rank `stage` with every rank `slowdown` times slower:
+    compute (c_fwd, c_bwd, with the per-layer overhead), tp and cp communication, and the
+    hardware with its links slowed likewise (`hw`, `bw`)."""
+    e, t = ELEMENT_BYTES[plan.dtype], plan.tp
+    layers = len(stage_layers(cfg, plan, stage))
     f = flops_per_token(cfg, plan.seq_len)
     tokens_mb = plan.micro_batch_size * local_seq_len(plan)  # this rank's tokens
     fwd = (layers * f["layer"] + (f["head"] if stage == head_rank(plan) else 0)) * tokens_mb / t
     extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
     width = min(cfg.d_model / t, tokens_mb)
-    slowdown = hw.slowdown(n)
     rate = hw.flops(plan.dtype) * eff.at(width) / slowdown
     c_fwd, c_bwd = fwd / rate, (2 * fwd + layers * extra * tokens_mb / t) / rate
     per_layer = hw.layer_overhead_s + hw.token_overhead_s * tokens_mb / t
@@ -216,30 +220,87 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
     tp_fwd, tp_bwd, tp_wire = tp_time(cfg, plan, hw, layers, bw["tp"], stage)
     ring = cp_time(cfg, plan, hw, layers, bw["cp"], f["attention"] * tokens_mb / t / plan.cp / rate)
-    t_fwd, t_bwd = c_fwd + tp_fwd + ring["fwd"], c_bwd + tp_bwd + ring["bwd"]
+    msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
+    return {"layers": layers, "c_fwd": c_fwd, "c_bwd": c_bwd, "tp_fwd": tp_fwd, "tp_bwd": tp_bwd,
+            "tp_wire": tp_wire, "ring": ring, "t_fwd": c_fwd + tp_fwd + ring["fwd"],
+            "t_bwd": c_bwd + tp_bwd + ring["bwd"], "width": width, "msg": msg, "hw": hw, "bw": bw,
+            "n_params": stage_param_count(cfg, plan, stage)}
+
+
+def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
+                  eff: Efficiency | None = None) -> CostEstimate:
+    """Step time, throughput, utilisation, communication and memory of `plan` (validated first)."""
+    plan.validate(cfg, n_gpus)
+    n = plan.world_size
+    eff = efficiency_for(hw, eff)
+    m, v, p = plan.micro_batches, plan.virtual_stages, plan.pp
+    stage, _ = _busiest_rank(cfg, plan)
+    slowdown = hw.slowdown(n)
+    k = _rank_terms(cfg, plan, hw, eff, stage, slowdown)
+    c_fwd, c_bwd, t_fwd, t_bwd, ring, bw = (k[x] for x in ("c_fwd", "c_bwd", "t_fwd", "t_bwd",
+                                                           "ring", "bw"))
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
-    msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
-    pp_s = 2 * (v * m + p - 1) * hw.collective_s("send", 2, msg, bw["pp"]) if p > 1 else 0.0
-    pp_wire = 2 * v * m * msg if p > 1 else 0.0
-    n_params = stage_param_count(cfg, plan, stage)
-    dp_total, dp_exposed, dp_wire = dp_time(cfg, plan, hw, n_params, bw["dp"], t_bwd,
+    pp_s = 2 * (v * m + p - 1) * k["hw"].collective_s("send", 2, k["msg"], bw["pp"]) if p > 1 else 0.0
+    pp_wire = 2 * v * m * k["msg"] if p > 1 else 0.0
+    dp_total, dp_exposed, dp_wire = dp_time(cfg, plan, k["hw"], k["n_params"], bw["dp"], t_bwd,
                                              m * (t_fwd + t_bwd))
-    local = n_params / (sharding_degree(plan) if plan.zero >= 1 else 1)
+    local = k["n_params"] / (sharding_degree(plan) if plan.zero >= 1 else 1)
     opt_s = ADAM_BYTES_PER_PARAM * local / hw.memory_bw * slowdown
     step = pipeline + pp_s + dp_exposed + opt_s
+    breakdown = {"compute": m * (c_fwd + c_bwd), "tp_comm": m * (k["tp_fwd"] + k["tp_bwd"]),
+                 "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
+                 "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(k["width"]),
+                 "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"]}
+    if hw.shared_host:  # the ranks share the host's cores: simulate who runs when
+        shared = shared_host_step(cfg, plan, hw, eff)
+        breakdown["host_sharing"] = shared - step  # what sharing adds to the per-rank terms
+        step = shared
     mf, hf = model_flops(cfg, plan), hardware_flops(cfg, plan)
     peak = hw.flops(plan.dtype)
-    breakdown = {"compute": m * (c_fwd + c_bwd), "tp_comm": m * (tp_fwd + tp_bwd),
-                 "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
-                 "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(width),
-                 "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"]}
     return CostEstimate(cfg, plan, hw.name, n, step, plan.global_batch * plan.seq_len / step, mf, hf,
                         mf / step / n / 1e12, hf / step / n / 1e12, mf / step / n / peak,
                         hf / step / n / peak, bubble,
-                        {"tp": m * tp_wire, "pp": pp_wire, "dp": dp_wire,
+                        {"tp": m * k["tp_wire"], "pp": pp_wire, "dp": dp_wire,
                          **({"cp": m * ring["wire"]} if plan.cp > 1 else {})}, breakdown,
                         estimate_memory(cfg, plan), hw.memory_bytes)
+
+
+def shared_host_step(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency) -> float:
+    """Step seconds when all ranks are processes on one host (`mini3d.cost.host_share`): each
+    pipeline rank's alone-speed work (the terms above with slowdown 1: compute, its tp / cp
+    collectives, both ends of every p2p message, its dp gradient sync) run under processor
+    sharing of `hw.gpus_per_node` cores; then the tail every process runs at once (optimizer, the
+    loss's reductions). The contention left in the layout's measured slowdown once the sharing
+    is divided out (caches, memory bandwidth, context switches, neighbours) slows compute; the
+    communication terms are not divided by it: their latency was probed as an exchange under
+    that contention already (`host_probe.probed_hardware` divides out only the sharing)."""
+    n, p, v, m = plan.world_size, plan.pp, plan.virtual_stages, plan.micro_batches
+    cores = hw.gpus_per_node
+    contention = max(1.0, hw.slowdown(n) / max(1.0, n / cores))
+    terms = [_rank_terms(cfg, plan, hw, eff, r, 1.0) for r in range(p)]
+    schedule = make_schedule(plan.schedule, p, m, v)
+    work = {"F": [], "B": [], "W": []}
+    for s in range(p * v):  # a chunk costs its rank's work over v
+        k = terms[schedule.rank_of(s)]
+        w = k["c_bwd"] / 2 if schedule.split else 0.0  # W: the weight-gradient matmuls
+        cf, cb = k["t_fwd"] - k["c_fwd"], k["t_bwd"] - k["c_bwd"]  # its communication
+        work["F"].append((k["c_fwd"] + cf / contention) / v)  # the simulation multiplies
+        work["B"].append((k["c_bwd"] - w + cb / contention) / v)  # contention back in
+        work["W"].append(w / v)
+    k0 = terms[0]
+    message = k0["hw"].collective_s("send", 2, k0["msg"], k0["bw"]["pp"]) if p > 1 else 0.0
+    dp_sync = [dp_time(cfg, plan, k["hw"], k["n_params"], k["bw"]["dp"], 0.0, 0.0)[0] / contention
+               for k in terms]
+    sim = shared_makespan(schedule, work, [n // p] * p, cores, contention, message / contention,
+                          message / contention, dp_sync)
+    local = max(k["n_params"] for k in terms) / (sharding_degree(plan) if plan.zero >= 1 else 1)
+    tail = ADAM_BYTES_PER_PARAM * local / hw.memory_bw
+    if p > 1:  # the loss, broadcast from the last stage
+        tail += hw.collective_s("send", 2, 8, k0["bw"]["pp"])
+    if plan.dp * plan.cp > 1:  # and averaged over the replicas
+        tail += hw.collective_s("all_reduce", plan.dp * plan.cp, 8, k0["bw"]["dp"])
+    return sim["makespan"] + tail / rate(n, cores, contention)  # (tail: memory-bound compute)
 
 
 def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
