@@ -9,15 +9,17 @@
    of the tiny model (what a real step also pays per layer: the optimizer's per-tensor work,
    hooks, the head and loss spread over the layers; step time is linear in it).
 3. For each layout (dp2, tp2, pp2, tp2 pp2 dp2), the same processes that will train first run the
-   host probe (`mini3d.cost.host_probe`: busy Block units, then units paced by tp-like pair
-   all-reduces), train, and run the probe again, so it brackets the measured steps and sees the
-   load they saw, with the layout's own process count (8 processes on 2 cores for the 3D layout,
-   never extrapolated from 2). The prediction simulates the step under processor sharing of the
-   cores (`mini3d.cost.host_share`), with the contention the busy units show beyond the sharing
-   (`Hardware.host_slowdown`) and the exchange's alone-speed latency (`latency_s`).
+   host probe (`mini3d.cost.host_probe`: busy Block units; units paced by pair all-reduces through
+   mini3d.comm, as a tp step issues them; a two-stage ping-pong of p2p messages), train, and run
+   the probe again, so it brackets the measured steps and sees the load they saw, with the
+   layout's own process count (8 processes on 2 cores for the 3D layout, never extrapolated from
+   2). It measures CPU seconds (every thread's) as well as wall seconds: what each all-reduce and
+   each message end costs in CPU, what it waits beyond that, and how much more CPU a unit takes
+   among these processes than alone. The prediction simulates the step under processor sharing
+   of the cores (`mini3d.cost.host_share`) with those numbers.
    A row's ratio is measured / predicted
-   per timed step (min/median/max); goal 0.7 - 1.3. The note gives the slowdown, the probed
-   latency and the load average (1 minute, mean of before and after) the row ran under.
+   per timed step (min/median/max); goal 0.7 - 1.3. The note gives the probe's numbers and the
+   load average (1 minute, mean of before and after) the row ran under.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int, reference_s:
     return {"measured_s": m["median"], "predicted_s": predicted, "ratio": m["median"] / predicted,
             "ratio_min": s["min"], "ratio_max": s["max"], "times": m["times"],
             "slowdown": hw.slowdown(plan.world_size), "latency_s": hw.latency_s,
-            "exchange_s": m["probe"].get("exchange"),
+            "hw": hw,
             "load": (load + os.getloadavg()[0]) / 2,
             "naive_slowdown": max(1.0, plan.world_size / host_cores())}
 
@@ -82,8 +84,8 @@ def validate(cfg: ModelConfig = TINY, layouts=None, steps: int = 6, quick_calibr
     """(calibrated + refitted hardware, the fit run, [(layout name, comparison)]). The fit run and
     every layout run the host probe around their steps, in their own processes. The fit is made
     load-free by pairing bests: its fastest step is fitted at slowdown 1, and the probe's fastest
-    unit is the reference every slowdown is measured against; each layout's prediction then
-    multiplies in the mean slowdown its own probe saw, for its median step."""
+    unit is the reference every slowdown and CPU factor is measured against; each layout's
+    prediction then uses what its own probe saw, for its median step."""
     hw = hw or calibrate_machine(quick=quick_calibration)
     load = os.getloadavg()[0]
     fit_run = measure_train(cfg, FIT_PLAN, steps=steps, probe=PROBE_UNITS)
@@ -95,10 +97,20 @@ def validate(cfg: ModelConfig = TINY, layouts=None, steps: int = 6, quick_calibr
     return hw, fit_run, [(n, compare(cfg, LAYOUTS[n], hw, steps, reference)) for n in names]
 
 
+def probe_note(hw: Hardware) -> str:
+    """What the host probe measured, as the cost model reads it."""
+    text = f"compute CPU x{hw.host_cpu_factor or 1:.2f}"
+    if hw.host_step_cpu_s:
+        text += (f", all-reduce ring step {hw.host_step_cpu_s * 1e6:.0f} us CPU + "
+                 f"{hw.host_step_wait_s * 1e6:.0f} us wait, message end {hw.host_msg_cpu_s * 1e6:.0f}"
+                 f" us CPU + {hw.host_msg_wait_s * 1e6:.0f} us wait")
+    return text
+
+
 def run(quick: bool = True) -> list[dict]:
     """Rows: ours_s = measured step, theirs_s = predicted step, ratio = measured / predicted."""
     layouts = list(LAYOUTS) if not quick else [*QUICK_LAYOUTS, "tp2 pp2 dp2 1f1b m2"]
-    hw, fit_run, results = validate(layouts=layouts, steps=5 if quick else 12,
+    hw, fit_run, results = validate(layouts=layouts, steps=12 if quick else 20,
                                     quick_calibration=quick)
     FITTED[quick] = hw
     rows = [{"name": "cost model: single process (fit run)", "ours_s": fit_run["median"],
@@ -115,12 +127,8 @@ def run(quick: bool = True) -> list[dict]:
                      "theirs_s": c["predicted_s"], "ratio": c["ratio"], "ratio_min": c["ratio_min"],
                      "ratio_max": c["ratio_max"], "goal": "0.7-1.3",
                      "note": ("within 30%" if inside else "OUTSIDE 30%")
-                     + f"; busy slowdown {c['slowdown']:.2f} measured with "
-                       f"{LAYOUTS[name].world_size} processes (world/cores "
-                       f"{c['naive_slowdown']:.1f}), exchange "
-                       + (f"{c['exchange_s'] * 1e3:.2f} ms" if c["exchange_s"] else "-")
-                       + f" (alone: latency {c['latency_s'] * 1e6:.0f} us a ring step), "
-                         f"load {c['load']:.1f}"})
+                     + f"; {LAYOUTS[name].world_size} processes on {c['hw'].gpus_per_node} "
+                       f"cores: {probe_note(c['hw'])}, load {c['load']:.1f}"})
     return rows
 
 

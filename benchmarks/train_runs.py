@@ -44,7 +44,9 @@ def probe_then_train(repeats: int, run) -> dict:
     before = probe_worker((repeats + 1) // 2)
     out = train_worker(run)
     after = probe_worker(repeats // 2)
-    return {**out, "probe": {k: before[k] + after[k] for k in before}}
+    merged = {k: before[k] + after[k] if isinstance(before[k], list) else (before[k] + after[k]) / 2
+              for k in before}  # lists joined, per-op CPU seconds averaged
+    return {**out, "probe": merged}
 
 
 def _measure(cfg, plan, steps, warmup, timeout, probe=0, collect=()) -> dict:

@@ -58,20 +58,28 @@ def json_roundtrip(d):
     return json.loads(json.dumps(d))
 
 
-def test_probed_hardware_takes_the_busy_units_and_the_exchange_over_the_sharing():
+def test_probed_hardware_splits_each_op_into_cpu_work_and_a_blocked_wait():
     from mini3d.comm import ring_wire_bytes
     from mini3d.cost.host_probe import PAIR_BYTES, probed_hardware
 
-    probe = {"mean": 6e-3, "best": 1e-3, "paced": 3e-3, "all_reduce": 2e-3, "exchange": 4e-3}
+    probe = {"mean": 6e-3, "best": 1e-3, "paced": 3e-3, "all_reduce": 2e-3,
+             "all_reduce_mean": 6e-3, "exchange": 4e-3, "ar_cpu": 0.5e-3, "msg_cpu": 0.2e-3,
+             "msg_latency": 2e-3, "paced_cpu": 1.25e-3}
     hw8 = probed_hardware(CPU, 8, probe, reference_s=1e-3)
     assert hw8.slowdown(8) == pytest.approx(6.0)  # every process runnable: the busy units
-    # the exchange was measured with 8 processes on CPU's 2 cores: alone, a quarter of it
+    assert hw8.host_cpu_factor == pytest.approx(1.25)  # a unit's CPU, run as a step runs it
     wire = ring_wire_bytes("all_reduce", 2, PAIR_BYTES) / CPU.nvlink_bw
-    assert hw8.latency_s == pytest.approx((4e-3 / 4 - wire) / 2)
-    assert hw8.collective_s("all_reduce", 2, PAIR_BYTES, CPU.nvlink_bw) == pytest.approx(1e-3)
+    assert hw8.host_step_cpu_s == pytest.approx((0.5e-3 - wire) / 2)  # less the copies, per step
+    # 8 processes on CPU's 2 cores: the exchange alone is a quarter of what was measured; beyond
+    # its CPU it waited; the partners' lateness (mean less exchange) likewise over the sharing
+    assert hw8.host_step_wait_s == pytest.approx(((4e-3 / 4 - 0.5e-3) + (6e-3 - 4e-3) / 4) / 2)
+    assert hw8.host_msg_cpu_s == pytest.approx(0.2e-3)
+    assert hw8.host_msg_wait_s == pytest.approx(2e-3 / 4 - 0.2e-3)
+    assert hw8.latency_s == pytest.approx(hw8.host_step_cpu_s + hw8.host_step_wait_s)
     alone = {"mean": 1.5e-3, "best": 1e-3, "paced": None, "all_reduce": None, "exchange": None}
     hw1 = probed_hardware(CPU, 1, alone, reference_s=1e-3)
     assert hw1.slowdown(1) == pytest.approx(1.5) and hw1.latency_s == CPU.latency_s
+    assert hw1.host_step_cpu_s == 0.0  # nothing probed: the cost model uses latency_s
     # the measured factor replaces world / cores: a layout without a bubble, running no more
     # processes than cores, takes exactly s times as long (all of it is compute: no collectives)
     import dataclasses
@@ -82,12 +90,18 @@ def test_probed_hardware_takes_the_busy_units_and_the_exchange_over_the_sharing(
     assert predict_step_time(TINY, dp, hw(3.0)) == pytest.approx(3 * predict_step_time(TINY, dp, hw(1.0)))
 
 
-def test_summarise_takes_the_shorter_partner_of_each_exchange():
+def test_summarise_takes_the_shorter_partner_of_each_exchange_and_pairs_the_messages():
     from mini3d.cost.host_probe import summarise
 
-    ranks = [{"unit": [2.0, 1.0], "paced": [1.0], "all_reduce": [5.0, 1.0]},
-             {"unit": [3.0], "paced": [2.0], "all_reduce": [1.0, 3.0]}]
+    ranks = [{"unit": [2.0, 1.0], "paced": [1.0], "all_reduce": [5.0, 1.0], "ar_cpu": 0.2,
+              "msg_cpu": 0.1, "paced_cpu": 0.9, "sent": [10.0, 20.0], "received": [15.5]},
+             {"unit": [3.0], "paced": [2.0], "all_reduce": [1.0, 3.0], "ar_cpu": 0.4,
+              "msg_cpu": 0.3, "paced_cpu": 1.1, "sent": [15.0], "received": [10.5, 21.0]}]
     s = summarise(ranks)
     assert s["mean"] == 2.0 and s["best"] == 1.0 and s["paced"] == 1.5
-    assert s["exchange"] == pytest.approx(1.0)  # min(5, 1), min(1, 3): the partner that waited least
-    assert s["all_reduce"] == 2.0  # the median of all four
+    assert s["exchange"] == pytest.approx(1.0)  # min(5, 1), min(1, 3): who waited least
+    assert s["all_reduce"] == 2.0 and s["all_reduce_mean"] == 2.5
+    assert s["ar_cpu"] == pytest.approx(0.3) and s["msg_cpu"] == pytest.approx(0.2)
+    assert s["paced_cpu"] == pytest.approx(1.0)
+    # each send's issue on one rank to its arrival on the other: 0.5, 1.0 and 0.5
+    assert s["msg_latency"] == pytest.approx(2.0 / 3)

@@ -67,6 +67,23 @@ def test_messages_cost_both_ends_and_the_tail_runs_after():
     assert msg["makespan"] == pytest.approx(6.0 + 2 * 0.3 + 0.5)
 
 
+def test_blocked_waits_take_no_core():
+    """A wait after an action holds its rank back, but the other rank gets the cores meanwhile."""
+    sch = make_schedule("gpipe", 2, 1)
+    work = {"F": [1.0, 1.0], "B": [2.0, 2.0], "W": [0.0, 0.0]}
+    waits = {"F": [0.5, 0.5], "B": [0.0, 0.0], "W": [0.0, 0.0]}
+    out = shared_makespan(sch, work, [1, 1], cores=1, blocked=waits, recv_wait=0.25)
+    # a chain: F0, wait, (receive wait) F1, wait, B1, (receive wait) B0
+    assert out["makespan"] == pytest.approx(6.0 + 2 * 0.5 + 2 * 0.25)
+    # two independent ranks on one core: while one waits the other runs at full speed
+    two = make_schedule("gpipe", 1, 2)
+    alone = shared_makespan(two, {"F": [1.0], "B": [1.0], "W": [0.0]}, [2], cores=1)
+    assert alone["makespan"] == pytest.approx(2 * 2 * 2.0)
+    waited = shared_makespan(two, {"F": [1.0], "B": [1.0], "W": [0.0]}, [2], cores=1,
+                             blocked={"F": [1.0], "B": [0.0], "W": [0.0]})
+    assert waited["makespan"] == pytest.approx(2 * 2 * 2.0 + 2 * 1.0)  # one group: nobody fills
+
+
 def test_cost_model_on_a_shared_host_uses_the_simulation():
     """A one-core host: the 3D layout's 8 processes cannot beat their summed work, however the
     per-rank terms would divide it; a GPU preset never takes this path."""

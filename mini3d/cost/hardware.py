@@ -39,6 +39,14 @@ class Hardware:
     layer_overhead_s: float = 0.0  # fixed cost per layer, micro-batch, forward+backward (kernel launches)
     token_overhead_s: float = 0.0  # per token and layer, fwd+bwd, beyond the matmul FLOPs (CPU only)
     host_slowdown: tuple = ()  # ((world size, measured factor), ...) on a shared host (host_probe)
+    # Shared host, measured by `mini3d.cost.host_probe` with the layout's processes (0: use
+    # latency_s): CPU seconds (every thread) of one collective ring step on each member and of
+    # one end of a p2p message, and the wall seconds each also waits blocked, taking no core.
+    host_step_cpu_s: float = 0.0
+    host_step_wait_s: float = 0.0
+    host_msg_cpu_s: float = 0.0
+    host_msg_wait_s: float = 0.0
+    host_cpu_factor: float = 0.0  # CPU seconds of compute under the layout's contention / alone
 
     def flops(self, dtype: str) -> float:
         if dtype == "float32" and self.peak_flops_fp32:

@@ -44,11 +44,17 @@ def host_cores() -> int:
 
 
 def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
-    """On each launched rank: {"unit": seconds of each of `repeats` probe units run back to back
-    (every rank busy at once), "paced": the compute seconds of `repeats` / 2 more units each
-    followed, after the forward and after the backward, by an all-reduce of `nbytes` between rank
-    pairs (2i, 2i+1), as tp all-reduces follow a layer's compute, "all_reduce": those
-    all-reduces' seconds}, timed after a barrier so that every rank starts at the same time.
+    """On each launched rank, timed after a barrier so that every rank starts at the same time:
+
+    "unit": seconds of each of `repeats` probe units run back to back (every rank busy at once);
+    "paced": the compute seconds of `PACED_PER_UNIT * repeats` more units each followed, after the
+    forward and after the backward, by an all-reduce of `nbytes` between rank pairs (2i, 2i+1), as
+    tp all-reduces follow a layer's compute; "all_reduce": those all-reduces' wall seconds;
+    "ar_cpu": this process' CPU seconds (every thread: gloo's too) per all-reduce, beyond the
+    units' own; then the pairs play a two-stage pipeline, each unit's forward output sent to the
+    partner, which computes its forward and sends back (`repeats` round trips): "msg_cpu": CPU
+    seconds per message end (a send or a receive) beyond the units', "sent" / "received": the
+    perf_counter times (one clock for the whole host) each message was issued / arrived.
     Pairs only with an even world size greater than 1."""
     import torch.distributed as dist
 
@@ -62,34 +68,73 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
         block = Block(ModelConfig(1, 64, 4, 256, 64))
     x = torch.randn(PROBE_BATCH, 64, 64, device=dev, requires_grad=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if world > 1 else 0
     pair, buf = None, torch.ones(max(1, nbytes // 4), device=dev)
-    if world > 1 and world % 2 == 0:
-        groups = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
-        pair = groups[dist.get_rank() // 2]
-        dist.all_reduce(buf, group=pair)  # connect before timing
+    if world > 1 and world % 2 == 0:  # the pairs are a tp axis, and talk through mini3d.comm
+        from .. import comm  # as a step's collectives do (its checks and event log cost CPU too)
+        from ..grid import Grid, build_topology
+
+        pair = build_topology(Grid(tp=2, dp=world // 2), rank, dev).axes["tp"]
+        comm.all_reduce(buf, pair)  # connect before timing
     block(x).sum().backward()  # first touch: allocations, autograd caches
     if world > 1:
         dist.barrier()
     units, reduces, paced = [], [], []
-
-    def exchange():  # the pair all-reduce that follows a forward and a backward
-        t = time.perf_counter()
-        dist.all_reduce(buf, group=pair)
-        reduces.append(time.perf_counter() - t)
-        return reduces[-1]
-
+    out = {"unit": units, "all_reduce": reduces, "paced": paced}
     for _ in range(repeats):  # every rank busy at once: its share of the cores
         t0 = time.perf_counter()
         block(x).sum().backward()
         units.append(time.perf_counter() - t0)
-    for _ in range(PACED_PER_UNIT * repeats if pair is not None else 0):  # as a tp step has them
+    if pair is None:
+        return out
+    compute_cpu = 0.0
+
+    def computed(fn):  # run fn, counting the CPU seconds of this (the main) thread in it: the
+        nonlocal compute_cpu  # gloo threads' work that runs meanwhile belongs to the messages
+        c = time.thread_time()
+        value = fn()
+        compute_cpu += time.thread_time() - c
+        return value
+
+    ar_main = 0.0  # main-thread CPU seconds inside the all-reduce calls
+
+    def exchange():  # the pair all-reduce that follows a forward and a backward
+        nonlocal ar_main
+        t, c = time.perf_counter(), time.thread_time()
+        comm.all_reduce(buf, pair)
+        ar_main += time.thread_time() - c
+        reduces.append(time.perf_counter() - t)
+        return reduces[-1]
+
+    cpu0 = time.process_time()
+    for _ in range(PACED_PER_UNIT * repeats):  # all-reduces as a tp step has them
         t0 = time.perf_counter()
-        out = block(x).sum()
+        loss = computed(lambda: block(x).sum())
         waited = exchange()
-        out.backward()
+        computed(loss.backward)
         paced.append(time.perf_counter() - t0 - waited)
         exchange()
-    return {"unit": units, "all_reduce": reduces, "paced": paced}
+    out["ar_cpu"] = (time.process_time() - cpu0 - compute_cpu) / len(reduces)
+    out["paced_cpu"] = compute_cpu / len(paced)  # a unit's CPU seconds, run as a step runs it
+    partner, inp = rank ^ 1, x.detach()
+    sent, received, pending = [], [], []
+    comm.barrier(pair)
+    compute_cpu, cpu0 = 0.0, time.process_time()
+    for _ in range(repeats):  # a two-stage pipeline: the even rank starts each round trip
+        for turn in ((0, 1) if rank % 2 == 0 else (1, 0)):
+            if turn == 0:  # compute, then send the output on (kept alive until it is sent)
+                act = computed(lambda: block(inp).detach())
+                sent.append(time.perf_counter())
+                pending.append((comm.send(act, pair, partner, async_op=True), act))
+            else:  # wait for the partner's output: the next input
+                inp = torch.empty_like(x, requires_grad=False)
+                comm.recv(inp, pair, partner, async_op=True).wait()
+                received.append(time.perf_counter())
+    for w, _ in pending:
+        w.wait()
+    out.update(msg_cpu=(time.process_time() - cpu0 - compute_cpu) / (len(sent) + len(received)),
+               sent=sent, received=received)
+    return out
 
 
 def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
@@ -100,46 +145,69 @@ def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
 
 
 def summarise(results: list[dict]) -> dict:
-    """{"mean": s, "best": s, "paced": s or None, "all_reduce": s or None, "exchange": s or None}
-    over every rank's probe: the mean busy unit, the fastest unit, the mean paced unit, the
-    median pair all-reduce, and the exchange: the mean over the pairs' all-reduces of the
-    shorter of the two partners' times. The partner that arrived last waited only for the
-    exchange itself, not for the other's compute (that skew is the processor sharing the cost
-    model simulates); a mean, because the exchanges' heavy tail is part of what a step pays.
-    Means of the units too, not medians: an oversubscribed rank's units either run whole or
-    wait out other processes' time slices, a two-humped spread whose median can sit on either
-    hump, while the mean is the rank's share of the cores."""
+    """Every rank's probe in one dict: "mean" busy unit, "best" (fastest) unit, "paced" mean paced
+    unit, "all_reduce" median and "all_reduce_mean" of the pair all-reduces, "exchange", "ar_cpu",
+    "msg_cpu" and "msg_latency" (None without pairs).
+
+    The exchange is the mean over the pairs' all-reduces of the shorter of the two partners'
+    times: the partner that arrived last waited only for the exchange itself, not for the other's
+    compute. The message latency is the mean from a send's issue (on one rank) to its arrival (on
+    the partner). Means, not medians, for what a step adds up: the exchanges have a heavy tail,
+    and an oversubscribed rank's units either run whole or wait out other processes' time
+    slices, a two-humped spread whose median can sit on either hump."""
     units = [t for r in results for t in r["unit"]]
     reduces = [t for r in results for t in r["all_reduce"]]
     paced = [t for r in results for t in r.get("paced", ())]
-    shorter = [min(a, b) for i in range(0, len(results) - 1, 2)
-               for a, b in zip(results[i]["all_reduce"], results[i + 1]["all_reduce"])]
-    return {"mean": statistics.fmean(units), "best": min(units),
-            "paced": statistics.fmean(paced) if paced else None,
+    pairs = [(results[i], results[i + 1]) for i in range(0, len(results) - 1, 2)
+             if results[i].get("all_reduce")]
+    shorter = [min(a, b) for x, y in pairs for a, b in zip(x["all_reduce"], y["all_reduce"])]
+    latency = [got - sent for x, y in pairs for a, b in ((x, y), (y, x))
+               for sent, got in zip(a.get("sent", ()), b.get("received", ()))]
+    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    return {"mean": statistics.fmean(units), "best": min(units), "paced": mean(paced),
             "all_reduce": statistics.median(reduces) if reduces else None,
-            "exchange": statistics.fmean(shorter) if shorter else None}
+            "all_reduce_mean": mean(reduces), "exchange": mean(shorter),
+            "ar_cpu": mean([r["ar_cpu"] for r in results if "ar_cpu" in r]),
+            "msg_cpu": mean([r["msg_cpu"] for r in results if "msg_cpu" in r]),
+            "paced_cpu": mean([r["paced_cpu"] for r in results if "paced_cpu" in r]),
+            "msg_latency": mean(latency)}
 
 
 def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int = PAIR_BYTES):
-    """`hw` as the probe saw this host with `world` processes: `host_slowdown` for `world` (the
-    mean busy unit, every process runnable, over `reference_s`, the best one-process unit) and,
-    with pairs, the alone-speed `latency_s` of one ring step: the probe's exchange, measured
-    while `world` processes shared `hw.gpus_per_node` cores, divided by that sharing (world /
-    cores, at least 1: the cost model's processor sharing puts it back for however many are
-    runnable at each moment of a step), less the wire time, over the all-reduce's 2 ring steps."""
+    """`hw` as the probe saw this host with `world` processes.
+
+    `host_slowdown` for `world`: the mean busy unit (every process runnable) over `reference_s`,
+    the best one-process unit. With pairs, the communication the cost model's shared-host
+    simulation charges (`mini3d.cost.model.shared_host_step`):
+
+    * `host_step_cpu_s`: the CPU seconds of an all-reduce (less its copies, which the wire
+      bandwidth charges) over its 2 ring steps; `host_msg_cpu_s`: per message end;
+    * `host_step_wait_s`: per ring step, what an all-reduce waited beyond its CPU: the exchange
+      over the sharing (world / cores, at least 1, which the simulation puts back for however many
+      processes are runnable at each moment) less its CPU, plus the partners' lateness (the mean
+      all-reduce less the exchange, also over the sharing); `host_msg_wait_s` likewise for a
+      message's latency;
+    * `latency_s`: CPU and wait of a ring step together (for everything else that reads it)."""
     import dataclasses
 
     from ..comm import ring_steps, ring_wire_bytes
 
     s = probe["mean"] / reference_s
     hw = dataclasses.replace(hw, host_slowdown=((world, s),))
-    exchange = probe.get("exchange")
-    if exchange:
-        share = max(1.0, world / hw.gpus_per_node)
-        wire_s = ring_wire_bytes("all_reduce", 2, nbytes) / hw.nvlink_bw
-        latency = (exchange / share - wire_s) / ring_steps("all_reduce", 2)
-        hw = dataclasses.replace(hw, latency_s=max(1e-6, latency))
-    return hw
+    if not probe.get("exchange") or probe.get("ar_cpu") is None:
+        return hw
+    share = max(1.0, world / hw.gpus_per_node)
+    steps = ring_steps("all_reduce", 2)
+    wire_s = ring_wire_bytes("all_reduce", 2, nbytes) / hw.nvlink_bw
+    step_cpu = max(1e-6, (probe["ar_cpu"] - wire_s) / steps)
+    late = max(0.0, probe["all_reduce_mean"] - probe["exchange"]) / share
+    step_wait = (max(0.0, probe["exchange"] / share - probe["ar_cpu"]) + late) / steps
+    msg_cpu = max(1e-6, probe["msg_cpu"])
+    msg_wait = max(0.0, probe["msg_latency"] / share - msg_cpu)
+    return dataclasses.replace(hw, latency_s=step_cpu + step_wait, host_step_cpu_s=step_cpu,
+                               host_step_wait_s=step_wait, host_msg_cpu_s=msg_cpu,
+                               host_msg_wait_s=msg_wait,
+                               host_cpu_factor=max(1.0, probe["paced_cpu"] / reference_s))
 
 
 __all__ = ["host_cores", "probe_worker", "probe_unit_s", "summarise", "probed_hardware",

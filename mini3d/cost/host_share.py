@@ -46,74 +46,93 @@ def rate(runnable: float, cores: int, contention: float = 1.0) -> float:
 
 
 def shared_makespan(schedule, work: dict, weights, cores: int, contention: float = 1.0,
-                    recv: float = 0.0, send: float = 0.0, after=0.0) -> dict:
+                    recv: float = 0.0, send: float = 0.0, after=0.0,
+                    blocked: dict | None = None, recv_wait: float = 0.0) -> dict:
     """Simulate the pipeline part of one step under processor sharing.
 
     `work`: {"F": [...], "B": [...], "W": [...]} alone-speed seconds per stage (model chunk);
     `recv` / `send`: alone-speed seconds of each end of a cross-rank message (before the action
     that needs its input, after the one that produced it); `after`: per-rank work after its last
-    action (scalar or list: its data-parallel gradient sync); `weights`: processes per pipeline
-    rank. Returns {"makespan", "busy": per-rank runnable seconds, "finish": per-rank end times}."""
+    action (scalar or list: its data-parallel gradient sync); `blocked`: like `work`, wall
+    seconds each action also spends blocked (taking no core) after its work, `recv_wait` more for
+    an action that received its input; `weights`:
+    processes per pipeline rank. Returns {"makespan", "busy": per-rank runnable seconds,
+    "finish": per-rank end times}."""
     p = schedule.p
     after = list(after) if isinstance(after, (list, tuple)) else [after] * p
-    programs = []  # per rank: [(dependency or None, alone-speed seconds, key or None)]
+    blocked = blocked or {}
+    programs = []  # per rank: [(dependency or None, alone-speed work, blocked wall s, key)]
     for r in range(p):
         prog = []
         for a in schedule.compute(r):
             dep = _dependency(a, schedule.n_stages)
             to = a.stage + 1 if a.op == "F" else a.stage - 1  # where its output goes
             seconds = work[a.op][a.stage]
-            seconds += recv if dep is not None and schedule.rank_of(dep[1]) != r else 0.0
+            remote = dep is not None and schedule.rank_of(dep[1]) != r
+            seconds += recv if remote else 0.0
             seconds += send if a.op != "W" and 0 <= to < schedule.n_stages and \
                 schedule.rank_of(to) != r else 0.0
-            prog.append((dep, seconds, (a.op, a.stage, a.mb)))
-        prog.append((None, after[r], None))
+            wait = (blocked[a.op][a.stage] if a.op in blocked else 0.0) + (recv_wait if remote else 0.0)
+            prog.append((dep, seconds, wait, (a.op, a.stage, a.mb)))
+        prog.append((None, after[r], 0.0, None))
         programs.append(prog)
     done: dict = {}
     step, left = [0] * p, [0.0] * p
-    running = [False] * p
+    state = ["idle"] * p  # idle (between steps, or waiting for an input) | run | blocked
+    until = [0.0] * p  # end of a blocked wait
     busy, finish = [0.0] * p, [0.0] * p
     now = 0.0
+
+    def complete(r):
+        key = programs[r][step[r]][3]
+        if key is not None:
+            done[key] = now
+        state[r], step[r] = "idle", step[r] + 1
+        if step[r] == len(programs[r]):
+            finish[r] = now
 
     def advance(r):
         """Start rank r's next step when its input exists (zero-length steps complete at once)."""
         while step[r] < len(programs[r]):
-            dep, seconds, key = programs[r][step[r]]
+            dep, seconds, wait, _ = programs[r][step[r]]
             if dep is not None and dep not in done:
                 return
             if seconds > EPS:
-                running[r], left[r] = True, seconds
+                state[r], left[r] = "run", seconds
                 return
-            if key is not None:
-                done[key] = now
-            step[r] += 1
-        finish[r] = now
+            if wait > EPS:
+                state[r], until[r] = "blocked", now + wait
+                return
+            complete(r)
 
     for r in range(p):
         advance(r)
-    while any(running):
-        active = [r for r in range(p) if running[r]]
+    while "run" in state or "blocked" in state:
+        active = [r for r in range(p) if state[r] == "run"]
         speed = rate(sum(weights[r] for r in active), cores, contention)
-        dt = min(left[r] for r in active) / speed
-        now += dt
-        for r in active:
-            left[r] -= dt * speed
-            busy[r] += dt
-            if left[r] <= EPS * max(1.0, now):
-                key = programs[r][step[r]][2]
-                if key is not None:
-                    done[key] = now
-                running[r], step[r] = False, step[r] + 1
-                if step[r] == len(programs[r]):
-                    finish[r] = now
+        dt = min([left[r] / speed for r in active]
+                 + [until[r] - now for r in range(p) if state[r] == "blocked"])
+        now += max(dt, 0.0)
+        for r in range(p):
+            if state[r] == "run":
+                left[r] -= dt * speed
+                busy[r] += dt
+                if left[r] <= EPS * max(1.0, now):
+                    wait = programs[r][step[r]][2]
+                    if wait > EPS:
+                        state[r], until[r] = "blocked", now + wait
+                    else:
+                        complete(r)
+            elif state[r] == "blocked" and until[r] <= now + EPS * max(1.0, now):
+                complete(r)
         changed = True
         while changed:  # finished ranks move on; ranks waiting for an input may now have it
-            before = len(done), sum(running)
+            before = len(done), state.count("idle")
             for r in range(p):
-                if not running[r] and step[r] < len(programs[r]):
+                if state[r] == "idle" and step[r] < len(programs[r]):
                     advance(r)
-            changed = (len(done), sum(running)) != before
-    stuck = [f"rank {r} at {programs[r][step[r]][2]}" for r in range(p) if step[r] < len(programs[r])]
+            changed = (len(done), state.count("idle")) != before
+    stuck = [f"rank {r} at {programs[r][step[r]][3]}" for r in range(p) if step[r] < len(programs[r])]
     if stuck:
         raise Stuck("shared-host simulation: every rank waits for an input; " + ", ".join(stuck))
     return {"makespan": now, "busy": busy, "finish": finish}
