@@ -79,62 +79,81 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
     block(x).sum().backward()  # first touch: allocations, autograd caches
     if world > 1:
         dist.barrier()
-    units, reduces, paced = [], [], []
-    out = {"unit": units, "all_reduce": reduces, "paced": paced}
+    units = []
+    out = {"unit": units, "all_reduce": [], "paced": []}
     for _ in range(repeats):  # every rank busy at once: its share of the cores
         t0 = time.perf_counter()
         block(x).sum().backward()
         units.append(time.perf_counter() - t0)
-    if pair is None:
-        return out
-    compute_cpu = 0.0
+    if pair is not None:
+        out.update(_paced(block, x, buf, pair, PACED_PER_UNIT * repeats))
+        out.update(_ping_pong(block, x, pair, rank, repeats))
+    return out
 
-    def computed(fn):  # run fn, counting the CPU seconds of this (the main) thread in it: the
-        nonlocal compute_cpu  # gloo threads' work that runs meanwhile belongs to the messages
+
+class _Compute:
+    """Runs compute, adding up the CPU seconds of this (the main) thread in it: the gloo threads'
+    work that runs meanwhile belongs to the messages."""
+
+    def __init__(self):
+        self.cpu = 0.0
+
+    def __call__(self, fn):
         c = time.thread_time()
         value = fn()
-        compute_cpu += time.thread_time() - c
+        self.cpu += time.thread_time() - c
         return value
 
-    ar_main = 0.0  # main-thread CPU seconds inside the all-reduce calls
 
-    def exchange():  # the pair all-reduce that follows a forward and a backward
-        nonlocal ar_main
-        t, c = time.perf_counter(), time.thread_time()
+def _paced(block, x, buf, pair, n: int) -> dict:
+    """`n` units, each followed after its forward and after its backward by a pair all-reduce of
+    `buf`, as tp all-reduces follow a layer's compute."""
+    from .. import comm
+
+    compute, reduces, paced = _Compute(), [], []
+
+    def exchange():
+        t = time.perf_counter()
         comm.all_reduce(buf, pair)
-        ar_main += time.thread_time() - c
         reduces.append(time.perf_counter() - t)
         return reduces[-1]
 
     cpu0 = time.process_time()
-    for _ in range(PACED_PER_UNIT * repeats):  # all-reduces as a tp step has them
+    for _ in range(n):
         t0 = time.perf_counter()
-        loss = computed(lambda: block(x).sum())
+        loss = compute(lambda: block(x).sum())
         waited = exchange()
-        computed(loss.backward)
+        compute(loss.backward)
         paced.append(time.perf_counter() - t0 - waited)
         exchange()
-    out["ar_cpu"] = (time.process_time() - cpu0 - compute_cpu) / len(reduces)
-    out["paced_cpu"] = compute_cpu / len(paced)  # a unit's CPU seconds, run as a step runs it
-    partner, inp = rank ^ 1, x.detach()
+    return {"all_reduce": reduces, "paced": paced,
+            "ar_cpu": (time.process_time() - cpu0 - compute.cpu) / len(reduces),
+            "paced_cpu": compute.cpu / len(paced)}  # a unit's CPU seconds, run as a step runs it
+
+
+def _ping_pong(block, x, pair, rank: int, n: int) -> dict:
+    """A two-stage pipeline over the pair, `n` round trips started by the even rank: each
+    forward's output is sent to the partner, which computes its forward and sends back."""
+    from .. import comm
+
+    compute, partner, inp = _Compute(), rank ^ 1, x.detach()
     sent, received, pending = [], [], []
     comm.barrier(pair)
-    compute_cpu, cpu0 = 0.0, time.process_time()
-    for _ in range(repeats):  # a two-stage pipeline: the even rank starts each round trip
+    cpu0 = time.process_time()
+    for _ in range(n):
         for turn in ((0, 1) if rank % 2 == 0 else (1, 0)):
             if turn == 0:  # compute, then send the output on (kept alive until it is sent)
-                act = computed(lambda: block(inp).detach())
+                act = compute(lambda: block(inp).detach())
                 sent.append(time.perf_counter())
                 pending.append((comm.send(act, pair, partner, async_op=True), act))
             else:  # wait for the partner's output: the next input
                 inp = torch.empty_like(x, requires_grad=False)
                 comm.recv(inp, pair, partner, async_op=True).wait()
                 received.append(time.perf_counter())
-    for w, _ in pending:
-        w.wait()
-    out.update(msg_cpu=(time.process_time() - cpu0 - compute_cpu) / (len(sent) + len(received)),
-               sent=sent, received=received)
-    return out
+    for work, _ in pending:
+        work.wait()
+    return {"msg_cpu": (time.process_time() - cpu0 - compute.cpu) / (len(sent) + len(received)),
+            "sent": sent, "received": received}
 
 
 def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:

@@ -74,7 +74,7 @@ from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
 from .comm_time import cp_time, dp_time, tp_time
 from .hardware import Hardware
-from .host_share import rate, shared_makespan
+from .host_share import shared_host_step
 from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,  # noqa: F401
                      ring_block_bytes, sharding_degree, stage_layers, stage_param_count)
 
@@ -264,65 +264,6 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                         {"tp": m * k["tp_wire"], "pp": pp_wire, "dp": dp_wire,
                          **({"cp": m * ring["wire"]} if plan.cp > 1 else {})}, breakdown,
                         estimate_memory(cfg, plan), hw.memory_bytes)
-
-
-def shared_host_step(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency) -> float:
-    """Step seconds when all ranks are processes on one host (`mini3d.cost.host_share`): each
-    pipeline rank's alone-speed work (the terms above with slowdown 1: compute, its tp / cp
-    collectives, both ends of every p2p message, its dp gradient sync) run under processor
-    sharing of `hw.gpus_per_node` cores; then the tail every process runs at once (optimizer, the
-    loss's reductions). Compute also pays the contention: `Hardware.host_cpu_factor`, the CPU
-    seconds a probe unit takes run as a step runs it, among the layout's processes, over the same
-    unit alone (caches, memory bandwidth, context switches); without a probe, what is left of
-    `Hardware.slowdown(world)` once the sharing (world / cores) is divided out.
-
-    Communication is CPU work (gloo's threads, copies, Python) and a blocked wait that takes no
-    core. With the host probe's numbers (`Hardware.host_step_cpu_s`, `host_step_wait_s`,
-    `host_msg_cpu_s`, `host_msg_wait_s`: measured among the layout's processes, so under its
-    contention already, and not multiplied by it again) each collective's ring steps are work
-    and wait, and each message end is work; without them every ring step and message end is
-    `latency_s` of work. The tp collectives' waits, the receives' waits and the tail's come from
-    the probe; a dp gradient sync and a cp ring are work only."""
-    n, p, v, m = plan.world_size, plan.pp, plan.virtual_stages, plan.micro_batches
-    cores = hw.gpus_per_node
-    contention = hw.host_cpu_factor or max(1.0, hw.slowdown(n) / max(1.0, n / cores))
-    probed = hw.host_step_cpu_s > 0
-    cpu_hw = dataclasses.replace(hw, latency_s=hw.host_step_cpu_s) if probed else hw
-    terms = [_rank_terms(cfg, plan, cpu_hw, eff, r, 1.0) for r in range(p)]
-    schedule = make_schedule(plan.schedule, p, m, v)
-    wait_hw = dataclasses.replace(hw, latency_s=hw.host_step_wait_s)
-    work = {"F": [], "B": [], "W": []}
-    blocked = {"F": [], "B": [], "W": []}
-    for s in range(p * v):  # a chunk costs its rank's work over v
-        r = schedule.rank_of(s)
-        k = terms[r]
-        w = k["c_bwd"] / 2 if schedule.split else 0.0  # W: the weight-gradient matmuls
-        cf, cb = k["t_fwd"] - k["c_fwd"], k["t_bwd"] - k["c_bwd"]  # its communication:
-        work["F"].append((k["c_fwd"] + cf / contention) / v)  # the simulation multiplies
-        work["B"].append((k["c_bwd"] - w + cb / contention) / v)  # contention back in
-        work["W"].append(w / v)
-        wf, wb = tp_time(cfg, plan, wait_hw, k["layers"], float("inf"), r)[:2] if probed else (0, 0)
-        blocked["F"].append(wf / v)
-        blocked["B"].append(wb / v)
-        blocked["W"].append(0.0)
-    k0 = terms[0]
-    wire = k0["msg"] / k0["bw"]["pp"]
-    msg_cpu = hw.host_msg_cpu_s if probed else hw.latency_s
-    recv, send = (msg_cpu + wire, msg_cpu) if p > 1 else (0.0, 0.0)
-    dp_sync = [dp_time(cfg, plan, k["hw"], k["n_params"], k["bw"]["dp"], 0.0, 0.0)[0] / contention
-               for k in terms]
-    sim = shared_makespan(schedule, work, [n // p] * p, cores, contention, recv / contention,
-                          send / contention, dp_sync, blocked, hw.host_msg_wait_s if probed else 0.0)
-    local = max(k["n_params"] for k in terms) / (sharding_degree(plan) if plan.zero >= 1 else 1)
-    tail = ADAM_BYTES_PER_PARAM * local / hw.memory_bw  # memory-bound compute
-    comm, waits = 0.0, 0.0
-    if p > 1:  # the loss, broadcast from the last stage
-        comm, waits = recv + send, hw.host_msg_wait_s if probed else 0.0
-    if plan.dp * plan.cp > 1:  # and averaged over the replicas
-        d = plan.dp * plan.cp
-        comm += cpu_hw.collective_s("all_reduce", d, 8, k0["bw"]["dp"])
-        waits += wait_hw.collective_s("all_reduce", d, 8, float("inf")) if probed else 0.0
-    return sim["makespan"] + (tail + comm / contention) / rate(n, cores, contention) + waits
 
 
 def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
