@@ -187,10 +187,11 @@ def _chunk_costs(cfg, plan, schedule, terms, wait_hw, contention) -> tuple[dict,
     return work, blocked
 
 
-def shared_host_step(cfg, plan, hw, eff) -> float:
+def shared_host_step(cfg, plan, hw, rank_terms, adam_bytes_per_param: float) -> float:
     """Step seconds of `plan` when all ranks are processes on one host (the cost model's
-    `estimate_cost` on a `Hardware.shared_host`; `eff` its compute efficiency): each pipeline
-    rank's alone-speed work (the cost model's terms with slowdown 1) and waits simulated by
+    `estimate_cost` on a `Hardware.shared_host` passes `rank_terms(hw, stage)`, its per-rank
+    terms with slowdown 1, and its optimizer's bytes per parameter): each pipeline
+    rank's alone-speed work and waits simulated by
     `shared_makespan` on `hw.gpus_per_node` cores, then the tail every process runs at once
     (optimizer, the loss's reductions). What is work and what is a wait: see the module's
     docstring."""
@@ -199,14 +200,13 @@ def shared_host_step(cfg, plan, hw, eff) -> float:
     from ..pp.schedules import make_schedule
     from .comm_time import dp_time
     from .memory import sharding_degree
-    from .model import ADAM_BYTES_PER_PARAM, _rank_terms  # (model imports this module)
 
     n, p, v, m = plan.world_size, plan.pp, plan.virtual_stages, plan.micro_batches
     cores = hw.gpus_per_node
     contention = hw.host_cpu_factor or max(1.0, hw.slowdown(n) / max(1.0, n / cores))
     probed = hw.host_step_cpu_s > 0
     cpu_hw = dataclasses.replace(hw, latency_s=hw.host_step_cpu_s) if probed else hw
-    terms = [_rank_terms(cfg, plan, cpu_hw, eff, r, 1.0) for r in range(p)]
+    terms = [rank_terms(cpu_hw, r) for r in range(p)]
     schedule = make_schedule(plan.schedule, p, m, v)
     wait_hw = dataclasses.replace(hw, latency_s=hw.host_step_wait_s)
     work, blocked = _chunk_costs(cfg, plan, schedule, terms, wait_hw if probed else None,
@@ -220,7 +220,7 @@ def shared_host_step(cfg, plan, hw, eff) -> float:
     sim = shared_makespan(schedule, work, [n // p] * p, cores, contention, recv / contention,
                           send / contention, dp_sync, blocked, hw.host_msg_wait_s if probed else 0.0)
     local = max(k["n_params"] for k in terms) / (sharding_degree(plan) if plan.zero >= 1 else 1)
-    tail = ADAM_BYTES_PER_PARAM * local / hw.memory_bw  # memory-bound compute
+    tail = adam_bytes_per_param * local / hw.memory_bw  # memory-bound compute
     comm, waits = 0.0, 0.0
     if p > 1:  # the loss, broadcast from the last stage
         comm, waits = recv + send, hw.host_msg_wait_s if probed else 0.0

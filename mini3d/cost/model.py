@@ -253,7 +253,8 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                  "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(k["width"]),
                  "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"]}
     if hw.shared_host:  # the ranks share the host's cores: simulate who runs when
-        shared = shared_host_step(cfg, plan, hw, eff)
+        alone = lambda h, r: _rank_terms(cfg, plan, h, eff, r, 1.0)  # noqa: E731
+        shared = shared_host_step(cfg, plan, hw, alone, ADAM_BYTES_PER_PARAM)
         breakdown["host_sharing"] = shared - step  # what sharing adds to the per-rank terms
         step = shared
     mf, hf = model_flops(cfg, plan), hardware_flops(cfg, plan)
