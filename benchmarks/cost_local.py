@@ -31,7 +31,7 @@ import sys
 from mini3d.config import ModelConfig, Plan
 from mini3d.cost.calibration import calibrate_machine
 from mini3d.cost.hardware import Hardware
-from mini3d.cost.host_probe import host_cores, probed_hardware
+from mini3d.cost.host_probe import probed_hardware
 from mini3d.cost.model import predict_step_time
 
 from .common import stats
@@ -73,10 +73,7 @@ def compare(cfg: ModelConfig, plan: Plan, hw: Hardware, steps: int, reference_s:
     s = stats([t / predicted for t in m["times"]])
     return {"measured_s": m["median"], "predicted_s": predicted, "ratio": m["median"] / predicted,
             "ratio_min": s["min"], "ratio_max": s["max"], "times": m["times"],
-            "slowdown": hw.slowdown(plan.world_size), "latency_s": hw.latency_s,
-            "hw": hw,
-            "load": (load + os.getloadavg()[0]) / 2,
-            "naive_slowdown": max(1.0, plan.world_size / host_cores())}
+            "hw": hw, "load": (load + os.getloadavg()[0]) / 2}
 
 
 def validate(cfg: ModelConfig = TINY, layouts=None, steps: int = 6, quick_calibration: bool = True,

@@ -1,25 +1,24 @@
-"""How much slower one rank computes when a layout's processes share this host, measured now.
+"""What a layout's processes cost on this shared host, measured now, in those processes.
 
-mini3d's CPU runs put every rank on one host's cores: 8 ranks of a tp2 x pp2 x dp2 run on 2 cores
-each get about a quarter of a core, and other people's jobs on a shared machine take their share
-too. Dividing the world size by the core count misses both the external load and what the
-operating system really gives 8 busy processes, so the cost model reads a measured factor instead
-(`Hardware.host_slowdown`, looked up by `Hardware.slowdown(world)`):
-
-    slowdown(world) = mean seconds of one probe unit with `world` processes running it at once
-                      / best seconds of the same unit on one process (the reference)
+mini3d's CPU runs put every rank on one host's cores: the 8 ranks of a tp2 x pp2 x dp2 run share 2
+cores, and other people's jobs on a shared machine take their share too. The cost model simulates
+that sharing (`mini3d.cost.host_share`); this probe measures what the simulation needs, with the
+layout's own process count (never extrapolated from fewer), right next to the measured steps
+(`benchmarks.train_runs.probe_then_train` runs it in the same processes, before and after them,
+so that it sees the same neighbours' load).
 
 The probe unit is the forward + backward of one small mini3d Block (h=64, 4 x 64 tokens, one
-thread, like a rank of the tiny model). `world` processes (the layout's own count, never
-extrapolated from fewer) meet at a barrier and time units two ways: back to back, every rank busy
-("unit", the one-process reference and slowdown), then paced as a training rank is, with an
-all-reduce of a tp activation between rank pairs after the forward and after the backward
-("paced": the unit's compute time without the waits; "all_reduce": the waits). A training rank
-blocks on its partners as the paced probe does, and gives the cores to the others while it waits,
-so with pairs the paced units are the slowdown (8 busy ranks on 2 cores overstate what 8 training
-ranks see by about two), and the median all-reduce gives `latency_s`. Run it right next to the measured steps
-(`benchmarks.train_runs.probe_then_train` runs it in the same processes, before and after them),
-so that it sees the same neighbours' load.
+thread, like a rank of the tiny model). After a barrier every process times units three ways:
+
+* back to back, every process busy ("unit": the one-process reference, and the busy slowdown
+  `Hardware.host_slowdown`, looked up by `Hardware.slowdown(world)`);
+* paced as a tp step is, an all-reduce of a tp activation between rank pairs, through mini3d.comm,
+  after each forward and each backward: the units' CPU seconds ("paced_cpu", against the
+  reference: `Hardware.host_cpu_factor`), and each all-reduce's wall seconds and CPU seconds;
+* a two-stage ping-pong of p2p messages between the pairs: CPU seconds per message end, and each
+  message's latency from its issue on one rank to its arrival on the other.
+
+`probed_hardware` turns these into the `Hardware` fields the simulation reads.
 """
 
 from __future__ import annotations
@@ -197,7 +196,7 @@ def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int
 
     `host_slowdown` for `world`: the mean busy unit (every process runnable) over `reference_s`,
     the best one-process unit. With pairs, the communication the cost model's shared-host
-    simulation charges (`mini3d.cost.model.shared_host_step`):
+    simulation charges (`mini3d.cost.host_share.shared_host_step`):
 
     * `host_step_cpu_s`: the CPU seconds of an all-reduce (less its copies, which the wire
       bandwidth charges) over its 2 ring steps; `host_msg_cpu_s`: per message end;
