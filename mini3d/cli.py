@@ -27,7 +27,7 @@ SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli",
 
 def add_model_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("model (a preset, optionally with fields overridden)")
-    g.add_argument("--model", default="tiny", help=f"preset: {', '.join(PRESETS)}")
+    g.add_argument("--model", help=f"preset (default tiny): {', '.join(PRESETS)}")
     g.add_argument("--layers", type=int, help="number of transformer blocks")
     g.add_argument("--hidden", type=int, help="hidden size d_model")
     g.add_argument("--heads", type=int, help="attention heads")
@@ -37,18 +37,19 @@ def add_model_args(p: argparse.ArgumentParser):
 
 
 def model_from_args(args) -> ModelConfig:
+    preset = args.model or "tiny"
     over = {k: v for k, v in (("n_layers", args.layers), ("d_model", args.hidden),
                               ("n_heads", args.heads), ("vocab_size", args.vocab),
                               ("d_ff", args.ffn)) if v is not None}
     over.update(family_overrides(args))
-    if "n_heads" in over and "n_kv_heads" not in over and PRESETS.get(args.model) and \
-            PRESETS[args.model].n_kv_heads == PRESETS[args.model].n_heads:
+    if "n_heads" in over and "n_kv_heads" not in over and PRESETS.get(preset) and \
+            PRESETS[preset].n_kv_heads == PRESETS[preset].n_heads:
         over["n_kv_heads"] = 0  # still one key/value head per query head
     if "d_model" in over and "d_ff" not in over:
         over["d_ff"] = 4 * over["d_model"]
     if over:
-        over["name"] = f"{args.model}+custom"
-    return model_from_preset(args.model, **over)
+        over["name"] = f"{preset}+custom"
+    return model_from_preset(preset, **over)
 
 
 def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_batch_default: int = 8):
@@ -147,20 +148,14 @@ def validated_train(args):
     Returns (spec, plan, world, torchrun, derived run dir) or an int."""
     from .launch import LaunchError, choose_device, in_torchrun
 
-    try:
-        cfg = model_from_args(args)
+    from .model_source import run_model
+
+    try:  # a checkpoint (--resume) or an HF directory (--init-from-hf) is the model; else the flags
+        cfg, fixed, problems = run_model(args, lambda: model_from_args(args))
     except PlanError as e:
         return bad_input(e.problems)
-    if args.init_from_hf:  # the HF directory's config.json is the model
-        from .hf import HFError, hf_config
-
-        try:
-            cfg = hf_config(args.init_from_hf)
-        except HFError as e:
-            return bad_input([f"--init-from-hf: {e}"])
-        if args.resume:
-            return bad_input(["--init-from-hf and --resume both say where the weights come from "
-                              "(give one)"])
+    if cfg is None:
+        return bad_input(problems)
     plan = plan_from_args(args)
     torchrun = in_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or plan.world_size)
@@ -177,8 +172,8 @@ def validated_train(args):
         derived, args.run_dir = not args.run_dir, run_dir or args.run_dir
     from .run_checks import run_problems
 
-    early = run_problems(args, plan, cfg) + shared  # before diagnose_spec makes a run directory
-    cfg, options, problems = run_options(args, cfg)  # tokenizer, eval, schedule, metrics
+    early = problems + run_problems(args, plan, cfg) + shared  # before diagnose_spec makes a run dir
+    cfg, options, problems = run_options(args, cfg, fixed)  # tokenizer, eval, schedule, metrics
     spec = run_from_args(args, cfg, plan, {**diagnose_spec(args), **options})
     problems = spec.problems(world) + problems + early
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags

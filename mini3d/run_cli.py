@@ -1,8 +1,10 @@
 """The `mini3d train` flags of a real run: tokenizer, validation, lr schedule, metrics, long runs.
 
-`add_run_args(parser)` adds them; `run_options(args, cfg)` turns them into RunConfig fields and the
-model config they imply: the model's vocabulary follows the tokenizer (tensor parallelism pads it
-as always) unless --vocab is given, and --max-seq-len raises the position table.
+`add_run_args(parser)` adds them; `run_options(args, cfg, fixed)` turns them into RunConfig fields
+and the model config they imply: the model's vocabulary follows the tokenizer (tensor parallelism
+pads it as always) unless --vocab is given, and --max-seq-len raises the position table. A model
+`fixed` by a checkpoint or an HF directory keeps its own (mini3d.model_source), and a resumed run
+reads with the checkpoint's tokenizer unless --tokenizer or --data DIR names one.
 """
 
 from __future__ import annotations
@@ -37,8 +39,20 @@ def add_run_args(p):
                    help="plain progress line every N steps when stderr is not a terminal")
 
 
-def run_options(args, cfg: ModelConfig) -> tuple[ModelConfig, dict, list[str]]:
-    """(model config, RunConfig fields, problems) from the flags above."""
+def _resumed_tokenizer(args) -> str | None:
+    """The tokenizer the checkpoint of --resume was trained with (None: none recorded)."""
+    from .checkpoint import latest_dir, read_meta
+
+    ckpt = latest_dir(args.resume) if getattr(args, "resume", None) else None
+    try:
+        return read_meta(ckpt).get("tokenizer") if ckpt else None
+    except (OSError, ValueError, AttributeError):  # check_resume names a broken meta.json
+        return None
+
+
+def run_options(args, cfg: ModelConfig, fixed: bool = False) -> tuple[ModelConfig, dict, list[str]]:
+    """(model config, RunConfig fields, problems) from the flags above; a `fixed` model (from a
+    checkpoint or an HF directory) is returned as it is."""
     from .data import shard_tokenizer
     from .report import tensorboard_problem
     from .shards import ShardError
@@ -52,14 +66,16 @@ def run_options(args, cfg: ModelConfig) -> tuple[ModelConfig, dict, list[str]]:
         made_with = None  # RunConfig.problems reports the data problem
     if made_with and not args.tokenizer:
         name = made_with
-    if args.max_seq_len is not None:
+    elif not args.tokenizer:
+        name = _resumed_tokenizer(args) or name
+    if args.max_seq_len is not None and not fixed:
         cfg = dataclasses.replace(cfg, max_seq_len=args.max_seq_len)
     try:
         tok = get_tokenizer(name)
         name = tok.name
     except TokenizerError:
         tok = None  # RunConfig.problems reports it
-    if tok is not None and args.vocab is None and cfg.vocab_size != tok.vocab_size:
+    if tok is not None and not fixed and args.vocab is None and cfg.vocab_size != tok.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=tok.vocab_size)  # the vocabulary follows it
     if tok is not None:
         warning = vocab_warning(cfg.vocab_size, cfg.d_model, tok)

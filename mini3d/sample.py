@@ -5,7 +5,10 @@ whatever layout wrote it, so one process loads it into the plain `mini3d.model.G
 with the tokenizer named in its meta. Decoding is the textbook loop (no KV cache: these models are
 small and the loop is the clearest statement of what sampling is): crop the context to max_seq_len,
 take the last position's logits, divide by the temperature, keep the top k, draw from a generator
-seeded with S. `--top-k 1` is greedy decoding (the draw then has one choice).
+seeded with S. `--top-k 1` is greedy decoding (the draw then has one choice). The checkpoint is the
+model (every field from its meta.json; a tied head is the embedding it stores once), and the logits
+of ids past the tokenizer's vocabulary (a model whose table is wider, e.g. an imported one) are
+masked: sampling never emits an id the tokenizer cannot decode.
 """
 
 from __future__ import annotations
@@ -28,29 +31,42 @@ def register(sub):
     p.set_defaults(func=cmd_sample)
 
 
+def model_from_weights(cfg, weights: dict):
+    """The whole `GPT` of `cfg` holding `weights` (full tensors keyed by reference name, as a
+    checkpoint stores them: a tied head has no tensor of its own, it is the token embedding)."""
+    from .model import GPT, canonical_name, tie_weights
+
+    with torch.device("meta"):
+        model = GPT(cfg, init=False)
+    model.load_state_dict({n: weights[canonical_name(n, cfg)] for n in model.state_dict()},
+                          assign=True)
+    return tie_weights(model)  # (assigning gave the head a Parameter of its own: one again)
+
+
 def load_model(ckpt: str, device: str = "cpu"):
-    """(GPT with the checkpoint's weights, its meta)."""
+    """(GPT with the checkpoint's weights, its meta): the model is the checkpoint's, every field."""
     from .checkpoint import read_meta, read_states
     from .config import model_from_dict
-    from .model import GPT
 
     meta = read_meta(ckpt)
-    with torch.device("meta"):
-        model = GPT(model_from_dict(meta["model"]), init=False)
-    model.load_state_dict(read_states(ckpt)["model"], assign=True)
+    model = model_from_weights(model_from_dict(meta["model"]), read_states(ckpt)["model"])
     return model.to(device).eval(), meta
 
 
 @torch.no_grad()
 def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             seed: int = 0) -> list[int]:
-    """`ids` followed by `max_new_tokens` sampled tokens."""
+             seed: int = 0, n_vocab: int | None = None) -> list[int]:
+    """`ids` followed by `max_new_tokens` sampled tokens, each below `n_vocab` (the tokenizer's
+    vocabulary: the logits of a model's wider table, e.g. an import padded to a round size, are
+    masked, so no id comes out that the tokenizer cannot decode)."""
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.tensor([ids], dtype=torch.long, device=device)
     limit = model.cfg.max_seq_len
     for _ in range(max_new_tokens):
         logits = model(x[:, -limit:])[0, -1].float()  # (V,)
+        if n_vocab is not None and n_vocab < logits.numel():
+            logits[n_vocab:] = float("-inf")  # ids the tokenizer has no text for
         if top_k:
             kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -90,7 +106,11 @@ def cmd_sample(args) -> int:
     ids = tok.encode(args.prompt)
     if not ids:
         return bad_input([f"--prompt {args.prompt!r} encodes to no tokens"], "sample")
-    out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    if max(ids) >= model.cfg.vocab_size:
+        return bad_input([f"--prompt {args.prompt!r} encodes to id {max(ids)}, past the model's "
+                          f"vocabulary of {model.cfg.vocab_size} (tokenizer {tok.name!r})"], "sample")
+    out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                   n_vocab=tok.vocab_size)
     sys.stdout.write(tok.decode(out) + "\n")
     return 0
 
@@ -99,13 +119,10 @@ def sample_during_training(trainer, tok, seed: int, n_tokens: int = 48) -> str:
     """A short sample of the model being trained (pp = 1): the full weights are gathered over tp
     and dp (collective: every rank calls this), the reporting rank generates, others return ""."""
     from .checkpoint import gather_full_state
-    from .model import GPT
 
     weights, _, _ = gather_full_state(trainer.chunks, trainer.optimizer, trainer.topo)
     if trainer.topo.tp.index or trainer.topo.dp.index:
         return ""
-    with torch.device("meta"):
-        model = GPT(trainer.cfg, init=False)
-    model.load_state_dict(weights, assign=True)
+    model = model_from_weights(trainer.cfg, weights).eval()
     prompt = tok.encode("\n") or [0]
-    return tok.decode(generate(model.eval(), prompt, n_tokens, 1.0, 0, seed)[len(prompt):])
+    return tok.decode(generate(model, prompt, n_tokens, 1.0, 0, seed, tok.vocab_size)[len(prompt):])

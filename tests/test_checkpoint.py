@@ -140,8 +140,8 @@ def test_resume_of_another_model_shape_exits_2_naming_both_values(runs, capsys, 
                      "--resume", runs["root"]])
     err = capsys.readouterr().err
     assert code == 2
-    assert "n_layers: checkpoint has 4, the flags ask for 6" in err
-    assert "n_heads: checkpoint has 4, the flags ask for 8" in err
+    assert "--layers 6 (it has n_layers=4)" in err  # the checkpoint is the model: flags name it
+    assert "--heads 8 (it has n_heads=4)" in err
     assert "Nothing was started" in err
     # the matching shape passes these checks (and would start processes)
     with pytest.raises(AssertionError, match="a process was started"):
