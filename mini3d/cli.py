@@ -112,9 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "every --save-every steps)")
     r.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
     r.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint under DIR "
-                                                   "(any layout); --steps is the total to reach")
+                   "(any layout; it is the model: no model flag needed); --steps is the total to reach")
     r.add_argument("--init-from-hf", metavar="HF_DIR", help="start from a local Hugging Face GPT-2 / "
-                   "Llama directory (its config.json sets the model; see mini3d import-hf)")
+                   "Llama directory (its config.json is the model: no model flag needed; see mini3d import-hf)")
     r.add_argument("--world-size", type=int, help="number of processes (default tp*cp*pp*dp)")
     r.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")

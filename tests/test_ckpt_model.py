@@ -121,3 +121,19 @@ def test_a_conflicting_shape_flag_is_exit_2_naming_it(tmp_path, capsys, monkeypa
     with pytest.raises(AssertionError, match="a process was started"):  # flags that agree pass
         cli.main(["train", "--resume", ckpt, "--layers", "2", "--family", "llama", "--vocab", "300",
                   *RUN])
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_reads_with_the_checkpoints_tokenizer(tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    from mini3d.tokenizer import train_bpe
+
+    bpe = train_bpe(["the quick brown fox jumps over the lazy dog. " * 50], 300,
+                    str(tmp_path / "tokenizer.json"))
+    root, model = str(tmp_path / "ck"), ["--layers", "1", "--hidden", "32"]
+    assert cli.main(["train", *model, "--tokenizer", bpe.name, "--save", root, *RUN]) == 0
+    seen = []
+    monkeypatch.setattr(cli, "launch_train", lambda spec, *a, **k: seen.append(spec) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # no --tokenizer, no shape flag: all from the checkpoint
+        cli.main(["train", "--resume", root, *RUN[2:], "--steps", "2"])
+    assert seen[0].tokenizer == bpe.name and seen[0].model.vocab_size == bpe.vocab_size
