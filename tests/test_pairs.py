@@ -11,7 +11,8 @@ Two launches: one 4-process job runs every layout in turn (tests/threed_workers.
 * `--eval-every` with cp > 1 (and tp, pp): validation batches are cut into the zig-zag chunks;
 * `--grad-clip` with cp x dp under ZeRO-0/1/2/3: the global norm spans exactly the ranks that hold
   distinct gradient pieces; the clip binds (every norm > 0.5), so a wrong norm changes the losses;
-* the loss and validation means over cp x dp (every layout logs them).
+* the loss and validation means over cp x dp (every layout logs them), and weight decay (0.1 on
+  every layout; on the tied embedding's two ends too in one) on ZeRO's cp x dp shards.
 
 Tolerances: the layouts differ from one process only in float32 summation order (ring attention's
 log-sum-exp merge, dp averages, tp all-reduces, chunked micro-batch means): ~1e-6 per loss after
@@ -28,7 +29,8 @@ from mini3d.train import reporter_records
 from tests.threed_workers import run_specs
 
 COMMON = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--micro-batches", "2",
-          "--seed", "3", "--eval-every", "2", "--eval-batches", "2", "--no-progress"]
+          "--seed", "3", "--eval-every", "2", "--eval-batches", "2", "--weight-decay", "0.1",
+          "--no-progress"]
 TIED = ["--tie-embeddings", "--family", "llama"]
 CLIP = ["--grad-clip", "0.5"]
 # (name, the reference's flags, the layout's flags): 4 ranks each
@@ -36,7 +38,8 @@ LAYOUTS = [
     ("tied-cp2-pp2-zero1", TIED, ["--cp", "2", "--pp", "2", "--zero", "1"]),
     ("tied-dp2-pp2-zero1", TIED, ["--dp", "2", "--pp", "2", "--zero", "1"]),
     ("tied-cp2-pp2-zero0", TIED, ["--cp", "2", "--pp", "2", "--zero", "0"]),
-    ("tied-cp2-pp2-zero2-clip", TIED + CLIP, ["--cp", "2", "--pp", "2", "--zero", "2"]),
+    ("tied-cp2-pp2-zero2-clip-decay-emb", TIED + CLIP + ["--decay-embeddings"],
+     ["--cp", "2", "--pp", "2", "--zero", "2"]),
     ("eval-cp2-tp2", [], ["--cp", "2", "--tp", "2"]),
     *[(f"clip-cp2-dp2-zero{z}", CLIP, ["--cp", "2", "--dp", "2", "--zero", str(z)])
       for z in (0, 1, 2, 3)],
