@@ -20,7 +20,7 @@ log-sum-exp merge, dp averages, tp all-reduces, chunked micro-batch means): ~1e-
 relative on norms leave a margin while a wrong reduction is far outside it: the tied gradient
 assembled over dp alone gave a step-2 loss of 5.1072 against 5.0783, a clip norm summed over dp
 alone moves the losses by 5e-4 (Adam is nearly scale-free, so clipping moves them little) and the
-norm itself by far more.
+norm itself leaves out the other cp rank's shards.
 """
 
 from __future__ import annotations
