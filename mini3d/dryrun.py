@@ -74,6 +74,7 @@ def fake_process_group(rank: int, world: int):
 def record_rank(cfg, plan, rank: int, grad_clip: float = 0.0) -> list[tuple]:
     """One optimizer step of `rank` (of the plan's own grid), run by the real Trainer on a fake
     process group: its ordered ("issue" | "wait", event id, event dict) entries."""
+    from .cp import chunk_micro_batches
     from .train import Trainer
 
     grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
@@ -82,9 +83,11 @@ def record_rank(cfg, plan, rank: int, grad_clip: float = 0.0) -> list[tuple]:
         topo = build_topology(grid, rank, "cpu", log=log)
         trainer = Trainer(cfg, plan, topo, seed=0, lr=1e-3, grad_clip=grad_clip)
         tokens = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long)
+        mbs = [(tokens, tokens)] * plan.micro_batches
+        mbs = chunk_micro_batches(mbs, plan.cp, topo.cp.index)  # as train_worker feeds the step
         log.context = {"step": 0}
         log.recording = True
-        loss = trainer.step([(tokens, tokens)] * plan.micro_batches, 0)
+        loss = trainer.step(mbs, 0)
         trainer.mean_loss_over_dp(loss)
         log.recording = False
         waited = {eid for what, eid, _ in log.program if what == "wait"}
@@ -108,7 +111,7 @@ def recording_setup(cfg, plan) -> tuple:
     small = plan.replace(tp=t, dp=d, global_batch=plan.micro_batch_size * plan.micro_batches * d)
     if cfg.n_params() <= RECORD_MAX_PARAMS:
         return cfg, small
-    seq = 4 * t
+    seq = 4 * t * plan.cp  # 2*cp zig-zag chunks of 2t tokens: each cp rank's 4t split over tp
     narrow = dataclasses.replace(cfg, d_model=4 * cfg.n_heads, d_ff=16 * cfg.n_heads,
                                  vocab_size=64 * t, max_seq_len=seq, name=f"{cfg.name} (narrow)")
     return narrow, small.replace(seq_len=seq)
@@ -181,8 +184,9 @@ def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
     on = "" if rec is cfg else (f", run on a narrow copy (d_model={rec.d_model}, vocab_size="
                                 f"{rec.vocab_size}, seq_len={rplan.seq_len}: same order and groups, "
                                 f"smaller messages)")
+    cp = f"cp={plan.cp} " if plan.cp > 1 else ""
     return 0, (f"communication: deadlock-free: the real step's {n} ops, recorded on a tp={t} "
-               f"pp={plan.pp} dp={d} slice{on} (every tp/dp member runs the same program), all "
+               f"{cp}pp={plan.pp} dp={d} slice{on} (every tp/dp member runs the same program), all "
                f"complete under rendezvous matching (a collective once every member issued it, a "
                f"transfer once its partner did)")
 

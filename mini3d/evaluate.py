@@ -2,9 +2,11 @@
 
 `evaluate(trainer, batches, k)` averages the mean token loss over validation global batches 0..k-1
 (`Batches(..., stream=1)`: a fixed set, so evaluations are comparable across steps and layouts).
-Each global batch is split exactly like a training batch (dp replica, micro-batches of equal size),
-so the mean of the micro-batch means, averaged over dp, is the global batch's mean token loss; only
-the summation order differs from one process (float32 rounding).
+Each global batch is split exactly like a training batch (dp replica, micro-batches of equal size,
+and with cp > 1 this cp rank's zig-zag chunks of every sequence with their positions,
+`mini3d.cp.chunk_micro_batches`), so the mean of the micro-batch means, averaged over cp x dp
+(equal token counts), is the global batch's mean token loss; only the summation order differs from
+one process (float32 rounding).
 
 Pipelines: every rank walks the (micro-batch, stage) pairs in one global order and acts on the stages
 it holds: receive the input from the previous stage's rank, run forward under no_grad, send the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .cp import chunk_micro_batches, set_positions
 
 
 @torch.no_grad()
@@ -28,7 +31,10 @@ def evaluate(trainer, batches, n_batches: int) -> float:
     total = 0.0
     for k in range(n_batches):
         mbs = batches.micro_batches(k, topo.dp.index, plan.dp, plan.micro_batches)
-        mbs = [(x.to(topo.device), y.to(topo.device)) for x, y in mbs]
+        mbs = chunk_micro_batches(mbs, plan.cp, topo.cp.index)  # as a training step's
+        if plan.cp > 1:  # the global positions of this cp rank's tokens
+            set_positions(trainer.chunks, mbs[0][2].to(topo.device))
+        mbs = [(x.to(topo.device), y.to(topo.device)) for x, y, *_ in mbs]
         if trainer.runtime is None:
             losses = [trainer.net(x, y) for x, y in mbs]
             loss = torch.stack(losses).mean() if losses else None

@@ -117,11 +117,12 @@ def cmd_sample(args) -> int:
 
 def sample_during_training(trainer, tok, seed: int, n_tokens: int = 48) -> str:
     """A short sample of the model being trained (pp = 1): the full weights are gathered over tp
-    and dp (collective: every rank calls this), the reporting rank generates, others return ""."""
+    and cp x dp (collective: every rank calls this), the reporting rank (tp, dp and cp rank 0)
+    generates, others return ""."""
     from .checkpoint import gather_full_state
 
     weights, _, _ = gather_full_state(trainer.chunks, trainer.optimizer, trainer.topo)
-    if trainer.topo.tp.index or trainer.topo.dp.index:
+    if trainer.topo.tp.index or trainer.topo.dp.index or trainer.topo.cp.index:
         return ""
     model = model_from_weights(trainer.cfg, weights).eval()
     prompt = tok.encode("\n") or [0]

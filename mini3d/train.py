@@ -23,7 +23,7 @@ from .checkpoint import (CheckpointWriter, gather_full_state, prune_checkpoints,
                          read_states, restore_full_state, restore_rng)
 from .compile import apply_compile
 from .config import ModelConfig, Plan
-from .cp import apply_cp, chunk_batch, set_positions
+from .cp import apply_cp, chunk_micro_batches, set_positions
 from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
@@ -226,8 +226,7 @@ def _train_step(run: RunConfig, st: dict, step: int, extra: dict) -> dict:
     t0 = time.perf_counter()
     set_lr(trainer.optimizer, st["schedule"].at(step))
     mbs = st["batches"].micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
-    if plan.cp > 1:  # this cp rank's zig-zag chunks of every sequence, and their positions
-        mbs = [chunk_batch(x, y, plan.cp, topo.cp.index) for x, y in mbs]
+    mbs = chunk_micro_batches(mbs, plan.cp, topo.cp.index)  # cp > 1: this cp rank's zig-zag chunks
     first = step == st["start"]
     measure = first and len(trainer.chunks) == 1 and ("activations" in run.collect or budget)
     loss, acts = run_step(trainer, mbs, step, measure, run.run_dir)

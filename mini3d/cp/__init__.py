@@ -8,8 +8,9 @@ apply.py   the transform: ring attention in every block, the chunk's positions o
 """
 
 from .apply import apply_cp, set_positions
-from .layout import chunk_batch, zigzag_chunks, zigzag_merge, zigzag_positions, zigzag_split
+from .layout import (chunk_batch, chunk_micro_batches, zigzag_chunks, zigzag_merge, zigzag_positions,
+                     zigzag_split)
 from .ring import RingCore, ring_attention
 
-__all__ = ["RingCore", "apply_cp", "chunk_batch", "ring_attention", "set_positions", "zigzag_chunks", "zigzag_merge", "zigzag_positions",
-           "zigzag_split"]
+__all__ = ["RingCore", "apply_cp", "chunk_batch", "chunk_micro_batches", "ring_attention",
+           "set_positions", "zigzag_chunks", "zigzag_merge", "zigzag_positions", "zigzag_split"]

@@ -63,3 +63,12 @@ def chunk_batch(x: torch.Tensor, y: torch.Tensor, cp: int, cp_rank: int):
     every sequence of (b, s) token ids x and targets y, and the (2c,) global positions of them."""
     return (zigzag_split(x, cp, cp_rank), zigzag_split(y, cp, cp_rank),
             zigzag_positions(x.shape[1], cp, cp_rank, device=x.device))
+
+
+def chunk_micro_batches(micro_batches: list, cp: int, cp_rank: int) -> list:
+    """This cp rank's share of every (x, y) micro-batch (`chunk_batch`: (x, y, positions) each);
+    unchanged when cp == 1. What training, validation and the dry run's recorded step all feed the
+    model: a cp rank's pipeline boundary and ring attention expect (b, seq_len / cp) chunks."""
+    if cp == 1:
+        return micro_batches
+    return [chunk_batch(x, y, cp, cp_rank) for x, y in micro_batches]

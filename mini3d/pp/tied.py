@@ -9,8 +9,11 @@ mini3d.grid) and then take the same optimizer step, staying equal.
 
 The sum runs as an optimizer grad hook, after the pipeline's backward and the dp gradient sync
 (sums commute with the dp average), so the pipeline schedules know nothing about it. Under ZeRO-1/2
-each dp rank holds a different slice of each stage's flat gradient, and the first and last stages'
-flat layouts differ, so the pieces are first put back into the whole matrix gradient over dp.
+each rank of ZeRO's shard group holds a different slice of each stage's flat gradient, and the first
+and last stages' flat layouts differ, so the pieces are first put back into the whole matrix
+gradient over that group: `topo.dp_cp`, the group the dp wrapper reduces and shards every gradient
+over (cp x dp; the dp axis when cp = 1). Assembling over dp alone would, with cp > 1, miss the
+slices the other cp ranks hold, so part of the other end's gradient would never be added.
 """
 
 from __future__ import annotations
@@ -51,14 +54,15 @@ def _piece(local_grads, param):
 
 @torch.no_grad()
 def sum_tied_grads(local_grads, param, topo, sharded_over_dp: bool) -> None:
-    """Add, in place, the other end's gradient to this end's (collective over dp and embedding)."""
+    """Add, in place, the other end's gradient to this end's (collective over ZeRO's shard group,
+    cp x dp, when sharded, then over the embedding axis)."""
     piece, span = _piece(local_grads, param)
     dtype = local_grads[0][1].dtype
     full = torch.zeros(param.numel(), dtype=dtype, device=local_grads[0][1].device)
     if piece is not None:
         full[span[0]:span[1]] = piece
     if sharded_over_dp:
-        comm.all_reduce(full, topo.dp)  # disjoint slices: the sum assembles the whole gradient
+        comm.all_reduce(full, topo.dp_cp)  # disjoint slices: the sum assembles the whole gradient
     comm.all_reduce(full, topo.axes["embedding"])
     if piece is not None:
         piece.copy_(full[span[0]:span[1]])

@@ -151,9 +151,11 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     1e-6), capped at 1); returns the norm before clipping, the same on every rank.
 
     Each element is counted once: tp-sharded pieces are summed over tp, replicated ones (equal on
-    every tp rank, after `sum_replicated_grads`) taken once; dp shards (ZeRO >= 1) are summed over
-    dp, replicas (ZeRO-0) not; pipeline stages are summed over pp. Each piece's norm is taken in
-    float32 (as torch does), the squares are summed in float64."""
+    every tp rank, after `sum_replicated_grads`) taken once; ZeRO >= 1 shards are summed over their
+    shard group, `topo.dp_cp` (cp x dp: the group the dp wrapper reduces every gradient over),
+    replicas (ZeRO-0: equal on every cp x dp rank after its average) not; pipeline stages are summed
+    over pp (a tied head's copy, `tied_copy`, is left out: the matrix counts once). Each piece's
+    norm is taken in float32 (as torch does), the squares are summed in float64."""
     norms = ([], [])  # [replicated, sharded]: one float32 norm per piece, summed once below
     for part, replicated in _local_parts(local_grads):
         norms[0 if replicated else 1].append(torch.linalg.vector_norm(part, dtype=torch.float32))
