@@ -15,9 +15,9 @@ send from a to b meets b's k-th receive from a (as torch and NCCL do).
 * a send completes only when its matching receive has been posted *and* has reached the head of the
   peer's stream, and vice versa (a send may wait for its receive); a collective completes when the
   matching collective is at the head of every member's stream for that group;
-* a batch (`batch_isend_irecv`) is one unit: its ops progress together, so it completes when each
-  of its ops and each matching op is at the head of its stream, and every batch holding a matching
-  op can complete too (exchanges in a cycle, each rank's send and receive batched, complete);
+* a batch (`batch_isend_irecv`, one ncclGroup) is one unit on its streams: its ops progress
+  together, none queued behind another of the same batch, so two ranks that each batch a send to
+  the other with the receive from it (or a ring of such batches) complete;
 * issuing a rank's first op toward a peer creates their pair communicator, a blocking join of both
   ranks at issue time (a batch joins all its pairs at once); a cycle of such joins (cp >= 3 ranks
   each sending to the next first) hangs. `device_id=True` says the process group was created with
@@ -155,23 +155,14 @@ class _Sim:
         return all(o in unit for o in queue[:queue.index(oid)])
 
     def ready(self, r: int, oid) -> bool:
-        """Every op of its unit and every matching op issued (and, under NCCL, at its head)."""
-        for o in self.ops[(r, oid)][2]:
-            got = self.partners(r, o)
-            if got is None:
-                return False
-            if self.nccl and not all(self.at_head(m, x) for m, x in [(r, o)] + got):
-                return False
-        return True
+        """Every matching op issued (and, under NCCL, it and they at the heads of their streams)."""
+        got = self.partners(r, oid)
+        if got is None:
+            return False
+        return not self.nccl or all(self.at_head(m, x) for m, x in [(r, oid)] + got)
 
     def complete(self) -> bool:
         cand = {(r, oid) for (r, oid) in self.open if self.ready(r, oid)}
-        while self.nccl:  # a unit completes only with every unit holding a matching op
-            keep = {(r, o) for (r, o) in cand
-                    if all((m, x) in cand for u in self.ops[(r, o)][2] for m, x in self.partners(r, u))}
-            if keep == cand:
-                break
-            cand = keep
         for r, oid in cand:
             self.done.add((r, oid))
             self.open.discard((r, oid))
@@ -183,10 +174,11 @@ class _Sim:
             pass
 
 
-def simulate(progs: list[list], grid, rules: str = "nccl", device_id: bool = False) -> str | None:
+def simulate(progs: list[list], grid=None, rules: str = "nccl", device_id: bool = False) -> str | None:
     """Run the programs; None if all finish, else "deadlock: ..." naming who waits for what.
     `rules`: "nccl" (default) or "gloo"; `device_id`: the process group was created with it (NCCL
-    communicators exist up front, so first use joins nothing). See the module docstring."""
+    communicators exist up front, so first use joins nothing); `grid` (optional) adds each blocked
+    rank's coordinates to the report. See the module docstring."""
     if rules not in ("nccl", "gloo"):
         raise ValueError(f"rules={rules!r} is unknown (choose nccl or gloo)")
     sim = _Sim(progs, rules, device_id)
@@ -195,7 +187,8 @@ def simulate(progs: list[list], grid, rules: str = "nccl", device_id: bool = Fal
     stuck = [r for r in range(len(sim.progs)) if sim.pos[r] < len(sim.progs[r])]
     if not stuck:
         return mismatch
-    parts = [f"rank {r} {grid.coords(r)} at op {sim.pos[r]}: {_why(sim, r)}" for r in stuck]
+    parts = [f"rank {r}{f' {grid.coords(r)}' if grid is not None else ''} at op {sim.pos[r]}: "
+             f"{_why(sim, r)}" for r in stuck]
     return "deadlock: " + "; ".join(parts) + (f"; {mismatch}" if mismatch else "")
 
 
@@ -223,7 +216,7 @@ def _why(sim: _Sim, r: int) -> str:
         h = sim.streams[(m, _stream(m, sim.ops[(m, x)][0]))][0]
         if h != x:
             return text + f", whose match on rank {m} is queued behind {_what(sim.ops[(m, h)][0])}"
-    return text + ", batched with an op that cannot complete"
+    return text + ", which cannot complete"
 
 
 def _mismatch(sim: _Sim) -> str | None:
