@@ -94,11 +94,11 @@ def record_rank(cfg, plan, rank: int, grad_clip: float = 0.0) -> list[tuple]:
 
 
 def as_op(ev: dict) -> tuple:
-    """An event as the rendezvous simulator's (kind, key, label)."""
+    """An event as the rendezvous simulator's (kind, key, label[, batch])."""
     label = " ".join(str(x) for x in (ev["op"], ev["context"].get("action", ""), f"#{ev['seq']}") if x)
     if ev["op"] in COLLECTIVES:
         return ("coll", (ev["axis"], tuple(ev["group"])), label)
-    return (ev["op"], ev["peer"], label)
+    return (ev["op"], ev["peer"], label, ev.get("batch"))
 
 
 def recording_setup(cfg, plan) -> tuple:

@@ -38,3 +38,35 @@ def crossing_sends() -> None:
     w = comm.send(out, topo.cp, 1 - rank, async_op=True)
     comm.recv(inc, topo.cp, 1 - rank)
     w.wait()
+
+
+def layouts_p2p(cases: list[dict], cfg_dict: dict) -> list:
+    """One training step of each case ({"name", "plan"}) on its plan.world_size ranks (the others
+    only help build the groups); returns, per case this rank ran, the slice of the process' p2p
+    record (mini3d.comm_log.P2P_RECORD, on under MINI3D_CHECK_P2P=1) that the step wrote."""
+    from mini3d.comm_log import P2P_RECORD
+    from mini3d.config import ModelConfig, Plan
+    from mini3d.cp import chunk_batch
+    from mini3d.train import Trainer
+    from tests.cp_workers import _groups_only
+
+    cfg, rank, out = ModelConfig(**cfg_dict), dist.get_rank(), []
+    gen = torch.Generator().manual_seed(0)
+    for case in cases:
+        plan = Plan(**case["plan"])
+        grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+        if rank >= plan.world_size:
+            _groups_only(grid)
+            dist.barrier()
+            out.append({"name": case["name"], "record": None})
+            continue
+        topo = build_topology(grid, rank)
+        trainer = Trainer(cfg, plan, topo, 0, 1e-3)
+        start = len(P2P_RECORD.entries)
+        x = torch.randint(cfg.vocab_size, (plan.micro_batches, plan.micro_batch_size, plan.seq_len),
+                          generator=gen, device="cpu")
+        mbs = [chunk_batch(xi, xi, plan.cp, topo.cp.index) if plan.cp > 1 else (xi, xi) for xi in x]
+        trainer.step(mbs, 0)
+        out.append({"name": case["name"], "record": P2P_RECORD.entries[start:]})
+        comm.barrier(topo.axes["world"])
+    return out

@@ -31,7 +31,8 @@ from .layout import block_kind, zigzag_chunks
 
 def _exchange(tensor: torch.Tensor, axis) -> tuple[torch.Tensor, list]:
     """Post, as one batch: send `tensor` to the next cp rank, receive the same shape from the
-    previous one. Returns (incoming buffer, [work]); the work completes both. Batched because on
+    previous one. Returns (incoming buffer, [work]): the last work completes the receive, all of
+    them the send (here one work completes both). Batched because on
     NCCL a plain send first deadlocks the ring: at cp=2 both ranks' sends head their one pair stream
     and each waits for a receive queued behind the other's send; at cp >= 3 each first send joins a
     pair communicator in a cycle (see mini3d.diagnose.rendezvous)."""
@@ -103,17 +104,18 @@ class RingAttention(torch.autograd.Function):
                 dkv_in[1].wait()
                 dkv.add_(dkv_in[0])
             if cp > 1:  # pass the accumulator on; the one for the next block comes from behind
-                incoming, (acc_work,) = _exchange(dkv, axis)
-                pending.append((acc_work, dkv))  # keep the tensor alive until it is sent
-                dkv_in = (incoming, acc_work)
+                incoming, acc_works = _exchange(dkv, axis)
+                pending.append((acc_works, dkv))  # keep the tensor alive until it is sent
+                dkv_in = (incoming, acc_works[-1])
             for w in works:
                 w.wait()
             kv = nxt
         if dkv_in is not None:  # after cp hops, this rank's own block's dK/dV is home
             dkv_in[1].wait()
             dkv = dkv_in[0]
-        for w, _ in pending:
-            w.wait()
+        for ws, _ in pending:
+            for w in ws:
+                w.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
