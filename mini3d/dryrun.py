@@ -10,8 +10,10 @@
    holds whatever the real code issues: tp and sequence-parallel collectives, ZeRO gathers and
    reduce-scatters, gradient clipping, the pipeline's transfers for the schedule, the loss
    broadcast and the loss mean;
-4. run the recorded programs with rendezvous matching (`mini3d.diagnose.rendezvous`): if every
-   rank's program ends, no rank of one step waits forever under those semantics;
+4. run the recorded programs under NCCL's ordering rules (`mini3d.diagnose.rendezvous`: streams
+   per pair and per communicator in issue order, a send waiting for its receive, batches as units,
+   pair communicators joined on first use): if every rank's program ends, no rank of one step
+   waits forever under those rules (nor under gloo's, which are looser);
 5. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble.
 
 Every tp group and every dp replica runs the same program, so two members show every cross-group
@@ -168,7 +170,7 @@ def bubble_line(plan) -> str:
 
 
 def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
-    """(status, line): record the step's programs and run them with rendezvous matching."""
+    """(status, line): record the step's programs and run them under NCCL's ordering rules."""
     from .diagnose.rendezvous import simulate
 
     progs, grid = record_programs(cfg, plan, grad_clip)
@@ -183,8 +185,9 @@ def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
                                 f"smaller messages)")
     return 0, (f"communication: deadlock-free: the real step's {n} ops, recorded on a tp={t} "
                f"pp={plan.pp} dp={d} slice{on} (every tp/dp member runs the same program), all "
-               f"complete under rendezvous matching (a collective once every member issued it, a "
-               f"transfer once its partner did)")
+               f"complete under NCCL's ordering rules (each pair's and each group's ops in issue "
+               f"order, a send only once its receive is at the head of the peer's stream, pair "
+               f"communicators joined on first use)")
 
 
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:

@@ -35,8 +35,8 @@ import torch.multiprocessing as mp
 from .devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_device, choose_device,  # noqa: F401
                       current_device, device_index, device_memory, dump_memory_snapshot,
                       enter_strict_device, pg_device_id, strict_device, visible_gpus)  # (re-exported)
-from .diagnose.p2p_order import (P2POrderError, check_saved, save_worker_record,  # noqa: F401
-                                 start_worker_record)
+from .p2p_record import (P2POrderError, check_saved, save_worker_record,  # noqa: F401
+                         start_worker_record)
 from .jobs import (ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, JOB_ENV, HangDetected,  # noqa: F401
                    LaunchTimeout, WorkerError, _clear_run_dir, abort_marker)
 

@@ -5,8 +5,9 @@ from the real step (`mini3d.dryrun`; `id` pairs an op's two entries); a plain op
 blocking op (issue, then wait). An op is `(kind, key, label)` or `(kind, key, label, batch)`:
 `kind` is "coll" (key = (axis, group of world ranks)), "send" or "recv" (key = the peer's world
 rank); consecutive issues sharing a `batch` id (not None) are one `batch_isend_irecv` group.
-Matching: the k-th collective each member issues on a group (a communicator: axis and ranks) meets the others' k-th there; the k-th
-send from a to b meets b's k-th receive from a (as torch and NCCL do).
+Matching: the k-th collective each member issues on a group (a communicator: axis and ranks) meets
+the others' k-th there; the k-th send from a to b meets b's k-th receive from a (as torch and NCCL
+do).
 
 `simulate(progs, grid)` uses NCCL's rules (the default, and what `mini3d train --dry-run` uses):
 
