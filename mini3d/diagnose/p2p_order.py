@@ -4,8 +4,9 @@ the pair communicators' joins: a rank that blocks on a receive before posting th
 waits for, or a ring of first sends (each joining a pair communicator) at cp >= 3.
 
 Importing this module registers `program_deadlock` as a judge of every checked job
-(`mini3d.p2p_record.add_judge`); tests/conftest.py imports it, so every multi-process test gets both
-checks. The strict reading is used (`device_id=False`: pair communicators joined on first use).
+(`mini3d.p2p_record.add_judge`). tests/conftest.py imports it, so every multi-process test gets
+both checks, and so does `mini3d.diagnose.cli` (the CLI's `mini3d train`). The strict reading is
+used (`device_id=False`: pair communicators joined on first use).
 """
 
 from __future__ import annotations
