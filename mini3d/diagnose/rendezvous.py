@@ -22,7 +22,9 @@ do).
 * issuing a rank's first op toward a peer creates their pair communicator, a blocking join of both
   ranks at issue time (a batch joins all its pairs at once); a cycle of such joins (cp >= 3 ranks
   each sending to the next first) hangs. `device_id=True` says the process group was created with
-  `device_id` (eager initialisation, `mini3d.launch` on CUDA): no join blocks;
+  `device_id` (eager initialisation, `mini3d.launch` on CUDA): no join blocks. (A group's
+  collective communicator is taken as existing: its lazy creation at a first collective is not
+  modelled.)
 * a wait blocks the host until its op completes (the strictest reading: on NCCL the host blocks at
   its next synchronisation instead, which is never earlier than the op's completion).
 
