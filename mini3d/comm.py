@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm_log import DEFERRED_WAIT_ENV, CommLog, Event  # noqa: F401  (the event log; re-exported)
+from .comm_log import DEFERRED_WAIT_ENV, CommLog, Event, new_batch_id  # noqa: F401  (re-exported)
 
 # torch >= 2.10 renamed the *_into_tensor / *_tensor collectives; use whichever this torch has.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -239,6 +239,57 @@ def recv(tensor: torch.Tensor, axis, peer: int, async_op: bool = False,
     b = _nbytes(tensor)
     return _run(axis, "recv", tensor, b, 0, lambda t: dist.irecv(t, peer), async_op, peer=peer,
                 seq_key=f"p2p<-{peer}")
+
+
+class TracedBatch:
+    """The work of one `batch_p2p`: `wait()` waits for the whole batch, then settles every op's
+    event (the host blocks in this wait even under MINI3D_DEFERRED_WAIT)."""
+
+    def __init__(self, works, log: CommLog, events: list, blocking: bool):
+        self.works, self.log, self.events, self.blocking = list(works), log, events, blocking
+        self.done = False
+
+    def wait(self):
+        if not self.done:
+            self.done = True
+            for w in self.works:
+                w.wait()
+            for eid, ev in self.events:
+                self.log.settle(eid, ev, self, blocked=self.blocking)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def batch_p2p(ops: list[tuple], axis, async_op: bool = False, dtype: torch.dtype | None = None):
+    """Sends and receives issued as one group (`dist.batch_isend_irecv`): `ops` is a list of
+    ("send" | "recv", tensor, world rank of the peer). On NCCL they progress together (one
+    ncclGroup): two ranks sending to each other, or a ring, cannot block on each other's send; gloo
+    issues them one by one (its isend never blocks). Each op is logged as its own event with one
+    `batch` id, which the program checker matches as a unit. Returns the batch's work (`async_op`),
+    else waits for it."""
+    check_tensors(axis, "batch_p2p", *(t for _, t, _ in ops), dtype=dtype)
+    log, batch = axis.log, new_batch_id()
+    p2p, events = [], []
+    for kind, tensor, peer in ops:
+        seq_key = {"send": f"p2p->{peer}", "recv": f"p2p<-{peer}"}[kind]  # the keys send/recv use
+        b = _nbytes(tensor)
+        eid, ev = log.begin(axis, kind, tensor, b, b if kind == "send" else 0, peer, seq_key, batch)
+        if log.fault is not None:
+            tensor = log.fault(ev, tensor)
+            if tensor is SKIP:
+                log.retract(eid, ev, seq_key)
+                continue
+        p2p.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer))
+        events.append((eid, ev))
+    if not p2p:
+        return DONE if async_op else None
+    works = dist.batch_isend_irecv(p2p)
+    work = TracedBatch(works, log, events, blocking=p2p[0].tensor.device.type != "cuda")
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def barrier(axis):

@@ -2,6 +2,13 @@
 number, shape, dtype, payload and ring wire bytes, start and end), kept in a bounded per-process
 `CommLog` with per-axis counters. `mini3d.comm`'s wrappers write it; the hang watchdog, `explain-hang`,
 the measured communication volumes and the measured timelines read it.
+
+The p2p record (`P2P_RECORD`): under MINI3D_CHECK_P2P=1 a `mini3d.launch` worker turns it on
+(`start_p2p_record`) and every CommLog of the process (a test may build several topologies in
+one launch) appends each point-to-point op it issues, and each wait, in program order; the
+launcher checks the ranks' records against each other (`mini3d.p2p_record`). One record per
+process, not per log, on purpose: it is the process' program the rules judge. Off by default, so a
+long job's memory does not grow.
 """
 
 from __future__ import annotations
@@ -16,6 +23,32 @@ from dataclasses import dataclass, field
 import torch
 
 DEFERRED_WAIT_ENV = "MINI3D_DEFERRED_WAIT"  # test mode: waits return before completion (NCCL-like)
+CHECK_P2P_ENV = "MINI3D_CHECK_P2P"  # "1": launch workers record their p2p program (checked at exit)
+_BATCH_IDS = itertools.count()  # batch ids, unique in the process (see comm.batch_p2p)
+_LOG_IDS = itertools.count()  # one serial per CommLog: (serial, event id) names an op in the process
+
+
+class _P2PRecord:
+    entries: list | None = None  # ("issue" | "wait", op key, (kind, peer, label, batch, shape, dtype))
+
+
+P2P_RECORD = _P2PRecord()
+
+
+def start_p2p_record():
+    """Record this process' p2p program from now on (see the module docstring)."""
+    P2P_RECORD.entries = []
+
+
+def new_batch_id() -> int:
+    return next(_BATCH_IDS)
+
+
+def _p2p_entry(what: str, eid: int, log, ev) -> None:
+    if P2P_RECORD.entries is not None and ev.peer is not None:
+        label = " ".join(str(x) for x in (ev.op, ev.context.get("action", ""), f"#{ev.seq}") if x)
+        P2P_RECORD.entries.append((what, (log.serial, eid), (ev.op, ev.peer, label, ev.batch, ev.shape,
+                                                          ev.dtype)))
 
 
 @dataclass(slots=True)
@@ -33,6 +66,7 @@ class Event:
     end: float | None = None  # completion (None while pending)
     peer: int | None = None  # p2p partner (world rank)
     context: dict = field(default_factory=dict)  # e.g. {"step": 3, "action": "F1", "mb": 2}
+    batch: int | None = None  # p2p ops issued as one batch_isend_irecv group share it
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -43,6 +77,7 @@ class CommLog:
 
     def __init__(self, rank: int = 0, capacity: int = 4096):
         self.rank = rank
+        self.serial = next(_LOG_IDS)
         self.events: collections.deque[Event] = collections.deque(maxlen=capacity)
         self.bytes_by_axis: collections.Counter = collections.Counter()
         self.wire_bytes_by_axis: collections.Counter = collections.Counter()
@@ -62,7 +97,8 @@ class CommLog:
         self.count_by_axis_op.clear()
 
     def begin(self, axis, op: str, tensor: torch.Tensor, nbytes: int, wire: int,
-              peer: int | None = None, seq_key: str | None = None) -> tuple[int, Event]:
+              peer: int | None = None, seq_key: str | None = None,
+              batch: int | None = None) -> tuple[int, Event]:
         key = (axis.name, seq_key or op)
         if self.works:
             self.reap()
@@ -70,19 +106,21 @@ class CommLog:
             self._seq[key] += 1
             ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
                        str(tensor.dtype).replace("torch.", ""), nbytes, wire, time.perf_counter(),
-                       peer=peer, context=dict(self.context))
+                       peer=peer, context=dict(self.context), batch=batch)
             self.bytes_by_axis[axis.name] += nbytes
             self.wire_bytes_by_axis[axis.name] += wire
             self.count_by_axis_op[(axis.name, op)] += 1
             eid = next(self._ids)
             self.pending[eid] = ev
             self.events.append(ev)
+        _p2p_entry("issue", eid, self, ev)
         return eid, ev
 
     def end(self, eid: int, ev: Event):
         ev.end = time.perf_counter()
         with self.lock:
-            self.pending.pop(eid, None)
+            if self.pending.pop(eid, None) is not None:
+                _p2p_entry("wait", eid, self, ev)
             self.works.pop(eid, None)
 
     def settle(self, eid: int, ev: Event, work, blocked: bool = False):
@@ -105,6 +143,7 @@ class CommLog:
                 ev = self.pending.pop(eid, None)
                 if ev is not None:
                     ev.end = now
+                    _p2p_entry("wait", eid, self, ev)
 
     def retract(self, eid: int, ev: Event, seq_key: str | None = None):
         """Undo `begin` for an op that will not be issued (fault injection: a skipped collective)."""
@@ -116,6 +155,8 @@ class CommLog:
             self.pending.pop(eid, None)
             if self.events and self.events[-1] is ev:
                 self.events.pop()
+            if P2P_RECORD.entries and P2P_RECORD.entries[-1][1] == (self.serial, eid):
+                P2P_RECORD.entries.pop()
 
     def seq_counts(self) -> dict[str, int]:
         """Ops issued so far per "axis/op-kind" key (p2p keys name the peer, e.g. "pp/p2p->3").
@@ -131,4 +172,5 @@ class CommLog:
             return [e.as_dict() for e in self.events]
 
 
-__all__ = ["Event", "CommLog", "DEFERRED_WAIT_ENV"]
+__all__ = ["Event", "CommLog", "DEFERRED_WAIT_ENV", "CHECK_P2P_ENV", "P2P_RECORD", "start_p2p_record",
+           "new_batch_id"]

@@ -103,6 +103,13 @@ def _set_device(device_type: str, local_rank: int, local_world_size: int | None 
         os.environ[DEVICE_ENV] = "cpu"
 
 
+def pg_device_id(device_type: str) -> torch.device | None:
+    """`device_id` for init_process_group: this process' CUDA device, so NCCL creates its
+    communicator at once and first use joins nothing (a pair communicator made lazily by a first
+    send is a blocking join of both ranks: a ring of first sends hangs); None on CPU (gloo)."""
+    return current_device() if device_type == "cuda" else None
+
+
 def strict_device() -> bool:
     """True when MINI3D_STRICT_DEVICE=1: this process must never rely on torch's default device."""
     return os.environ.get(STRICT_ENV, "") == "1"
@@ -118,5 +125,5 @@ def enter_strict_device():
 
 
 __all__ = ["DEVICE_ENV", "STRICT_ENV", "LaunchError", "visible_gpus", "device_index", "choose_device",
-           "current_device", "device_memory", "device_name", "dump_memory_snapshot", "strict_device",
-           "enter_strict_device"]
+           "current_device", "pg_device_id", "device_memory", "device_name", "dump_memory_snapshot",
+           "strict_device", "enter_strict_device"]

@@ -10,8 +10,10 @@
    holds whatever the real code issues: tp and sequence-parallel collectives, ZeRO gathers and
    reduce-scatters, gradient clipping, the pipeline's transfers for the schedule, the loss
    broadcast and the loss mean;
-4. run the recorded programs with rendezvous matching (`mini3d.diagnose.rendezvous`): if every
-   rank's program ends, no rank of one step waits forever under those semantics;
+4. run the recorded programs under NCCL's ordering rules (`mini3d.diagnose.rendezvous`: streams
+   per pair and per communicator in issue order, a send waiting for its receive, batches as units,
+   pair communicators joined on first use): if every rank's program ends, no rank of one step
+   waits forever under those rules (nor under gloo's, which are looser);
 5. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble.
 
 Every tp group and every dp replica runs the same program, so two members show every cross-group
@@ -97,11 +99,11 @@ def record_rank(cfg, plan, rank: int, grad_clip: float = 0.0) -> list[tuple]:
 
 
 def as_op(ev: dict) -> tuple:
-    """An event as the rendezvous simulator's (kind, key, label)."""
+    """An event as the rendezvous simulator's (kind, key, label[, batch])."""
     label = " ".join(str(x) for x in (ev["op"], ev["context"].get("action", ""), f"#{ev['seq']}") if x)
     if ev["op"] in COLLECTIVES:
         return ("coll", (ev["axis"], tuple(ev["group"])), label)
-    return (ev["op"], ev["peer"], label)
+    return (ev["op"], ev["peer"], label, ev.get("batch"))
 
 
 def recording_setup(cfg, plan) -> tuple:
@@ -171,7 +173,7 @@ def bubble_line(plan) -> str:
 
 
 def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
-    """(status, line): record the step's programs and run them with rendezvous matching."""
+    """(status, line): record the step's programs and run them under NCCL's ordering rules."""
     from .diagnose.rendezvous import simulate
 
     progs, grid = record_programs(cfg, plan, grad_clip)
@@ -187,8 +189,9 @@ def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
     cp = f"cp={plan.cp} " if plan.cp > 1 else ""
     return 0, (f"communication: deadlock-free: the real step's {n} ops, recorded on a tp={t} "
                f"{cp}pp={plan.pp} dp={d} slice{on} (every tp/dp member runs the same program), all "
-               f"complete under rendezvous matching (a collective once every member issued it, a "
-               f"transfer once its partner did)")
+               f"complete under NCCL's ordering rules (each pair's and each group's ops in issue "
+               f"order, a send only once its receive is at the head of the peer's stream, pair "
+               f"communicators joined on first use)")
 
 
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:

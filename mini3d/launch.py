@@ -34,7 +34,9 @@ import torch.multiprocessing as mp
 
 from .devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_device, choose_device,  # noqa: F401
                       current_device, device_index, device_memory, dump_memory_snapshot,
-                      enter_strict_device, strict_device, visible_gpus)  # (re-exported)
+                      enter_strict_device, pg_device_id, strict_device, visible_gpus)  # (re-exported)
+from .p2p_record import (P2POrderError, check_saved, save_worker_record,  # noqa: F401
+                         start_worker_record)
 from .jobs import (ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, JOB_ENV, HangDetected,  # noqa: F401
                    LaunchTimeout, WorkerError, _clear_run_dir, abort_marker)
 
@@ -106,7 +108,8 @@ def init_from_env(device: str = "auto", backend: str | None = None, threads: int
     if threads:
         torch.set_num_threads(threads)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", timeout=_pg_timeout(None))
+        dist.init_process_group(backend, init_method="env://", timeout=_pg_timeout(None),
+                                device_id=pg_device_id(device_type))
     enter_strict_device()
     return backend, device_type
 
@@ -124,9 +127,11 @@ def _worker(rank, world_size, store_path, backend, device_type, threads, fn, arg
         _set_device(device_type, rank, world_size)
         store = dist.FileStore(store_path, world_size)  # no listening socket (see _rendezvous_dir)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=_pg_timeout(timeout))
+                                timeout=_pg_timeout(timeout), device_id=pg_device_id(device_type))
         enter_strict_device()
+        start_worker_record()  # MINI3D_CHECK_P2P=1: the p2p program, checked by the launcher
         result = fn(*args)
+        save_worker_record(os.path.dirname(store_path), rank)
         q.put((rank, "ok", pickle.dumps(result), ""))
     except BaseException as e:  # report everything, including SystemExit and KeyboardInterrupt
         for hook in _FAILURE_HOOKS:
@@ -277,6 +282,7 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
         results = _collect(procs, q, world_size, deadline, timeout)
         for p in procs:
             p.join(max(1.0, min(30.0, deadline - time.monotonic())))
+        check_saved(rdzv, world_size, env)  # MINI3D_CHECK_P2P=1: NCCL's rules on every pair
     except (WorkerError, LaunchTimeout) as e:
         if run_dir is None:
             raise

@@ -3,7 +3,8 @@ blocks travel around the ring (Liu et al. 2023, "Ring Attention with Blockwise T
 
 Forward, on cp rank r with local q, k, v (its two zig-zag chunks, see layout.py): for t = 0..cp-1 it
 holds the K/V block of rank (r - t) mod cp; it first posts the asynchronous send of that block to
-rank r+1 and the receive of the next one from rank r-1, then attends its queries to the block it
+rank r+1 and the receive of the next one from rank r-1 (one batch, `comm.batch_p2p`: see
+`_exchange` for why it must be one on NCCL), then attends its queries to the block it
 holds (each chunk pair fully visible, causal-diagonal or skipped), folds the partial result into its
 running (out, lse) with the log-sum-exp rule, and only then waits for the exchange: the transfer
 overlaps the block's compute wherever the backend progresses p2p ops in the background.
@@ -29,11 +30,16 @@ from .layout import block_kind, zigzag_chunks
 
 
 def _exchange(tensor: torch.Tensor, axis) -> tuple[torch.Tensor, list]:
-    """Post: send `tensor` to the next cp rank, receive the same shape from the previous one."""
+    """Post, as one batch: send `tensor` to the next cp rank, receive the same shape from the
+    previous one. Returns (incoming buffer, [work]): the last work completes the receive, all of
+    them the send (here one work completes both). Batched because on
+    NCCL a plain send first deadlocks the ring: at cp=2 both ranks' sends head their one pair stream
+    and each waits for a receive queued behind the other's send; at cp >= 3 each first send joins a
+    pair communicator in a cycle (see mini3d.diagnose.rendezvous)."""
     incoming = torch.empty_like(tensor)
-    works = [comm.send(tensor, axis, axis.peer(1), async_op=True),
-             comm.recv(incoming, axis, axis.peer(-1), async_op=True)]
-    return incoming, works
+    work = comm.batch_p2p([("send", tensor, axis.peer(1)), ("recv", incoming, axis.peer(-1))],
+                          axis, async_op=True)
+    return incoming, [work]
 
 
 def _pairs(axis, t: int):
@@ -99,16 +105,17 @@ class RingAttention(torch.autograd.Function):
                 dkv.add_(dkv_in[0])
             if cp > 1:  # pass the accumulator on; the one for the next block comes from behind
                 incoming, acc_works = _exchange(dkv, axis)
-                pending.append((acc_works[0], dkv))  # keep the tensor alive until it is sent
-                dkv_in = (incoming, acc_works[1])
+                pending.append((acc_works, dkv))  # keep the tensor alive until it is sent
+                dkv_in = (incoming, acc_works[-1])
             for w in works:
                 w.wait()
             kv = nxt
         if dkv_in is not None:  # after cp hops, this rank's own block's dK/dV is home
             dkv_in[1].wait()
             dkv = dkv_in[0]
-        for w, _ in pending:
-            w.wait()
+        for ws, _ in pending:
+            for w in ws:
+                w.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+from . import p2p_order  # noqa: F401  (registers the full p2p check for `mini3d train`)
+
 
 def cmd_explain_hang(args) -> int:
     from .explain import explain

@@ -8,12 +8,16 @@ no shape handshake: a receive allocates its buffer and posts one recv.
 All traffic goes through `mini3d.comm.send/recv` on the pp Axis, so each transfer is logged with
 the runtime's context (step, action, micro-batch). Receives block; the runtime posts sends without
 blocking by default (`send(async_op=True)`, kept alive by `SendQueue`) and waits for them before
-the step ends. Deadlock freedom comes from the order of the calls, not from batching: the Schedule lists
-sends and receives in an order that `check()` proves safe under blocking rendezvous semantics. That is exactly gloo's behaviour (its
-blocking send waits for the matching receive even for a few KiB; gloo also has no reliable
-batch_isend_irecv) and the strictest reading of NCCL's. For the one pattern where two
-neighbours must each send to the other at the same step, `exchange` fixes the order: the lower pp
-index sends first and then receives, the higher one receives first and then sends.
+the step ends. Deadlock freedom comes from the order of the calls, not from batching: the Schedule
+lists sends and receives so that `check()` proves them safe under blocking rendezvous semantics
+(gloo's behaviour: its blocking send waits for the matching receive even for a few KiB), and so
+that any two neighbours' transfers toward each other pair up one for one in issue order (rank a's
+k-th is a send iff rank b's k-th is the matching receive), which NCCL's rules need as well: NCCL runs
+a pair's ops in issue order on one stream and a send may wait for its receive. Every launched run
+checks that pairing under MINI3D_CHECK_P2P=1 (`mini3d.p2p_record`). For the one pattern
+where two neighbours must each send to the other at the same step, `exchange` fixes the order: the
+lower pp index sends first and then receives, the higher one receives first and then sends (ring
+attention, where every rank sends and receives at once, batches instead: `comm.batch_p2p`).
 """
 
 from __future__ import annotations
@@ -74,9 +78,10 @@ class PipeP2P:
 class SendQueue:
     """Sends in flight. A non-blocking send lets the sender go on computing while the receiver is
     still busy (on gloo a blocking send waits for the matching receive, at any size, which
-    would make a rank idle while its neighbour computes). Order is kept: sends to one peer complete in issue order. A
-    schedule that `check()` proves safe with blocking sends stays safe with non-blocking ones,
-    since a rank can only block on fewer operations."""
+    would make a rank idle while its neighbour computes). Order is kept: sends to one peer
+    complete in issue order. A schedule that `check()` proves safe with blocking sends stays safe
+    with non-blocking ones under gloo's rules, since a rank can only block on fewer operations;
+    under NCCL's, as long as each pair's transfers pair up one for one (see the module docstring)."""
 
     def __init__(self):
         self.pending = []  # (work, tensor kept alive until the send completes)

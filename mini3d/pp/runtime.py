@@ -21,7 +21,8 @@
 
 Transfers: receives block; sends are non-blocking by default (`async_send=True`, see
 `p2p.SendQueue`) and all complete before `step` returns. The schedule's order is proven safe even
-with blocking sends (`check()`), which `async_send=False` uses. With `async_recv` (default: for
+with blocking sends (`check()`), which `async_send=False` uses, and two neighbours' transfers toward
+each other pair up one for one in issue order, as NCCL's per-pair stream needs (see `p2p.py`). With `async_recv` (default: for
 split schedules, when sends are non-blocking too) a receive is posted where the list has it and
 waited for by the action that needs its tensor: a split schedule lists some receives before a
 compute that does not need them (a W, or the next F), which then runs while the message travels.
