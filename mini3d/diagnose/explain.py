@@ -125,20 +125,24 @@ def _rank_line(run: Run, r: int) -> str:
     return f"  {who(run, r)}: {status}{reason}; {doing(run, r)}"
 
 
+def _self_reported(run: Run) -> tuple[int, str, list[str]] | None:
+    """A rank whose own dump says what went wrong: out of memory, or stuck in its checkpoint save
+    past the save's bound (diagnose/save_clock.py)."""
+    for r, d in sorted(run.dumps.items()):
+        if d["status"] == "oom":
+            oom = d.get("oom") or {}
+            return r, "oom", [f"{who(run, r)} ran out of memory in category "
+                              f"{oom.get('category', '?')}:\n" + oom.get("report", d["reason"])]
+    saves = [r for r, d in sorted(run.dumps.items()) if d["status"] == "stuck-save"]
+    return (saves[0], "save", [run.dumps[saves[0]]["reason"]]) if saves else None
+
+
 def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
     """(culprit rank, kind, finding lines), strongest evidence first."""
     findings = []
-    ooms = [r for r, d in sorted(run.dumps.items()) if d["status"] == "oom"]
-    if ooms:
-        r = ooms[0]
-        oom = run.dumps[r].get("oom") or {}
-        findings.append(f"{who(run, r)} ran out of memory in category "
-                        f"{oom.get('category', '?')}:\n" + oom.get("report", run.dumps[r]["reason"]))
-        return r, "oom", findings
-    saves = [r for r, d in sorted(run.dumps.items()) if d["status"] == "stuck-save"]
-    if saves:  # its own watchdog saw it past the save's bound (diagnose/save_clock.py)
-        findings.append(run.dumps[saves[0]]["reason"])
-        return saves[0], "save", findings
+    own = _self_reported(run)
+    if own is not None:
+        return own
     mine = own_error(run)
     if mine is not None:
         findings.append(f"{who(run, mine)} raised {run.dumps[mine]['reason']}")
