@@ -243,13 +243,15 @@ def cmd_train(args) -> int:
 
 def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
     """Spawn `world` local processes running `train_worker(spec)` (a RunConfig)."""
+    from .diagnose.save_clock import checkpoint_bytes
     from .diagnose.watchdog import nccl_env
     from .launch import choose_device, launch
     from .train import train_worker
 
     run_dir = spec.run_dir
     backend = choose_device(device, world)[0]
-    env = nccl_env(spec.hang_timeout, run_dir, backend) if run_dir else None
+    save_bytes = checkpoint_bytes(spec.model.n_params()) if spec.save else 0  # its barriers' timeout
+    env = nccl_env(spec.hang_timeout, run_dir, backend, save_bytes) if run_dir else None
     return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
 
 

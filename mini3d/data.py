@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import pathlib
 
 import torch
 
@@ -109,7 +110,7 @@ def open_tokens(data: str | None, tokenizer, split: str = "train"):
         return None
     if tokenizer is None or tokenizer.name == "bytes":
         return load_tokens(data)
-    text = embedded_corpus().decode("utf-8") if data is None else open(data, encoding="utf-8").read()
+    text = embedded_corpus().decode("utf-8") if data is None else pathlib.Path(data).read_text("utf-8")
     return torch.tensor(tokenizer.encode(text), dtype=torch.long, device="cpu")
 
 

@@ -256,7 +256,8 @@ def _run(fn):
 
 def cmd_import(args) -> int:
     path = import_hf(args.hf_dir, args.ckpt_dir)
-    cfg = model_from_dict(json.load(open(os.path.join(path, "meta.json")))["model"])
+    with open(os.path.join(path, "meta.json")) as f:
+        cfg = model_from_dict(json.load(f)["model"])
     print(f"wrote {path}: {cfg.family} model, {cfg.n_params():,} parameters, step 0 "
           f"(mini3d train --resume {args.ckpt_dir} ...)")
     return 0

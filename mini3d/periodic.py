@@ -1,6 +1,7 @@
 """What a run does besides its training steps: validation, samples, and what a checkpoint records.
 
 `periodic` runs every N steps inside `train_worker` (validation loss on every rank, a text sample);
+`save_checkpoint` saves at a step boundary, on the save's clock rather than the hang clock;
 `checkpoint_meta` is the meta.json of a checkpoint (with the tokenizer and the lr schedule), and
 `resumed_schedule` reads that schedule back, so a resumed run continues it exactly.
 """
@@ -12,6 +13,7 @@ import sys
 import torch.distributed as dist
 
 from .checkpoint import read_meta
+from .diagnose.save_clock import checkpoint_bytes
 from .evaluate import evaluate
 from .optim import LRSchedule
 from .run_config import RunConfig
@@ -28,6 +30,14 @@ def periodic(trainer, run: RunConfig, done: int, val_batches, tok, report) -> di
 
         report.text(done, sample_during_training(trainer, tok, run.seed))
     return out
+
+
+def save_checkpoint(trainer, run: RunConfig, done: int, schedule, tok, diag):
+    """The collective save of step `done` (and the pruning to --keep-last), timed by the watchdog
+    against the save's own bound, not --hang-timeout (mini3d.diagnose.save_clock): a slow disk
+    is not a hang, a save stuck far past its bound still is."""
+    with diag.saving(checkpoint_bytes(run.model.n_params()), done):
+        trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok), run.keep_last)
 
 
 def resumed_schedule(run: RunConfig):

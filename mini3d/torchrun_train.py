@@ -21,6 +21,7 @@ def train(spec, device: str, derived: bool) -> int:
     import torch.distributed as dist
 
     from .diagnose.torchrun import agree_on_job, claim_marker, finish
+    from .diagnose.save_clock import checkpoint_bytes
     from .diagnose.watchdog import nccl_env
     from .launch import _FAILURE_HOOKS, abort_marker, init_from_env
     from .train import summary_line, train_worker
@@ -31,7 +32,8 @@ def train(spec, device: str, derived: bool) -> int:
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = choose_device(device, local, per_process=True)[0]
-    os.environ.update(nccl_env(spec.hang_timeout, run_dir, backend))
+    save_bytes = checkpoint_bytes(spec.model.n_params()) if spec.save else 0  # its barriers' timeout
+    os.environ.update(nccl_env(spec.hang_timeout, run_dir, backend, save_bytes))
     try:
         init_from_env(device)
     except (RuntimeError, ValueError) as e:  # e.g. MASTER_PORT taken by another process

@@ -33,7 +33,7 @@ from .grid import Grid, build_topology
 from .launch import current_device
 from .model import set_attention
 from .optim import WeightDecay, adamw, set_lr  # noqa: F401  (adamw re-exported)
-from .periodic import checkpoint_meta, periodic, resumed_schedule
+from .periodic import periodic, resumed_schedule, save_checkpoint
 from .pp.partition import build_stages
 from .pp.runtime import PipelineRuntime
 from .pp.schedules import make_schedule, placement_of
@@ -127,9 +127,9 @@ class Trainer:
         return float(t.item())
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self, root: str, step: int, meta: dict):
-        """Collective: gather the full named state per pipeline stage and write it atomically
-        (only the stage's writer, tp_rank 0 and dp_rank 0, keeps the full state)."""
+    def save(self, root: str, step: int, meta: dict, keep_last: int = 0):
+        """Collective: gather the full named state per pipeline stage and write it atomically (only
+        the stage's writer, tp = dp = cp = 0, keeps the full state); the leader then prunes."""
         is_writer = self.topo.tp.index == 0 and self.topo.dp.index == 0 and self.topo.cp.index == 0
         weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo,
                                                        keep=is_writer)
@@ -145,6 +145,8 @@ class Trainer:
         comm.barrier(world)
         if self.topo.rank == 0:
             writer.commit(meta)
+            if keep_last:
+                prune_checkpoints(root, keep_last)
         comm.barrier(world)
 
     def load(self, ckpt: str) -> int:
@@ -264,9 +266,7 @@ def train_worker(run: RunConfig) -> dict:
                                                                done % run.save_every == 0))
         signum = stop.agree(topo.device) if run.stop_on_signal else 0
         if saved or (signum and run.save):  # a stop saves first (at this boundary, on every rank)
-            trainer.save(run.save, done, checkpoint_meta(run, done, st["schedule"], st["tok"]))
-            if run.keep_last and topo.rank == 0:
-                prune_checkpoints(run.save, run.keep_last)
+            save_checkpoint(trainer, run, done, st["schedule"], st["tok"], st["diag"])
         if signum:
             interrupted = {"signal": signum, "step": done, "saved": bool(run.save)}
             break

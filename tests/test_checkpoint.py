@@ -9,6 +9,7 @@ up to step 4; 4 ranks resume the step-2 checkpoint as tp1 x pp1 x dp4 and as tp4
 from __future__ import annotations
 
 import os
+import pathlib
 import pickle
 import shutil
 import signal
@@ -77,7 +78,7 @@ def test_resharded_resume_gives_the_same_next_losses(runs):
 @pytest.mark.timeout(300)
 def test_checkpoint_layout_on_disk(runs):
     root = runs["root"]
-    assert open(os.path.join(root, "latest")).read().strip() == "step-000004"
+    assert pathlib.Path(root, "latest").read_text().strip() == "step-000004"
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000002", "step-000004"]
     assert sorted(os.listdir(latest_dir(root))) == ["meta.json", "stage0.pt", "stage1.pt"]
     meta = read_meta(latest_dir(root))
@@ -118,7 +119,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(runs, tmp_path):
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     assert not os.path.exists(os.path.join(root, "step-000005"))
-    assert open(os.path.join(root, "latest")).read().strip() == "step-000004"
+    assert pathlib.Path(root, "latest").read_text().strip() == "step-000004"
     assert latest_dir(root) == os.path.join(root, "step-000004")
     assert read_states(latest_dir(root))["model"]  # loadable
     # and a resume from it is accepted (checks run in-process; no training started)

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,9 +50,9 @@ def _no_launch(monkeypatch):
 
 def _flip_byte(ckpt):
     path = os.path.join(ckpt, "stage1.pt")
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[len(data) // 2] ^= 0x01  # inside the tensor data (the zip's middle), not its directory
-    open(path, "wb").write(bytes(data))
+    Path(path).write_bytes(bytes(data))
     return "stage1.pt: sha256 differs"
 
 
@@ -67,14 +68,14 @@ def _missing(ckpt):
 
 
 def _garbage_meta(ckpt):
-    open(os.path.join(ckpt, "meta.json"), "w").write("{not json")
+    Path(ckpt, "meta.json").write_text("{not json")
     return "meta.json is not valid JSON"
 
 
 def _meta_without_step(ckpt):
-    meta = json.load(open(os.path.join(ckpt, "meta.json")))
+    meta = json.loads(Path(ckpt, "meta.json").read_text())
     del meta["step"]
-    json.dump(meta, open(os.path.join(ckpt, "meta.json"), "w"))
+    Path(ckpt, "meta.json").write_text(json.dumps(meta))
     return "meta.json lacks the step"
 
 
@@ -85,10 +86,10 @@ def _rewrite(ckpt, name, part):
 
     path = os.path.join(ckpt, name)
     torch.save(part, path)
-    meta = json.load(open(os.path.join(ckpt, "meta.json")))
-    meta["files"][name].update(sha256=hashlib.sha256(open(path, "rb").read()).hexdigest(),
+    meta = json.loads(Path(ckpt, "meta.json").read_text())
+    meta["files"][name].update(sha256=hashlib.sha256(Path(path).read_bytes()).hexdigest(),
                                bytes=os.path.getsize(path))
-    json.dump(meta, open(os.path.join(ckpt, "meta.json"), "w"))
+    Path(ckpt, "meta.json").write_text(json.dumps(meta))
 
 
 def _mis_shaped(ckpt):
@@ -160,7 +161,7 @@ def test_a_kill_at_any_moment_of_a_save_leaves_a_complete_checkpoint(tmp_path):
         assert ckpt is not None, f"no checkpoint after kill {trial}: {os.listdir(root)}"
         assert verify_checkpoint(ckpt) == [], (trial, os.listdir(root))
         assert torch.equal(read_states(ckpt)["model"]["w"], torch.arange(20000.0))
-        moments.append((json.load(open(os.path.join(ckpt, "meta.json")))["step"],
+        moments.append((json.loads(Path(ckpt, "meta.json").read_text())["step"],
                         any(n.startswith(".tmp-") for n in os.listdir(root))))
     # the kills landed in many moments: during writes (a .tmp- directory left), between saves,
     # and with each of the three steps the latest one

@@ -186,7 +186,8 @@ def test_gpu_check_sh_strict_train_runs_on_cpu(tmp_path):
     import subprocess
     import sys
 
-    text = open(os.path.join(REPO, "benchmarks", "gpu_check.sh")).read()
+    with open(os.path.join(REPO, "benchmarks", "gpu_check.sh")) as f:
+        text = f.read()
     cmd = re.search(r'MINI3D_STRICT_DEVICE=1 timeout \d+ "\$PY" -m mini3d train (.*?)\|\| STRICT_RC',
                     text, re.S).group(1).replace("\\\n", " ")
     cmd = cmd.replace('"$DEV"', "cpu").replace('"${STRICT_MODEL[@]}"', "")  # set by its mode

@@ -30,7 +30,8 @@ def test_every_exercise_names_its_chapter_and_has_both_modules():
         for impl in grading.IMPLS:
             doc = grading.load_impl(impl, ex.name).__doc__
             assert f"Chapter: {ex.chapter}" in doc, f"{impl}/{ex.name}.py must name its chapter"
-    readme = open("exercises/README.md").read()
+    with open("exercises/README.md") as f:
+        readme = f.read()
     assert all(f"`{ex.name}`" in readme and f"| {ex.points} |" in readme for ex in exs)
 
 

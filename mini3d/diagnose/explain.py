@@ -27,8 +27,8 @@ from .run_dir import Run, death, doing, entered, load_run, seq_key, who
 class Explanation:
     text: str
     culprit: int | None = None  # world rank judged responsible
-    kind: str = "unknown"  # crash, error, stopped, skip, shape, p2p-order, straggler, oom, finished,
-    # unknown
+    kind: str = "unknown"  # crash, error, stopped, skip, shape, p2p-order, straggler, oom, save,
+    # finished, unknown
     findings: list = field(default_factory=list)
 
 
@@ -110,6 +110,8 @@ HINTS = {
     "error": "rank {c} raised an exception of its own: its traceback is in the run directory "
              "(launcher.json); the other ranks only lost their connection to it",
     "oom": "see the OOM report above: lower the named category or give the rank more memory",
+    "save": "look at the disk rank {c} writes its checkpoint to (full, slow, a hung network mount); "
+            "a disk known to be slower than the save's bound allows: set MINI3D_SAVE_BOUND_S",
 }
 
 
@@ -118,20 +120,29 @@ def _rank_line(run: Run, r: int) -> str:
     if d is None:
         return f"  {who(run, r)}: {death(run, r)}"
     status = d["status"]
-    reason = f" ({d['reason'][:90]})" if status in ("error", "oom", "hang") and d.get("reason") else ""
+    shown = ("error", "oom", "hang", "stuck-save")
+    reason = f" ({d['reason'][:90]})" if status in shown and d.get("reason") else ""
     return f"  {who(run, r)}: {status}{reason}; {doing(run, r)}"
+
+
+def _self_reported(run: Run) -> tuple[int, str, list[str]] | None:
+    """A rank whose own dump says what went wrong: out of memory, or stuck in its checkpoint save
+    past the save's bound (diagnose/save_clock.py)."""
+    for r, d in sorted(run.dumps.items()):
+        if d["status"] == "oom":
+            oom = d.get("oom") or {}
+            return r, "oom", [f"{who(run, r)} ran out of memory in category "
+                              f"{oom.get('category', '?')}:\n" + oom.get("report", d["reason"])]
+    saves = [r for r, d in sorted(run.dumps.items()) if d["status"] == "stuck-save"]
+    return (saves[0], "save", [run.dumps[saves[0]]["reason"]]) if saves else None
 
 
 def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
     """(culprit rank, kind, finding lines), strongest evidence first."""
     findings = []
-    ooms = [r for r, d in sorted(run.dumps.items()) if d["status"] == "oom"]
-    if ooms:
-        r = ooms[0]
-        oom = run.dumps[r].get("oom") or {}
-        findings.append(f"{who(run, r)} ran out of memory in category "
-                        f"{oom.get('category', '?')}:\n" + oom.get("report", run.dumps[r]["reason"]))
-        return r, "oom", findings
+    own = _self_reported(run)
+    if own is not None:
+        return own
     mine = own_error(run)
     if mine is not None:
         findings.append(f"{who(run, mine)} raised {run.dumps[mine]['reason']}")
@@ -193,6 +204,7 @@ HEADLINES = {
     "straggler": "{w} did not reach the op its peers wait in (slow or stuck outside communication)",
     "stopped": "{w} stopped responding (its process was frozen); its peers waited for it",
     "error": "{w} crashed with an exception of its own; the other ranks lost their connection to it",
+    "save": "{w} is stuck in its checkpoint save (past the save's bound); the others waited for it",
 }
 
 
@@ -223,7 +235,7 @@ def explain(run_dir: str) -> Explanation | None:
         lines.append("what to change: " + HINTS[kind].format(c=culprit))
     from .flight_recorder import summary_lines
 
-    lines += summary_lines(run_dir)  # NCCL's own record, when the run left one (CUDA runs)
+    lines += summary_lines(run_dir)  # torch's flight recorder, when the ranks left one
     return Explanation("\n".join(lines), culprit, kind, findings)
 
 

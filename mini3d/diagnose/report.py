@@ -27,6 +27,7 @@ CAUSES = {
     "straggler": "stopped responding (it never reached the op its peers waited in)",
     "stopped": "stopped responding (its process was frozen, e.g. by SIGSTOP)",
     "oom": "ran out of memory",
+    "save": "was stuck in its checkpoint save, past the save's bound",
 }
 
 

@@ -49,7 +49,8 @@ def load_run(run_dir: str) -> Run:
             launcher = json.load(f)
     stacks = {}
     for path in glob.glob(os.path.join(run_dir, "rank*.stack")):
-        text = open(path).read()
+        with open(path) as f:
+            text = f.read()
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
     run = Run(dumps, launcher, stacks)

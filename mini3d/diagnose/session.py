@@ -4,6 +4,7 @@
     for step in range(steps):
         diag.step_start(step, measure)    # injects the fault, if one was asked for
         ...
+    with diag.saving(nbytes, step): ...   # a checkpoint save: its own bound, not hang_timeout
     diag.finish()                         # "finished" dump; stops the watchdog
 
 `spec` keys (all optional): `run_dir` (no run_dir: no watchdog), `hang_timeout` (seconds, default
@@ -12,6 +13,8 @@
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from .faults import FaultInjector, parse_fault, parse_size
 from .watchdog import start_watchdog
@@ -31,6 +34,10 @@ class Diagnostics:
         """Mark the start of optimizer step `step`; `measure()` -> bytes per category (oom only)."""
         if self.injector is not None:
             self.injector.step_start(step, measure)
+
+    def saving(self, nbytes: int, step: int):
+        """Context of a checkpoint save of `nbytes` (all stage files): on the save's clock."""
+        return self.watchdog.saving(nbytes, step) if self.watchdog else contextlib.nullcontext()
 
     def finish(self):
         if self.watchdog is not None:

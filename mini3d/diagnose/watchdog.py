@@ -21,14 +21,18 @@ died), "oom" for `OutOfMemory`, and "finished" when the rank returns normally. A
 communication library itself (gloo aborts on a size mismatch) cannot dump; `faulthandler` then leaves
 its Python stack in `rank{r}.stack`. `mini3d explain-hang RUN_DIR` reads all of these.
 
-On CUDA, PyTorch's own NCCL flight recorder and timeouts are configured by `nccl_env`, the one place
-that sets those variables (they must be in the environment before the process group is created);
+PyTorch's own flight recorder (NCCL's; gloo's too in recent torch) and NCCL's timeouts are
+configured by `nccl_env` (diagnose/flight_recorder.py), the one place that sets those variables;
 the process group's own timeout follows `hang_timeout` too (`PG_TIMEOUT_ENV`, read by
-mini3d.launch), a minute later, so that the mini3d dump comes first on every backend.
+mini3d.launch), a minute later, so that the mini3d dump comes first on every backend. Because the
+ranks exit before torch's timeout would dump the recorder, each rank asks torch for it on its way out
+(`write_dump`: RUN_DIR/nccl_trace_rank_<r>, read by explain-hang too). A checkpoint save runs on its
+own clock, not the hang clock (`saving`, diagnose/save_clock.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -36,42 +40,12 @@ import sys
 import threading
 import time
 
-from .flight_recorder import FLIGHT_RECORDER_PREFIX
+from .flight_recorder import FLIGHT_RECORDER_PREFIX, nccl_env, write_dump
 from .history import describe_op
+from .save_clock import SaveClock, save_bound
 from ..launch import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
 
 RECENT_EVENTS = 256  # events per dump: enough to align sequence numbers across a group
-
-
-def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl") -> dict[str, str]:
-    """Environment for the process group's timeout (every backend) and, on NCCL, for PyTorch's
-    NCCL watchdog and flight recorder (its dumps land in RUN_DIR/nccl_trace_rank_<r>, read by
-    `mini3d explain-hang`).
-
-    Our watchdog fires at `hang_timeout`; the process-group timeout and NCCL's heartbeat monitor are
-    set a minute later so that the mini3d dump (in plan terms) comes first and NCCL's own second."""
-    import torch
-
-    from ..launch import PG_TIMEOUT_ENV
-
-    base = {PG_TIMEOUT_ENV: str(int(hang_timeout) + 60)}
-    if backend != "nccl":
-        return base
-
-    # the flight recorder's variables were renamed TORCH_FR_* in torch 2.7 (old names warn)
-    new = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 7)
-    buffer, trace = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if new else
-                     ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
-    return {
-        **base,
-        buffer: "2000",  # flight recorder: the last 2000 collectives per rank
-        trace: os.path.join(run_dir, FLIGHT_RECORDER_PREFIX),  # where it is written
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # write the recorder when a collective times out
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a timed-out collective tears the process down
-        "TORCH_NCCL_ENABLE_MONITORING": "1",  # heartbeat monitor for a stuck NCCL watchdog
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(hang_timeout) + 60),
-        "TORCH_NCCL_DESYNC_DEBUG": "1",  # on timeout, report which rank did not join
-    }
 
 
 def _event_dict(ev, now: float, blocked) -> dict:
@@ -98,6 +72,7 @@ class Watchdog:
         self._thread = threading.Thread(target=self._loop, name=f"mini3d-watchdog{self.rank}",
                                         daemon=True)
         self._stack_file = None
+        self.save: SaveClock | None = None  # the checkpoint save in progress (see `saving`)
 
     @property
     def marker(self) -> str:
@@ -125,6 +100,19 @@ class Watchdog:
             if os.path.exists(path) and os.path.getsize(path) == 0:
                 os.remove(path)
 
+    @contextlib.contextmanager
+    def saving(self, nbytes: int, step: int):
+        """While inside, the ops this rank issues run on the save's clock, not the hang clock
+        (mini3d.diagnose.save_clock)."""
+        grid = self.topo.grid
+        writers = tuple(grid.rank_of(pp=k) for k in range(grid.sizes["pp"]))
+        self.save = SaveClock(time.perf_counter(), save_bound(nbytes, self.hang_timeout), nbytes,
+                              step, writers)
+        try:
+            yield self.save
+        finally:
+            self.save = None
+
     # -- state and dump ---------------------------------------------------------------------
     def blocked_event(self):
         """The op this rank waits in: its most recently issued pending op (or None)."""
@@ -148,7 +136,8 @@ class Watchdog:
             "blocked": _event_dict(blocked, now, blocked) if blocked else None,
             "pending": [_event_dict(e, now, blocked) for e in pending],
             "events": [_event_dict(e, now, blocked) for e in recent],
-            "seq": log.seq_counts(), "time": time.time(), **(extra or {}),
+            "seq": log.seq_counts(), "time": time.time(),
+            "save": self.save.as_dict(now) if self.save else None, **(extra or {}),
         }
 
     def dump(self, status: str, reason: str, extra: dict | None = None) -> str | None:
@@ -181,8 +170,11 @@ class Watchdog:
             if os.path.exists(self.marker):
                 self._abort()
             self.topo.log.reap()  # end the ops whose Work completed after their wait returned
-            ev = self.blocked_event()
-            if ev is not None and time.perf_counter() - ev.start > self.hang_timeout:
+            ev, save, now = self.blocked_event(), self.save, time.perf_counter()
+            if save is not None and (ev is None or ev.start >= save.start):  # on the save's clock
+                if save.overdue(now, waiting=ev is not None):
+                    self._stuck_save(save, ev, now)
+            elif ev is not None and now - ev.start > self.hang_timeout:
                 self._hang(ev)
 
     def _abort(self):
@@ -194,20 +186,44 @@ class Watchdog:
         self.dump("aborted", f"job aborted by {why.get('by', 'another rank')}: {why.get('reason', '')}")
         self._exit(ABORTED_EXIT, int(why.get("code", 1)) if isinstance(why, dict) else 1)
 
-    def _hang(self, ev):
-        where = describe_op(ev.as_dict())
+    def _claim(self, reason: str) -> bool:
+        """Create the job's abort marker; False when another rank saw trouble first."""
         try:
             fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:  # another rank saw it first: we are one of the waiters
-            return self._abort()
+            return False
         with os.fdopen(fd, "w") as f:
-            json.dump({"by": self.rank, "reason": f"rank {self.rank} hung in {where}", "code": 3}, f)
+            json.dump({"by": self.rank, "reason": reason, "code": 3}, f)
+        return True
+
+    def _hang(self, ev):
+        where = describe_op(ev.as_dict())
+        if not self._claim(f"rank {self.rank} hung in {where}"):
+            return self._abort()
         age = time.perf_counter() - ev.start
         self.dump("hang", f"waited {age:.1f} s (> hang_timeout {self.hang_timeout:g} s) in {where}")
+        self._stop_job(f"waited {age:.1f} s in {where}")
+
+    def _stuck_save(self, save: SaveClock, ev, now: float):
+        """The save ran past its bound: this rank's own part of it (no op pending), or the wait
+        in one of its barriers for the writers (reported `waiter_grace` later)."""
+        if ev is None:
+            status, reason = "stuck-save", save.describe(self.rank, now)
+        else:
+            status = "hang"
+            reason = (f"waited {now - ev.start:.1f} s in {describe_op(ev.as_dict())} for the "
+                      f"checkpoint save's writers (ranks {', '.join(map(str, save.writers))}), "
+                      f"past the save's bound of {save.bound:.0f} s")
+        if not self._claim(reason):
+            return self._abort()
+        self.dump(status, reason)
+        self._stop_job(reason.replace(f"rank {self.rank}'s", "its"))
+
+    def _stop_job(self, what: str):
         c = self.topo.coords
-        print(f"mini3d watchdog: rank {self.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}) waited "
-              f"{age:.1f} s in {where}; every rank dumps to {self.run_dir}; stopping the job "
-              f"(run: mini3d explain-hang {self.run_dir})", file=sys.__stderr__, flush=True)
+        print(f"mini3d watchdog: rank {self.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}) {what}; "
+              f"every rank dumps to {self.run_dir}; stopping the job (run: mini3d explain-hang "
+              f"{self.run_dir})", file=sys.__stderr__, flush=True)
         # (to RUN_DIR/rank{r}.stderr: the launcher's report names the culprit, not this waiter)
         self._exit(HANG_EXIT, 3)
 
@@ -216,6 +232,7 @@ class Watchdog:
         job's mini3d exit code (`job_code`) after the ranks' shared report (diagnose/torchrun.py)."""
         from . import torchrun
 
+        write_dump(self.run_dir, self.rank)  # torch's flight recorder, before the process ends
         if torchrun.active():
             torchrun.finish(self.run_dir, self.rank, self.topo.grid.world_size, job_code)
         sys.stdout.flush()
