@@ -156,8 +156,8 @@ EXERCISES = [
     Exercise("one_f_one_b", "05 pipeline parallelism", [
         Check("each_once", 2, fb_each_once, "every micro-batch forward and backward once"),
         Check("forward_first", 1, forward_first, "F(mb) before B(mb)"),
-        Check("warmup", 2, warmup, "pp - pp_rank forwards before the first backward"),
-        Check("in_flight", 2, in_flight, "at most pp - pp_rank micro-batches held"),
+        Check("warmup", 2, warmup, "1F1B's number of forwards before the first backward"),
+        Check("in_flight", 2, in_flight, "no more micro-batches held than 1F1B holds"),
         Check("exact_order", 3, exact_order, "the exact 1F1B order"),
     ]),
     Exercise("bubble", "05 pipeline parallelism", [
