@@ -36,10 +36,20 @@ def scenarios():
         runner._scenario_cache[(name, _key(who), seed)] = recs
 
 
+# the mistakes issue 32 names, and the check that must catch each (on every seed)
+CAUGHT_BY = {("lse_merge", "merge_exp_direct"): "stable", ("explain_hang", "last_pending"): "collective",
+             ("recompute", "whole_attention"): "selective", ("zero1", "all_reduce"): "all_gather",
+             ("bubble", "closed_form"): "dependencies", ("tp_linear", "f_g_swapped"): "forward",
+             ("one_f_one_b", "warmup_one_more"): "warmup", ("grad_buckets", "no_divide"): "averages",
+             ("grad_buckets", "last_twice"): "bucket_count", ("ring_allreduce", "no_average"): "averages"}
+
+
 def _score(ex, who: str, seed: int):
+    """(points, failure messages, names of the failed checks) of one answer on one seed."""
     impl = answer(ex.name, who)
     outs = [runner.run_check(ex, c, _key(who), seed, shortcut=False, impl=impl) for c in ex.checks]
-    return sum(o.earned for o in outs), [o.message for o in outs if o.earned < o.points]
+    lost = [o for o in outs if o.earned < o.points]
+    return sum(o.earned for o in outs), [o.message for o in lost], {o.check for o in lost}
 
 
 @pytest.mark.timeout(600)
@@ -49,23 +59,22 @@ def test_reference_full_marks_and_wrong_answers_fail_on_every_seed(ex, request):
         request.getfixturevalue("scenarios")
     bad = []
     for seed in SEEDS:
-        got, why = _score(ex, "solutions", seed)
+        got, why, _ = _score(ex, "solutions", seed)
         if got != ex.points:
             bad.append(f"solutions, seed {seed}: {got}/{ex.points}: {why}")
         for who, _ in WRONG[ex.name]:
-            got, _ = _score(ex, who, seed)
+            got, _, lost = _score(ex, who, seed)
             if got == ex.points:
                 bad.append(f"wrong answer {who!r} scores {got}/{ex.points} on seed {seed}")
+            if CAUGHT_BY.get((ex.name, who), next(iter(lost), None)) not in lost:
+                bad.append(f"wrong answer {who!r} passes {CAUGHT_BY[(ex.name, who)]!r} on seed {seed}")
     assert bad == []
 
 
 def test_every_exercise_has_typical_wrong_answers():
     assert {ex.name for ex in EXERCISES} == set(WRONG)
     assert all(len(WRONG[ex.name]) >= 2 for ex in EXERCISES)
-    named = {"lse_merge": "merge_exp_direct", "explain_hang": "last_pending", "recompute": "whole_attention",
-             "zero1": "all_reduce", "bubble": "closed_form", "tp_linear": "f_g_swapped",
-             "one_f_one_b": "warmup_one_more", "grad_buckets": "no_divide"}
-    assert all(want in dict(WRONG[ex]) for ex, want in named.items())
+    assert all(who in dict(WRONG[ex]) for ex, who in CAUGHT_BY)
 
 
 @pytest.mark.timeout(600)
@@ -75,4 +84,5 @@ def test_every_exercise_has_typical_wrong_answers():
 def test_tp_linear_failure_names_the_operator(who, hint, scenarios):
     ex = grading.find(["tp_linear"])[0]
     for seed in SEEDS[:3]:
-        assert any(hint in m for m in _score(ex, who, seed)[1]), _score(ex, who, seed)[1]
+        msgs = _score(ex, who, seed)[1]
+        assert any(hint in m for m in msgs), msgs
