@@ -24,4 +24,4 @@ def global_grad_norm(pieces: list[dict], zero: int) -> float:
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """The factor clip_grad_norm_ multiplies every gradient by: max_norm / (norm + 1e-6), but never
     more than 1 (gradients are only ever scaled down)."""
-    raise NotImplementedError("min(1, max_norm / (norm + 1e-6))")
+    raise NotImplementedError("the docstring gives the ratio; remember clipping only ever scales down")

@@ -15,12 +15,14 @@ def block_attention(q, k, v, causal: bool):
 
     out (..., Tq, d) = softmax(scores) v over this block only; lse (..., Tq) = log sum_j exp(score_j).
     causal=True (a diagonal block, Tq == Tk): query i sees keys 0..i of the block only."""
-    raise NotImplementedError("scores = q @ k^T / sqrt(d), masked with -inf above the diagonal "
-                              "if causal; lse = torch.logsumexp(scores, -1); out = exp(scores - lse) @ v")
+    raise NotImplementedError("ordinary softmax attention over this block; a score of -inf "
+                              "vanishes under exp, and torch can take a row's log-sum-exp without "
+                              "overflow: how does lse relate to softmax's denominator?")
 
 
 def merge(out_a, lse_a, out_b, lse_b):
     """(out, lse) of attention over the keys of block A and block B together, from the two blocks'
     results. Must stay finite for scores in the thousands (float32 exp overflows above ~88)."""
-    raise NotImplementedError("lse = logaddexp(lse_a, lse_b); each out is weighted by "
-                              "exp(its lse - lse), a number in [0, 1]")
+    raise NotImplementedError("each block's out is a weighted mean whose weights sum to exp(its "
+                              "lse): what share of the combined total is each block's? Compute it "
+                              "without ever taking exp of a large number")

@@ -7,7 +7,7 @@ from __future__ import annotations
 def coords(rank: int, tp: int, pp: int, dp: int) -> dict:
     """{'tp': i, 'pp': j, 'dp': k} of `rank` when tp varies fastest, then dp, then pp (slowest):
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
-    raise NotImplementedError('tp varies fastest: rank = tp_rank + tp * (dp_rank + dp * pp_rank)')
+    raise NotImplementedError('like digits of a mixed-radix number: peel off the fastest-varying coordinate first')
 
 def rank_groups(tp: int, pp: int, dp: int, axis: str) -> list[list[int]]:
     """Every group along `axis` ("tp", "pp" or "dp"): the ranks that differ only in that coordinate,

@@ -13,4 +13,4 @@ def apply_recompute(model, policy: str):
     "selective": only each block's attention core `block.attn.core` (the softmax(QK^T)V part, whose
     activations grow with T^2) runs under checkpoint; wrap whatever function is installed there.
     Use `use_reentrant=False`. Returns the model."""
-    raise NotImplementedError("torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False); for 'selective' wrap block.attn.core, for 'full' wrap block.forward")
+    raise NotImplementedError("replace a function by one that runs it under torch.utils.checkpoint (use_reentrant=False): which function is a whole block, and which only the part whose activations grow with T^2?")

@@ -34,9 +34,9 @@ class ReduceFromTP(torch.autograd.Function):
 
 def column_parallel_linear(x, weight_shard, bias_shard, axis):
     """y_i = f(x) @ W_i^T + b_i: this rank's slice of the output features (weight rows split)."""
-    raise NotImplementedError('F.linear(CopyToTP.apply(x, axis), weight_shard, bias_shard)')
+    raise NotImplementedError("every rank already holds all of x, but x's gradient comes from every rank's slice: which of your two operators goes where, around the local matrix multiply?")
 
 def row_parallel_linear(x_shard, weight_shard, bias, axis):
     """y = g(x_i @ W_i^T) + b: input features split (weight columns), partial sums all-reduced,
     the full bias added once after the sum."""
-    raise NotImplementedError('all-reduce the partial products with ReduceFromTP, then add the bias once')
+    raise NotImplementedError("each rank's product is only a partial sum: which operator completes it, and how many times may the bias be added?")

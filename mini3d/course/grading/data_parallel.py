@@ -210,14 +210,17 @@ def _scenario_zero1(impl, seed):
     n, i = topo.dp.size, topo.dp.index
     g = _gen(seed, "zero1")
     dims = [int(x) for x in torch.randint(3, 10, (3,), generator=g)]
-    kw = dict(lr=1e-2, weight_decay=0.1)
+    # eps comparable to the gradients: AdamW's update g / (sqrt(v) + eps) is then not invariant to
+    # the gradient's scale, so a sum where the average belongs (not dividing by dp) shows
+    kw = dict(lr=1e-2, weight_decay=0.1, eps=1e-2)
 
     def steps():
         model = _mlp(_gen(seed, "w"), dims)
         ref = copy.deepcopy(model)
         ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
         opt = impl.Zero1AdamW(model.parameters(), topo.dp, **kw)
-        out = {"err": [], "gathers": [], "n": sum(p.numel() for p in model.parameters()), "dp": n}
+        out = {"err": [], "gathers": [], "ops": [], "wire": [], "dp": n,
+               "n": sum(p.numel() for p in model.parameters())}
         for step in range(3):
             grads = []
             for r in range(n):
@@ -229,9 +232,12 @@ def _scenario_zero1(impl, seed):
             ref_opt.step()
             opt.zero_grad()
             _loss(model, seed, step, i).backward()
-            mark = topo.log.count("dp", "all_gather")
+            mark = len(topo.log.events)
             opt.step()
-            out["gathers"].append(topo.log.count("dp", "all_gather") - mark)
+            evs = [e for e in list(topo.log.events)[mark:] if e.axis == "dp"]
+            out["gathers"].append(sum(e.op == "all_gather" for e in evs))
+            out["ops"].append(sorted({e.op for e in evs}))
+            out["wire"].append(sum(e.wire_bytes for e in evs))
             out["err"].append(max((p - q).abs().max().item()
                                   for p, q in zip(model.parameters(), ref.parameters())))
         state = opt.optimizer.state.values()
@@ -256,10 +262,21 @@ def zero1_sharded(ctx):
                f"({r['n']} parameters, dp={r['dp']})", f"at most 2 x ceil(N/dp) = {cap}", r["state"])
 
 
-def zero1_gathers(ctx):
+def zero1_traffic(ctx):
+    """ZeRO-1 sends what plain data parallelism sends, 2 psi per rank (psi: the padded flat fp32
+    gradient; a ring moves (n-1)/n of a tensor per reduce-scatter or all-gather, twice that per
+    all-reduce): reduce-scatter the gradient (psi), all-gather the updated parameters (psi). An
+    all-reduce of the whole gradient followed by the all-gather sends 3 psi."""
     for rank, r in enumerate(_read(ctx, "steps")):
+        n = r["dp"]
+        psi = 4 * n * (-(-r["n"] // n)) * (n - 1) // n  # one ring pass over the padded flat vector
         expect(all(k >= 1 for k in r["gathers"]), f"rank {rank}: comm.all_gather calls per step",
                "at least one (to rebuild the full parameters)", r["gathers"])
+        expect(all(w <= 2 * psi for w in r["wire"]) and all("all_reduce" not in ops for ops in r["ops"]),
+               f"rank {rank}: dp traffic per step() ({r['n']} parameters, dp={n}; psi = {psi} bytes "
+               f"on the wire)", f"2 psi = {2 * psi} bytes: comm.reduce_scatter the gradient (each rank "
+               f"needs only its own slice's average), comm.all_gather the parameters",
+               f"{r['wire']} bytes, {[round(w / psi, 2) for w in r['wire']]} psi, ops {r['ops'][0]}")
 
 
 EXERCISES = [
@@ -278,6 +295,6 @@ EXERCISES = [
     Exercise("zero1", "03 ZeRO", [
         Check("params_match", 3, zero1_params, "same parameters as AdamW over 3 steps"),
         Check("state_sharded", 2, zero1_sharded, "optimizer state is 1/dp"),
-        Check("all_gather", 1, zero1_gathers, "parameters rebuilt with all-gather"),
+        Check("all_gather", 1, zero1_traffic, "reduce-scatter + all-gather: 2 psi, not 3"),
     ], scenario=_scenario_zero1, world=lambda rng: rng.choice([2, 3])),
 ]

@@ -7,13 +7,15 @@ from __future__ import annotations
 from .core import Check, Exercise, expect
 
 
-def _hang_logs(rng, tp, dp, stuck, steps):
+def _hang_logs(rng, tp, dp, stuck, steps, early=False):
     """Per-rank logs of `steps` rounds of (tp all_reduce, dp all_reduce); rank `stuck` stops before
-    round `stuck_at`'s dp all-reduce, so its dp peers wait there, then nothing follows."""
+    round `stuck_at`'s dp all-reduce, so its dp peers wait there. With tp > 1 and `early`
+    (stuck_at < steps) the other dp groups finish that round and then wait in the next round's tp
+    all-reduce, behind the blocked ranks: a later pending collective that is only a consequence."""
     from mini3d.grid import Grid
 
     grid = Grid(tp, 1, dp)
-    stuck_at = rng.randint(1, steps)
+    stuck_at = rng.randint(1, steps - 1) if early else rng.randint(1, steps)
     logs = {r: [] for r in range(grid.world_size)}
     t = 0.0
     blocked = set()
@@ -40,10 +42,18 @@ def _hang_logs(rng, tp, dp, stuck, steps):
                   "waiting": sorted(r for r in want_group if r != stuck), "missing": [stuck]}
 
 
+def _cases(rng):
+    """Three hung jobs: (tp, dp, logs, wanted answer). The first always has a second, later pending
+    collective (tp = 2, stuck before the last round), so naming the last pending one, or every rank
+    with anything pending, fails on every seed."""
+    for case in range(3):
+        tp, dp = (2 if case == 0 else rng.choice([1, 2])), rng.choice([2, 3, 4])
+        logs, want = _hang_logs(rng, tp, dp, rng.randrange(tp * dp), rng.randint(2, 5), early=case == 0)
+        yield tp, dp, logs, want
+
+
 def finds_collective(ctx):
-    for _ in range(3):
-        tp, dp = ctx.rng.choice([1, 2]), ctx.rng.choice([2, 3, 4])
-        logs, want = _hang_logs(ctx.rng, tp, dp, ctx.rng.randrange(tp * dp), ctx.rng.randint(2, 5))
+    for tp, dp, logs, want in _cases(ctx.rng):
         got = ctx.impl.explain_hang(logs) or {}
         sub = {k: got.get(k) for k in ("axis", "op", "seq")}
         expect(sub == {k: want[k] for k in sub}, f"stuck collective (tp={tp}, dp={dp})",
@@ -51,9 +61,7 @@ def finds_collective(ctx):
 
 
 def names_ranks(ctx):
-    for _ in range(3):
-        tp, dp = ctx.rng.choice([1, 2]), ctx.rng.choice([2, 3, 4])
-        logs, want = _hang_logs(ctx.rng, tp, dp, ctx.rng.randrange(tp * dp), ctx.rng.randint(2, 5))
+    for tp, dp, logs, want in _cases(ctx.rng):
         got = ctx.impl.explain_hang(logs) or {}
         sub = {k: got.get(k) for k in ("waiting", "missing")}
         expect(sub == {k: want[k] for k in sub}, f"ranks in the hang (tp={tp}, dp={dp})",

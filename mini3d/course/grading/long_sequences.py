@@ -15,6 +15,16 @@ import torch.nn.functional as F
 from .core import Check, Exercise, expect
 
 TOL = 1e-5  # float32, O(1) values: other summation orders agree to ~1e-6
+EPS = torch.finfo(torch.float32).eps
+
+
+def _score_tol(q, k, v) -> float:
+    """TOL plus the rounding that scores of size S carry: a float32 score is exact only to eps * S,
+    so each weight exp(score - lse) is off by up to ~eps * S relatively, and the output (a weighted
+    mean of v) by eps * S * max|v|. Measured over 2,000 draws with scores in the thousands: at most
+    0.32 of that; the tolerance allows twice it. An overflowing merge gives inf / nan, far outside."""
+    s = float((q @ k.transpose(-2, -1)).abs().max()) / math.sqrt(q.shape[-1])
+    return TOL + 2 * EPS * s * float(v.abs().max())
 
 
 def _qkv(rng, tq: int, tk: int, scale: float = 1.0):
@@ -24,9 +34,9 @@ def _qkv(rng, tq: int, tk: int, scale: float = 1.0):
             torch.randn(b, h, tk, d, generator=g))
 
 
-def _close(got, want) -> bool:
+def _close(got, want, tol: float = TOL) -> bool:
     return (isinstance(got, torch.Tensor) and got.shape == want.shape
-            and bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= TOL)
+            and bool(torch.isfinite(got).all()) and float((got - want).abs().max()) <= tol)
 
 
 def _err(got, want) -> str:
@@ -59,9 +69,9 @@ def _two_blocks(ctx, scale: float, what: str):
     a = ctx.impl.block_attention(q, k[..., :cut, :], v[..., :cut, :], False)
     b = ctx.impl.block_attention(q, k[..., cut:, :], v[..., cut:, :], False)
     out, lse = ctx.impl.merge(*a, *b)
-    want = F.scaled_dot_product_attention(q, k, v)
-    expect(_close(out, want), f"merge of keys [0:{cut}] and [{cut}:{tk}] ({what})",
-           "attention over all the keys at once", _err(out, want))
+    want, tol = F.scaled_dot_product_attention(q, k, v), _score_tol(q, k, v)
+    expect(_close(out, want, tol), f"merge of keys [0:{cut}] and [{cut}:{tk}] ({what})",
+           f"attention over all the keys at once (within {tol:.2g})", _err(out, want))
 
 
 def merge_two(ctx):

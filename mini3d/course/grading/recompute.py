@@ -1,5 +1,11 @@
 """Checks of the exercise recompute (chapter 07): loss and gradients unchanged, and what each policy
-keeps for backward, counted while the code runs (attention-core calls, saved-tensor bytes).
+keeps for backward, counted while the code runs (attention-core calls, projection calls,
+saved-tensor bytes).
+
+Selective recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models") reruns only the attention core (QK^T, softmax, dropout, times V), whose
+activations grow with T^2 but cost few FLOPs; the qkv and output projections are not rerun. So
+checkpointing the whole attention module is not "selective": its projections run twice.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ from .core import Check, Exercise, expect
 
 
 def _recompute_run(ctx, policy):
-    """Loss, grads, attention-core calls and bytes saved for backward of one step under `policy`."""
+    """Loss, grads, attention-core calls, bytes saved for backward, and attention-projection calls
+    (qkv and output Linear) of one step under `policy`."""
     from mini3d.model import GPT, attention_core
 
     cfg = ModelConfig(2, 16, 2, 32, 16)
@@ -23,8 +30,15 @@ def _recompute_run(ctx, policy):
         calls[0] += 1
         return attention_core(q, k, v)
 
+    projections = [0]
+
+    def count_projection(module, args, out):
+        projections[0] += 1
+
     for b in model.blocks.values():
         b.attn.core = counting_core
+        for lin in (b.attn.qkv, b.attn.proj):
+            lin.register_forward_hook(count_projection)
     model = ctx.impl.apply_recompute(model, policy) or model
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randint(0, 32, (2, 12), generator=g), torch.randint(0, 32, (2, 12), generator=g)
@@ -37,7 +51,8 @@ def _recompute_run(ctx, policy):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(x, y)
     loss.backward()
-    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, calls[0], saved[0]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, calls[0], saved[0], projections[0]
 
 
 def _recompute_all(ctx):
@@ -48,7 +63,7 @@ def same_grads(ctx):
     runs = _recompute_all(ctx)
     base = runs["none"]
     for policy in ("selective", "full"):
-        loss, grads, _, _ = runs[policy]
+        loss, grads = runs[policy][:2]
         expect(abs(loss - base[0]) < 1e-6, f"loss under {policy!r}", base[0], loss)
         for n, g in grads.items():
             # recomputation replays the same float32 ops, so results agree to rounding
@@ -63,6 +78,10 @@ def selective_recomputes_core(ctx):
     expect(runs["none"][2] == n, "attention-core calls without recompute", n, runs["none"][2])
     expect(runs["selective"][2] == 2 * n, "attention-core calls with 'selective' (forward + recompute)",
            2 * n, runs["selective"][2])
+    expect(runs["selective"][4] == 2 * n, "attention projection calls (qkv and output Linear) with "
+           "'selective'", f"{2 * n}, as without recompute: only the core (QK^T, softmax, times V) is "
+           f"rerun, never the projections (checkpoint block.attn.core, not the attention module)",
+           runs["selective"][4])
     expect(runs["selective"][3] < runs["none"][3], "bytes saved for backward with 'selective'",
            f"fewer than without recompute ({runs['none'][3]})", runs["selective"][3])
 

@@ -89,12 +89,16 @@ def stub_message(module) -> str:
         f"every function is still a stub; start with {name}()"
 
 
-def run_check(ex: Exercise, check: Check, impl_name: str, seed: int, shortcut: bool = True) -> Outcome:
+def run_check(ex: Exercise, check: Check, impl_name: str, seed: int, shortcut: bool = True,
+              impl=None) -> Outcome:
     """Run one check; never raises. A failure carries a learner-friendly message.
-    `shortcut`: skip launching processes for a module whose stubs are all untouched."""
+    `shortcut`: skip launching processes for a module whose stubs are all untouched.
+    `impl`: an implementation already in hand (a module built in memory, as tests/grader_variants
+    builds its wrong answers) instead of importing `impl_name.<exercise>`; its scenario results are
+    still looked up (and cached) under `impl_name`."""
     ctx = Context(impl_name, ex, check, seed)
     try:
-        ctx.impl = load_impl(impl_name, ex.name)
+        ctx.impl = impl if impl is not None else load_impl(impl_name, ex.name)
         if ex.scenario is not None and shortcut and untouched(ctx.impl):
             raise NotImplementedError(stub_message(ctx.impl))
         if ex.scenario is not None:

@@ -17,8 +17,16 @@ import torch.distributed as dist
 from .core import CheckFailed, expect, load_impl
 
 
+# axis name -> a Topology built in advance: a caller that runs many scenarios in one launch (on a
+# sub-group of its ranks, tests/grader_variants/batch.py) installs it here; empty otherwise
+PREBUILT: dict = {}
+
+
 def _topo(axis_name: str):
     from mini3d.grid import Grid, build_topology
+
+    if axis_name in PREBUILT:
+        return PREBUILT[axis_name]
 
     world = dist.get_world_size()
     grid = Grid(**{axis_name: world})

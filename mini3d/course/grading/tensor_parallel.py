@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .core import Check, Exercise, expect
+from .core import Check, CheckFailed, Exercise, expect
 from .scenario import _case, _gen, _read, _small, _topo
 
 
@@ -25,43 +25,80 @@ def _scenario_tp_linear(impl, seed):
 
     def run():
         ref = [t.clone().requires_grad_(True) for t in (x0, w1, b1, w2, b2)]
-        y_ref = F.linear(F.gelu(F.linear(ref[0], ref[1], ref[2])), ref[3], ref[4])
+        h_ref = F.linear(ref[0], ref[1], ref[2])
+        y_ref = F.linear(F.gelu(h_ref), ref[3], ref[4])
         (y_ref * c).sum().backward()
         mine = [t.clone().requires_grad_(True) for t in (x0, w1[rows], b1[rows], w2[:, rows], b2)]
         m0 = topo.log.count("tp", "all_reduce")
         hidden = impl.column_parallel_linear(mine[0], mine[1], mine[2], topo.tp)
-        y = impl.row_parallel_linear(F.gelu(hidden), mine[3], mine[4], topo.tp)
         m1 = topo.log.count("tp", "all_reduce")
-        (y * c).sum().backward()
+        y = impl.row_parallel_linear(F.gelu(hidden), mine[3], mine[4], topo.tp)
         m2 = topo.log.count("tp", "all_reduce")
+        (y * c).sum().backward()
+        m3 = topo.log.count("tp", "all_reduce")
         refs = [ref[0].grad, ref[1].grad[rows], ref[2].grad[rows], ref[3].grad[:, rows], ref[4].grad]
         errs = [(a.grad - b).abs().max().item() if a.grad is not None else float("inf")
                 for a, b in zip(mine, refs)]
         return {"y": (y - y_ref).abs().max().item(), "x_grad": errs[0], "w_grad": max(errs[1:]),
-                "fwd_ar": m1 - m0, "bwd_ar": m2 - m1, "tp": tp}
+                "hidden": (hidden - h_ref[:, rows]).abs().max().item() if hidden.shape == h_ref[:, rows].shape
+                else float("inf"), "col_grad": max(errs[1:3]), "row_grad": max(errs[3:]),
+                "col_ar": m1 - m0, "fwd_ar": m2 - m0, "bwd_ar": m3 - m2, "tp": tp}
 
     return {"mlp": _case(run)}
 
 
-# Sums over the hidden dim split into tp partial sums: float32 reassociation, ~1e-6 relative on O(1)-O(10) values
+TP_TOL = 1e-4  # sums over the hidden dim split into tp partial sums: float32 reassociation, ~1e-6 relative
+
+
+def _which_operator(r) -> str:
+    """A sentence naming the operator (f / g, copy / reduce, column / row layer) that the numbers of
+    one rank point at, so a failure says where to look."""
+    if r["col_ar"]:
+        return ("column_parallel_linear all-reduced in forward: f (CopyToTP) is the identity going "
+                "forward (each rank already holds all of x); the forward sum is g's, in the row layer")
+    if r["hidden"] > TP_TOL:
+        return ("the column-parallel layer's output already differs from this rank's slice "
+                "x @ W_i^T + b_i: look at column_parallel_linear and f's forward (the identity)")
+    if r["y"] > TP_TOL:
+        return ("the column layer is right, the row-parallel output is not: g (ReduceFromTP) sums the "
+                "partial products x_i @ W_i^T over tp once, and the full bias is added once, after the sum")
+    if r["bwd_ar"] == 0 or r["x_grad"] > TP_TOL:
+        return ("the input gradient is f's job: f (CopyToTP) all-reduces (sums) it in backward, while "
+                "g's backward is the identity (it must not reduce again)")
+    if r["col_grad"] > TP_TOL:
+        return "the column-parallel shard gradients (W_i rows, b_i) are wrong"
+    return ("the row-parallel gradients are wrong: W_i's columns get this rank's slice, the full bias "
+            "gets the whole output gradient once")
+
+
+def _tp_small(ctx, key, what, expected="the single-process result"):
+    recs = _read(ctx, "mlp")
+    rank = max(range(len(recs)), key=lambda k: recs[k][key])
+    worst = recs[rank][key]
+    if not worst <= TP_TOL:
+        raise CheckFailed(f"{what}: expected {expected} (within {TP_TOL:g}), got max difference "
+                          f"{worst:.3g} on rank {rank}; {_which_operator(recs[rank])}")
+
+
 def tp_forward(ctx):
-    _small(_read(ctx, "mlp"), "y", "output of column-parallel -> GELU -> row-parallel", 1e-4)
+    _tp_small(ctx, "y", "output of column-parallel -> GELU -> row-parallel")
 
 
 def tp_input_grad(ctx):
-    _small(_read(ctx, "mlp"), "x_grad", "gradient of the input x (needs f's backward all-reduce)", 1e-4)
+    _tp_small(ctx, "x_grad", "gradient of the input x (needs f's backward all-reduce)")
 
 
 def tp_weight_grads(ctx):
-    _small(_read(ctx, "mlp"), "w_grad", "gradients of this rank's weight and bias shards", 1e-4,
-           "the matching slice of the single-process gradients")
+    _tp_small(ctx, "w_grad", "gradients of this rank's weight and bias shards",
+              "the matching slice of the single-process gradients")
 
 
 def tp_comm(ctx):
     for rank, r in enumerate(_read(ctx, "mlp")):
-        got = (r["fwd_ar"], r["bwd_ar"])
-        expect(got == (1, 1), f"rank {rank}: tp all-reduces (forward, backward) of one MLP",
-               "(1, 1): g in forward, f in backward", got)
+        got = (r["col_ar"], r["fwd_ar"] - r["col_ar"], r["bwd_ar"])
+        expect(got == (0, 1, 1), f"rank {rank}: tp all-reduces (column layer forward, row layer "
+               f"forward, backward) of one MLP", "(0, 1, 1): f copies going forward and all-reduces "
+               "going backward, g all-reduces going forward and copies going backward", got)
 
 
 def _scenario_vocab_ce(impl, seed):
@@ -82,11 +119,13 @@ def _scenario_vocab_ce(impl, seed):
         mark = len(topo.log.events)
         loss = impl.vocab_parallel_cross_entropy(mine, targets, i * v // tp, topo.tp)
         loss.backward()
-        ops = sorted({e.op for e in list(topo.log.events)[mark:]})
+        evs = list(topo.log.events)[mark:]
+        ops = sorted({e.op for e in evs})
+        widest = max((e.bytes // max(n, 1) for e in evs), default=0)  # bytes per token of the largest op
         grad_err = ((mine.grad - ref.grad[:, cols]).abs().max().item()
                     if mine.grad is not None else float("inf"))
         return {"loss": abs(loss.item() - loss_ref.item()), "grad": grad_err,
-                "finite": bool(torch.isfinite(loss).item()), "ops": ops}
+                "finite": bool(torch.isfinite(loss).item()), "ops": ops, "per_token": widest, "v": v}
 
     return {"plain": _case(run, 0.0), "large": _case(run, 1000.0)}
 
@@ -112,6 +151,11 @@ def ce_no_gather(ctx):
     for rank, r in enumerate(_read(ctx, "plain")):
         expect(r["ops"] == ["all_reduce"], f"rank {rank}: communication ops",
                "all-reduces of per-token numbers only (never gather the logits)", r["ops"])
+        # one number per token (float32, or float64 at most): an all-reduce of a zero-padded
+        # (N, V) logits tensor gathers them all the same
+        expect(r["per_token"] <= 8, f"rank {rank}: bytes per token of the largest all-reduce "
+               f"(vocabulary {r['v']})", "at most 8 (one number per token, never a row of logits)",
+               r["per_token"])
 
 
 EXERCISES = [
