@@ -11,7 +11,7 @@ while the unit computes:
     backward  a hook on the unit's output fires just before the unit's backward: all-gather again
               and prefetch the unit before it (the next one backward meets). When every parameter's
               gradient has arrived (post-accumulate hooks), reduce-scatter(avg) the gradients into
-              the shard (added, so several synchronised micro-batches accumulate) and free.
+              the shard (in place, then added, so the micro-batches accumulate) and free.
 
 Gradients: each hook adds the gradient autograd produced into the unit's flat accumulation buffer
 `unit.acc` (float32 for bf16 parameters by default, see ddp.py's "Gradient dtype") and drops p.grad.
@@ -27,10 +27,10 @@ so autograd's saved-tensor version checks are not tripped.
 
 Unit order: prefetch follows registration order, which for GPT is also execution order.
 
-Micro-batches: every micro-batch gathers each unit twice (forward, backward). Under `no_sync()` the
-gradients accumulate in the units' full-size `acc` buffers and are reduce-scattered once, at the
-synchronising micro-batch or in `finish_grad_sync()`; without it each micro-batch reduce-scatters
-into the shard.
+Micro-batches: every micro-batch gathers each unit twice (forward, backward) and reduce-scatters
+its gradients into the shard as soon as they are complete, `no_sync()` or not, so no unit's full
+gradient outlives its reduction at any micro-batch count (why: zero.py, "Micro-batches under
+ZeRO-2/3"); `finish_grad_sync()` reduces what is left (a unit some parameter got no gradient in).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class FullyShardedDP(GradSyncWrapper):
             g.adopt(g.full)
             g.grad_shard = torch.zeros(g.shard_numel, dtype=self.grad_dtype, device=first.device)
             self.meter.hold(("shard", i), g.grad_shard)
-            g.acc, g.shard_clean = None, True  # full-size gradient buffer; shard still zero
+            g.acc = None  # full-size gradient buffer, while the unit's gradients arrive
             g.state, g.work, g.bwd_ready = "full", None, False
             self._free(g)
             self.groups.append(g)
@@ -165,8 +165,7 @@ class FullyShardedDP(GradSyncWrapper):
         if g.ready < len(g.params):
             return
         g.ready, g.bwd_ready = 0, False
-        if self.require_sync:
-            self._reduce(g)
+        self._reduce(g)  # every micro-batch, no_sync or not (see "Micro-batches" above)
         self._free(g)
 
     def _accumulator(self, g: FlatGroup, p: torch.Tensor) -> torch.Tensor:
@@ -180,17 +179,12 @@ class FullyShardedDP(GradSyncWrapper):
 
     def _reduce(self, g: FlatGroup):
         flat, g.acc = g.acc, None  # from now on only the collective (and `finish`) hold it
-        direct = g.shard_clean  # nothing to add to: reduce straight into the shard
-        out = g.grad_shard if direct else torch.empty_like(g.grad_shard)
-        self.meter.hold(("out", g.index), None if direct else out)
-        work = comm.reduce_scatter(out, flat, self.axis, op="avg", async_op=True)
+        # in place, into this rank's slice of the buffer (as ddp.py's stage 2): no output buffer
+        work = comm.reduce_scatter(flat[g.lo:g.hi], flat, self.axis, op="avg", async_op=True)
 
-        def finish(g=g, out=out):
-            if not direct:
-                g.grad_shard.add_(out)
-            g.shard_clean = False
+        def finish(g=g, flat=flat):
+            g.grad_shard.add_(flat[g.lo:g.hi])
             self.meter.release(("acc", g.index))
-            self.meter.release(("out", g.index))
         self._works.append((work, finish))
 
     def _drain(self, limit: int):
@@ -202,7 +196,7 @@ class FullyShardedDP(GradSyncWrapper):
             finish()
 
     def finish_grad_sync(self):
-        """Reduce-scatter gradients still held in full size (no_sync windows), wait for all."""
+        """Reduce-scatter gradients still held in full size (a unit not complete), wait for all."""
         for g in reversed(self.groups):  # the order backward would have used, on every rank
             if g.acc is not None:
                 self._reduce(g)
@@ -213,7 +207,6 @@ class FullyShardedDP(GradSyncWrapper):
     def zero_grad(self):
         for g in self.groups:
             g.grad_shard.zero_()
-            g.shard_clean = True
             for p in g.params:
                 p.grad = None
 
