@@ -148,7 +148,8 @@ def make_dp(module: nn.Module, dp_axis, plan, optimizer_factory):
             raise ValueError(f"{name}={value!r} is unknown (choose {', '.join(DTYPES)})")
     dtype, grad_dtype = DTYPES[plan.dtype], DTYPES[grad] if plan.dtype == "bf16" else None
     if plan.zero == 3:
-        wrapper = FullyShardedDP(module, dp_axis, param_dtype=dtype, grad_dtype=grad_dtype)
+        wrapper = FullyShardedDP(module, dp_axis, param_dtype=dtype, grad_dtype=grad_dtype,
+                                 bucket_mb=plan.bucket_mb)
     else:
         wrapper = DataParallel(module, dp_axis, bucket_mb=plan.bucket_mb, zero_stage=plan.zero,
                                param_dtype=dtype, grad_dtype=grad_dtype)
