@@ -69,6 +69,13 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.comm_buffers
 
     @property
+    def peak_grad_bytes(self) -> int:
+        """Most gradient bytes held at once: the persistent gradients plus the buckets in flight
+        (part of `comm_buffers`), at any micro-batch count; what --log-jsonl's `peak_grad_bytes`
+        measures."""
+        return self.grads + math.ceil(self.detail.get("comm_buffers", {}).get("dp", 0))
+
+    @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
 
@@ -77,7 +84,8 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("stage",) + CATEGORIES}
-        d.update(total=self.total, n_params=self.n_params, inflight=self.inflight, detail=self.detail)
+        d.update(total=self.total, n_params=self.n_params, inflight=self.inflight, detail=self.detail,
+                 peak_grad_bytes=self.peak_grad_bytes)
         return d
 
     def summary(self) -> str:
