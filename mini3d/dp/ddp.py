@@ -14,8 +14,9 @@ What the collective is depends on `zero_stage`:
   averaged values are already in place when the op completes (no copy back).
 * 1 (optimizer states sharded): the full gradient buffer is kept (p.grad views, as above) but it is
   `reduce_scatter(avg)`-ed in place: only this rank's shard `lo:hi` receives the averaged gradient
-  (the rest of the buffer is left undefined), which is all its optimizer shard needs. This is the ZeRO paper's P_os: reduce-scatter + all-gather of the
-  updated parameters = the same 2 Psi wire volume as one all-reduce.
+  (the rest of the buffer is left undefined), which is all its optimizer shard needs. This is the
+  ZeRO paper's P_os: reduce-scatter + all-gather of the updated parameters = the same 2 Psi wire
+  volume as one all-reduce.
 * 2 (gradients sharded too): the hook adds each fresh gradient into a transient bucket buffer and
   drops `p.grad`; the bucket is reduce-scattered in place (into its slice `lo:hi`), that slice is
   *added* into a persistent shard of size padded/n and the full buffer freed as soon as the
