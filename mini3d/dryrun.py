@@ -150,7 +150,8 @@ def memory_lines(cfg, plan) -> list[str]:
     for s in range(plan.pp):
         e = estimate_memory(cfg, plan, s)
         parts = ", ".join(f"{c} {size(getattr(e, c))}" for c in CATEGORIES)
-        lines.append(f"memory per rank, stage {s} (estimate): {size(e.total)} ({parts})")
+        lines.append(f"memory per rank, stage {s} (estimate): {size(e.total)} ({parts}; "
+                     f"gradients at their peak {size(e.peak_grad_bytes)}, with the buckets in flight)")
     return lines
 
 

@@ -41,7 +41,11 @@ def tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, fl
 
 
 def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
-    """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step."""
+    """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step.
+    `t_bwd` is one micro-batch's backward, `t_compute` the step's compute. ZeRO-0/1 reduce the
+    gradients once, overlapping the last backward; ZeRO-2/3 once per micro-batch (mini3d.dp.zero,
+    "Micro-batches under ZeRO-2/3"): each overlaps its own backward, and what outlasts it the
+    following forward, except the last micro-batch's."""
     d = sharding_degree(plan)
     if d == 1:
         return 0.0, 0.0, 0.0
@@ -51,19 +55,21 @@ def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float
     bucket = plan.bucket_mb * 2**20
     n_buckets = max(1, math.ceil(grads / bucket))
     g_op = "all_reduce" if plan.zero == 0 else "reduce_scatter"
-    g_wire = ring_wire_bytes(g_op, d, grads)
+    reductions = plan.micro_batches if plan.zero >= 2 else 1
+    g_wire = reductions * ring_wire_bytes(g_op, d, grads)
     gathers = {0: 0, 1: 1, 2: 1, 3: 2 * plan.micro_batches}[plan.zero]  # parameter all-gathers
     p_wire = gathers * ring_wire_bytes("all_gather", d, params)
-    t_grad = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw)
-    t_last = min(t_grad, hw.collective_s(g_op, d, min(bucket, grads), bw))
-    exposed = max(t_last, t_grad - t_bwd)
+    t_reduce = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw)  # one reduction
+    t_last = min(t_reduce, hw.collective_s(g_op, d, min(bucket, grads), bw))
+    t_mb = t_compute / plan.micro_batches  # one micro-batch's forward + backward
+    exposed = max(t_last, t_reduce - t_bwd) + (reductions - 1) * max(0.0, t_reduce - t_mb)
     t_param = (p_wire / bw + n_buckets * ring_steps("all_gather", d) * hw.latency_s) if gathers else 0.0
     if plan.zero == 3:
         per_layer = t_param / max(1, 2 * plan.micro_batches * cfg.n_layers)
         exposed += max(per_layer, t_param - t_compute)
     else:
         exposed += t_param
-    return t_grad + t_param, exposed, g_wire + p_wire
+    return reductions * t_reduce + t_param, exposed, g_wire + p_wire
 
 
 def cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:

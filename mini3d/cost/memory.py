@@ -20,7 +20,8 @@ pipeline builds); chunk c lives on pipeline rank c % pp, or in a V for the zbv s
 
 Model states (bytes per parameter, ZeRO paper accounting): float32 keeps params 4, grads 4 and
 Adam moments 8; bf16 keeps bf16 params 2, bf16 grads 2, and 12 in `optimizer` (fp32 master copy 4
-+ Adam moments 8). ZeRO-1 divides `optimizer` by dp, ZeRO-2 also `grads`, ZeRO-3 also `params`;
++ Adam moments 8). ZeRO-1 divides `optimizer` by dp, ZeRO-2 also `grads` (at any micro-batch
+count: ZeRO-2/3 reduce-scatter every micro-batch, `mini3d.dp.zero`), ZeRO-3 also `params`;
 under context parallelism the cp ranks hold the same weights and ZeRO shards over cp x dp.
 Gradients are charged in the dtype they are really held in: `plan.grad_dtype` (float32 by default,
 so 4 bytes per gradient under bf16 too; 2 with grad_dtype="bf16", the ZeRO paper's accounting).
@@ -36,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
-from ..dp.buckets import transient_grad_bytes
+from ..dp.buckets import largest_bucket_numel, transient_grad_bytes
 from ..pp.partition import partition_layers, stage_rank
 from ..pp.schedules import placement_of
 from ..tp.layers import padded_size
@@ -68,6 +69,13 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.comm_buffers
 
     @property
+    def peak_grad_bytes(self) -> int:
+        """Most gradient bytes held at once: the persistent gradients plus the buckets in flight
+        (part of `comm_buffers`), at any micro-batch count; what --log-jsonl's `peak_grad_bytes`
+        measures."""
+        return self.grads + math.ceil(self.detail.get("comm_buffers", {}).get("dp", 0))
+
+    @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
 
@@ -76,7 +84,8 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in ("stage",) + CATEGORIES}
-        d.update(total=self.total, n_params=self.n_params, inflight=self.inflight, detail=self.detail)
+        d.update(total=self.total, n_params=self.n_params, inflight=self.inflight, detail=self.detail,
+                 peak_grad_bytes=self.peak_grad_bytes)
         return d
 
     def summary(self) -> str:
@@ -133,12 +142,34 @@ def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int,
     return (math.ceil(shard(p, 3)), math.ceil(shard(g, 2)), math.ceil(shard(o, 1)))
 
 
-def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
-    """Buffers communication needs besides the tensors above (stated choices, not measurements):
-    dp: the gradient buckets alive during backward beyond the persistent gradients
-    (`mini3d.dp.buckets.transient_grad_bytes`: ZeRO-2 buckets of bucket_mb, ZeRO-3 one block's
-    gradients, each with its reduce-scatter output); ZeRO-3: one block's gathered
-    parameters plus the prefetched next; pp: a send and a receive activation buffer;
+def largest_param_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
+    """Elements of the largest parameter tensor on one tp rank of pipeline stage `stage`: a block's
+    largest matrix (qkv, the attention projection or an MLP matrix), the token table (first stage,
+    and the head's on the last unless tied on one rank) or gpt2's position table."""
+    h, t, w = cfg.d_model, plan.tp, cfg.layer_weights()
+    sizes = [max(w["qkv"], w["proj"], h * cfg.d_ff) // t] if stage_layers(cfg, plan, stage) else []
+    table = padded_size(cfg.vocab_size, t) * h // t
+    if stage == 0:
+        sizes += [table, cfg.position_params()]
+    if stage == head_rank(plan):
+        sizes += [table]
+    return max(sizes)
+
+
+def grad_bucket_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
+    """Elements of the largest gradient bucket (ZeRO-3: piece of a unit) of stage `stage`: buckets
+    close at `bucket_mb` of the float32 parameters the wrapper is given (bf16 runs convert them
+    after bucketing), a larger tensor making a bucket of its own (`dp.buckets`)."""
+    return largest_bucket_numel(int(plan.bucket_mb * 2**20) // 4,
+                                largest_param_numel(cfg, plan, stage))
+
+
+def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
+    """Buffers communication needs on pipeline rank `stage` besides the tensors above (stated
+    choices, not measurements): dp: the gradient buckets alive during backward beyond the
+    persistent gradients (`mini3d.dp.buckets.transient_grad_bytes`: ZeRO-2/3 the largest bucket's
+    full buffer, at any micro-batch count); ZeRO-3: one block's gathered parameters plus the
+    prefetched next; pp: a send and a receive activation buffer;
     sequence parallel: one all-gathered (s, b, h) input; cp: ring attention's backward, the peak
     (the K/V block held and the one arriving, and three float32 dK/dV accumulators: the one being
     summed, the one arriving, the one leaving)."""
@@ -148,9 +179,7 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan) -> dict:
     d = sharding_degree(plan)
     if d > 1:
         g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e
-        # buckets close at bucket_mb of parameter bytes; their gradients take g bytes an element
-        bucket = layer_params(cfg, plan.tp) * g if plan.zero == 3 else plan.bucket_mb * 2**20 * g / e
-        out["dp"] = transient_grad_bytes(bucket, d, plan.zero)
+        out["dp"] = transient_grad_bytes(grad_bucket_numel(cfg, plan, stage) * g, d, plan.zero)
     if plan.cp > 1:
         out["cp"] = 2 * ring_block_bytes(cfg, plan) + 3 * ring_block_bytes(cfg, plan, 4)
     if d > 1 and plan.zero == 3:
@@ -181,7 +210,7 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
     head = 0.0
     if stage == head_rank(plan):
         head = head_microbatches(plan) * head_activation_bytes(cfg, plan)
-    buffers = comm_buffer_bytes(cfg, plan)
+    buffers = comm_buffer_bytes(cfg, plan, stage)
     detail = {"layers": layers, "layer_stored_bytes": per_layer["stored"],
               "layer_full_bytes": per_layer["full"], "head_bytes": head,
               "comm_buffers": buffers}
@@ -202,6 +231,7 @@ def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
 
 
 __all__ = ["MemoryEstimate", "CATEGORIES", "estimate_memory", "estimate_stage", "estimate_all_stages",
-           "model_state_bytes", "stage_param_count", "stage_layers", "layer_params",
+           "model_state_bytes", "stage_param_count", "grad_bucket_numel", "largest_param_numel",
+           "stage_layers", "layer_params",
            "layer_activation_bytes", "paper_layer_activation_bytes",
            "inflight_microbatches", "local_seq_len", "ring_block_bytes", "sharding_degree"]

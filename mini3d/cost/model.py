@@ -135,7 +135,8 @@ class CostEstimate:
         """The machine-readable estimate printed by `mini3d estimate --json`."""
         mem = {k: getattr(self.memory, k) for k in ("params", "grads", "optimizer", "activations",
                                                     "comm_buffers")}
-        mem.update(total=self.memory.total, stage=self.memory.stage)
+        mem.update(total=self.memory.total, stage=self.memory.stage,
+                   peak_grad_bytes=self.memory.peak_grad_bytes)  # grads + dp buckets in flight
         return {"model": self.model.name, "params": self.model.n_params(),
                 "family": self.model.family, "plan": self.plan.to_dict(), "hardware": self.hardware,
                 "n_gpus": self.n_gpus, "memory_per_rank_bytes": mem,

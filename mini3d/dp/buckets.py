@@ -64,18 +64,26 @@ class FlatGroup:
 
 
 def split_into_buckets(params: list, bucket_bytes: int) -> list[list]:
-    """Consecutive runs of `params`, each closed once it reaches `bucket_bytes` (the last may be
-    smaller). A parameter is never split across buckets, so one big tensor makes one big bucket."""
+    """Consecutive runs of `params`, each of at most `bucket_bytes`: a bucket closes before the
+    parameter that would overflow it. A parameter is never split across buckets, so one tensor
+    larger than `bucket_bytes` makes a bucket of its own (`largest_bucket_numel`)."""
     buckets, cur, size = [], [], 0
     for p in params:
-        cur.append(p)
-        size += p.numel() * p.element_size()
-        if size >= bucket_bytes:
+        nbytes = p.numel() * p.element_size()
+        if cur and size + nbytes > bucket_bytes:
             buckets.append(cur)
             cur, size = [], 0
+        cur.append(p)
+        size += nbytes
     if cur:
         buckets.append(cur)
     return buckets
+
+
+def largest_bucket_numel(bucket_numel: int, largest_param_numel: int) -> int:
+    """Elements of the largest bucket `split_into_buckets` makes from buckets of `bucket_numel`
+    elements and parameters of at most `largest_param_numel` (before shard padding)."""
+    return max(bucket_numel, largest_param_numel)
 
 
 GRAD_BUCKETS_IN_FLIGHT = 1  # ZeRO-2/3: full-size gradient buffers alive at once (see ddp.py)
@@ -84,15 +92,12 @@ GRAD_BUCKETS_IN_FLIGHT = 1  # ZeRO-2/3: full-size gradient buffers alive at once
 def transient_grad_bytes(bucket_bytes: float, dp: int, zero: int) -> float:
     """Gradient bytes one rank holds during backward on top of its persistent gradients (the full
     buffers for ZeRO-0/1, the 1/dp shard for ZeRO-2/3), for buckets (ZeRO-3: units) of at most
-    `bucket_bytes` in the gradient dtype: ZeRO-0 none (the all-reduce works in place); ZeRO-1 the
-    reduce-scatter outputs in flight (a 1/dp shard each); ZeRO-2/3 the buckets alive, each a full
-    buffer plus its reduce-scatter output shard (none when it reduces straight into a zero shard).
+    `bucket_bytes` in the gradient dtype, at any micro-batch count: ZeRO-0/1 none (the all-reduce
+    and the reduce-scatter work in place in the persistent buffers); ZeRO-2/3 the full buffers of
+    the buckets in flight (each reduce-scatters in place, into its own shard-sized slice, and is
+    added into the shard and freed when that completes).
     The one formula for the estimator and the tests that check the measured `peak_grad_bytes`."""
-    if zero == 0:
-        return 0.0
-    if zero == 1:
-        return GRAD_BUCKETS_IN_FLIGHT * bucket_bytes / dp if dp > 1 else 0.0
-    return GRAD_BUCKETS_IN_FLIGHT * bucket_bytes * (1 + 1 / dp)
+    return GRAD_BUCKETS_IN_FLIGHT * bucket_bytes if zero >= 2 and dp > 1 else 0.0
 
 
 def param_names(module) -> dict:

@@ -13,12 +13,13 @@ What the collective is depends on `zero_stage`:
 * 0 (DDP): `all_reduce(avg)` of the bucket's gradient buffer. Each `p.grad` is a view into it, so the
   averaged values are already in place when the op completes (no copy back).
 * 1 (optimizer states sharded): the full gradient buffer is kept (p.grad views, as above) but it is
-  `reduce_scatter(avg)`-ed: only this rank's shard `lo:hi` receives the averaged gradient, which is
-  all its optimizer shard needs. This is the ZeRO paper's P_os: reduce-scatter + all-gather of the
-  updated parameters = the same 2 Psi wire volume as one all-reduce.
-* 2 (gradients sharded too): the hook copies each fresh gradient into a transient bucket buffer and
-  drops `p.grad`; the bucket is reduce-scattered and *added* into a persistent shard of size padded/n
-  (straight into it when the shard is still zero), and the full buffer is freed as soon as that
+  `reduce_scatter(avg)`-ed in place: only this rank's shard `lo:hi` receives the averaged gradient
+  (the rest of the buffer is left undefined), which is all its optimizer shard needs. This is the
+  ZeRO paper's P_os: reduce-scatter + all-gather of the updated parameters = the same 2 Psi wire
+  volume as one all-reduce.
+* 2 (gradients sharded too): the hook adds each fresh gradient into a transient bucket buffer and
+  drops `p.grad`; the bucket is reduce-scattered in place (into its slice `lo:hi`), that slice is
+  *added* into a persistent shard of size padded/n and the full buffer freed as soon as the
   reduce-scatter has completed: a bucket's buffer is allocated when its first gradient arrives, after
   the reductions of earlier buckets finished, so at most `GRAD_BUCKETS_IN_FLIGHT` full buffers are
   alive at any moment (see `buckets.transient_grad_bytes`). The collective still overlaps the
@@ -35,13 +36,13 @@ bytes per gradient element, in memory and on the wire (`grad_dtype=bf16`: halves
 Averaging: the collective divides the sum by dp. With the caller scaling each micro-batch loss by
 1/micro_batches, the result equals the single-process gradient of the mean loss over the global batch.
 
-Gradient accumulation (`no_sync()`): inside it the hooks do nothing and autograd accumulates into
-`p.grad` as usual: for stages 0/1 straight into the bucket views (no extra memory); for stage 2 into
-ordinary full-size `p.grad` tensors (so during an accumulation window stage 2 holds full gradients,
-like DDP, and only drops to the shard at the synchronising micro-batch). Run every micro-batch but the
-last under `no_sync()`: one collective per bucket per step. Stage 2 also accepts a sync on every
-micro-batch (each result is added into the shard), at micro_batches times the communication; stage
-0 and 1 do not (call `finish_grad_sync` between two synchronised backward passes).
+Gradient accumulation: stages 0/1 hold full gradient buffers anyway, so inside `no_sync()` their
+hooks do nothing and autograd accumulates straight into the bucket views; run every micro-batch but
+the last under it: one collective per bucket per step (a second synchronised backward before
+`finish_grad_sync` is an error). Stage 2 ignores `no_sync()`: every micro-batch's buckets are
+reduce-scattered and added into the shard, so no full gradient outlives its bucket's reduction at
+any micro-batch count, for micro_batches times the reduce-scatter traffic (why: zero.py,
+"Micro-batches under ZeRO-2/3").
 """
 
 from __future__ import annotations
@@ -111,7 +112,6 @@ class DataParallel(GradSyncWrapper):
             else:
                 b.grad_shard = torch.zeros(b.shard_numel, dtype=self.grad_dtype, device=device)
                 self.meter.hold(("shard", b.index), b.grad_shard)
-                b.shard_clean = True  # zero: the next reduce-scatter may write straight into it
             for p in b.params:
                 self._bucket_of[p] = b
                 if hooked:
@@ -139,19 +139,18 @@ class DataParallel(GradSyncWrapper):
     # ---- the hook and the launches -------------------------------------------------------
     def _on_grad(self, p: torch.Tensor):
         self.last_hook_time = time.perf_counter()
-        self._dirty = True
         b = self._bucket_of[p]
-        if self.require_sync and b.launched:
+        sync = self.require_sync or self.stage == 2  # stage 2 reduces every micro-batch
+        if sync and b.launched:  # the next micro-batch's backward: finish the previous one's
             if self.stage < 2:
                 raise RuntimeError("a second synchronised backward before finish_grad_sync(): with "
                                    f"zero_stage={self.stage}, wrap all but the last micro-batch in "
                                    "no_sync()")
             self.finish_grad_sync()
-        if self._separate or self.require_sync:
+        self._dirty = True
+        if self._separate or sync:
             self._take_grad(b, p)  # (separate dtype: accumulate in the buffer under no_sync too)
-        elif self.stage == 2 and p.grad is not None:
-            self.meter.hold(("p", id(p)), p.grad)  # no_sync: a full-size p.grad accumulates
-        if not self.require_sync:
+        if not sync:
             return
         b.ready += 1
         if b.ready == len(b.params):
@@ -159,8 +158,9 @@ class DataParallel(GradSyncWrapper):
 
     def _take_grad(self, b: FlatGroup, p: torch.Tensor):
         """Make sure `p`'s gradient sits in the bucket buffer: stages 0/1 of one dtype keep p.grad
-        as a view of it; otherwise the gradient is moved there (added, when the buffer accumulates
-        in its own dtype) and p.grad dropped."""
+        as a view of it; otherwise the gradient is added into the buffer (zero when a stage-2
+        bucket's is new; a bucket not yet complete may get a parameter's gradient twice, e.g. when
+        it spans two interleaved model chunks) and p.grad dropped."""
         if self.stage < 2 and not self._separate:
             if p.grad is not None and not self._grad_is_view(b, p):  # someone replaced it
                 view = b.view_of(b.grad_buf, p)
@@ -170,9 +170,8 @@ class DataParallel(GradSyncWrapper):
         self._ensure_buffer(b)
         if p.grad is not None:
             view = b.view_of(b.grad_buf, p)
-            view.add_(p.grad) if self._separate else view.copy_(p.grad)
+            view.add_(p.grad)
             p.grad = None
-        self.meter.release(("p", id(p)))
 
     def _ensure_buffer(self, b: FlatGroup):
         """Stage 2: allocate the bucket's full buffer at its first gradient, once the earlier
@@ -203,25 +202,16 @@ class DataParallel(GradSyncWrapper):
             work = comm.all_reduce(b.grad_buf, self.axis, op="avg", async_op=True)
             self._works.append((work, None))
             return
-        direct = self.stage == 2 and b.shard_clean  # nothing to add to: reduce into the shard
-        if self.stage == 1:
-            self._drain(GRAD_BUCKETS_IN_FLIGHT - 1)  # bounded reduce-scatter outputs
-        out = b.grad_shard if direct else torch.empty(b.shard_numel, dtype=b.grad_buf.dtype,
-                                                      device=b.grad_buf.device)
-        self.meter.hold(("out", b.index), None if direct else out)
-        work = comm.reduce_scatter(out, b.grad_buf, self.axis, op="avg", async_op=True)
+        # in place: this rank's averaged shard lands in its own slice of the buffer (NCCL allows
+        # recvbuff == sendbuff + rank * recvcount; gloo copies), so no output buffer is allocated
+        work = comm.reduce_scatter(b.grad_buf[b.lo:b.hi], b.grad_buf, self.axis, op="avg",
+                                   async_op=True)
 
-        def finish(b=b, out=out):
-            if self.stage == 1:
-                b.grad_buf[b.lo:b.hi].copy_(out)
-            else:
-                if not direct:
-                    b.grad_shard.add_(out)
-                b.shard_clean = False
-                b.grad_buf = None  # free the full-size transient buffer
-                self.meter.release(("buf", b.index))
-            self.meter.release(("out", b.index))
-        self._works.append((work, finish))
+        def finish(b=b):  # stage 2: add into the shard, free the full-size transient buffer
+            b.grad_shard.add_(b.grad_buf[b.lo:b.hi])
+            b.grad_buf = None
+            self.meter.release(("buf", b.index))
+        self._works.append((work, finish if self.stage == 2 else None))
 
     def finish_grad_sync(self):
         """Launch any bucket not launched yet (e.g. all backward ran under no_sync, or some
@@ -247,13 +237,11 @@ class DataParallel(GradSyncWrapper):
                 b.grad_buf.zero_()
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
-                b.shard_clean = True
                 b.grad_buf = None
                 self.meter.release(("buf", b.index))
             for p in b.params:
                 if self._separate or self.stage == 2:
                     p.grad = None
-                    self.meter.release(("p", id(p)))
         self._attach_grad_views()
 
     # ---- what the sharded optimizer and the ledger read ----------------------------------

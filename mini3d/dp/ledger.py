@@ -22,7 +22,7 @@ class GradMeter:
     any moment since `reset()` (`peak`).
 
     The wrapper calls `hold(key, tensor)` when it allocates a gradient buffer (bucket buffers,
-    shards, reduce-scatter outputs, a p.grad left to accumulate under no_sync) and `release(key)`
+    shards, reduce-scatter outputs, ZeRO-3 accumulation buffers) and `release(key)`
     when it lets one go; each tensor is charged by its storage's size, as the ledger charges it.
     Only the wrapper's own buffers count: the gradient autograd hands to a hook for one parameter
     (freed as soon as the hook has moved it) is the same transient for every ZeRO stage."""

@@ -1,23 +1,27 @@
 """ZeRO stage 3: parameters sharded too, gathered one unit (layer) at a time.
 
 The model is cut into *units*: each direct child module that holds parameters, with ModuleDict /
-ModuleList containers opened up (for `mini3d.model.GPT`: the embedding, every block, the head). Each
-unit's parameters live in one padded flat buffer (see `buckets.py`); the rank keeps only its shard
-`lo:hi` of it (`unit.shard`) and a gradient shard of the same size. The full buffer exists only
-while the unit computes:
+ModuleList containers opened up (for `mini3d.model.GPT`: the embedding, every block, the head). A
+unit's parameters are cut, in reverse registration order like ddp.py's buckets, into *pieces* of at
+most `bucket_mb` (`buckets.split_into_buckets`); each piece lives in one padded flat buffer (a
+`FlatGroup`, see `buckets.py`) of which the rank keeps only its shard `lo:hi` (`piece.shard`) and a
+gradient shard of the same size. The full buffers exist only while the unit computes:
 
-    forward   pre-hook: all-gather the unit (waiting for its prefetch), start the async all-gather
-              of the next unit (prefetch), run; post-hook: free the full buffer.
+    forward   pre-hook: all-gather the unit's pieces (waiting for its prefetch), start the async
+              all-gather of the next unit (prefetch), run; post-hook: free the full buffers.
     backward  a hook on the unit's output fires just before the unit's backward: all-gather again
-              and prefetch the unit before it (the next one backward meets). When every parameter's
-              gradient has arrived (post-accumulate hooks), reduce-scatter(avg) the gradients into
-              the shard (added, so several synchronised micro-batches accumulate) and free.
+              and prefetch the unit before it (the next one backward meets). When every gradient
+              of a piece has arrived (post-accumulate hooks), reduce-scatter(avg) them into the
+              piece's shard (in place, then added, so the micro-batches accumulate); when the whole
+              unit's have, free it.
 
-Gradients: each hook adds the gradient autograd produced into the unit's flat accumulation buffer
-`unit.acc` (float32 for bf16 parameters by default, see ddp.py's "Gradient dtype") and drops p.grad.
-The buffer is allocated at the unit's first gradient, after the reductions of earlier units have
-completed, and freed when its own reduce-scatter completes: at most GRAD_BUCKETS_IN_FLIGHT units'
-full gradients are alive during a synchronised backward (`buckets.transient_grad_bytes`).
+Gradients: each hook adds the gradient autograd produced into its piece's flat accumulation buffer
+`piece.acc` (float32 for bf16 parameters by default, see ddp.py's "Gradient dtype") and drops
+p.grad. The buffer is allocated at the piece's first gradient, after the reductions of earlier
+pieces have completed, and freed when its own reduce-scatter completes: at most
+GRAD_BUCKETS_IN_FLIGHT pieces' full gradients are alive (`buckets.transient_grad_bytes`), a bucket's
+worth rather than a whole block's (a block of `small` is 16% of its gradients: 1/dp + 16% would
+leave ZeRO-3 at 0.66x ZeRO-0's peak on dp=2).
 
 Freeing keeps the storage object and resizes it to 0 bytes; gathering resizes it back and fills it.
 The parameters are views of that storage, so tensors autograd saved in forward (e.g. `weight.t()`)
@@ -27,10 +31,10 @@ so autograd's saved-tensor version checks are not tripped.
 
 Unit order: prefetch follows registration order, which for GPT is also execution order.
 
-Micro-batches: every micro-batch gathers each unit twice (forward, backward). Under `no_sync()` the
-gradients accumulate in the units' full-size `acc` buffers and are reduce-scattered once, at the
-synchronising micro-batch or in `finish_grad_sync()`; without it each micro-batch reduce-scatters
-into the shard.
+Micro-batches: every micro-batch gathers each unit twice (forward, backward) and reduce-scatters
+its gradients into the shard as soon as they are complete, `no_sync()` or not, so no unit's full
+gradient outlives its reduction at any micro-batch count (why: zero.py, "Micro-batches under
+ZeRO-2/3"); `finish_grad_sync()` reduces what is left (a piece some parameter got no gradient in).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, param_names
+from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, param_names, split_into_buckets
 from .ddp import GradSyncWrapper
 from .ledger import GradMeter
 
@@ -77,101 +81,121 @@ def tied_units(units: list[nn.Module]) -> list[list[nn.Module]]:
     return groups
 
 
+class Unit:
+    """Modules gathered together (`tied_units`) and the pieces their parameters live in."""
+
+    def __init__(self, index: int, pieces: list[FlatGroup]):
+        self.index, self.pieces = index, pieces
+        self.n_params = sum(len(g.params) for g in pieces)
+        self.state, self.works = "full", []  # "free" | "gathering" (works pending) | "full"
+        self.ready, self.bwd_ready = 0, False  # gradients arrived; backward gather done
+
+
 class FullyShardedDP(GradSyncWrapper):
     """ZeRO-3 over `dp_axis`: each rank stores 1/dp of every unit's parameters and gradients."""
 
     stage = 3
 
     def __init__(self, module: nn.Module, dp_axis, param_dtype: torch.dtype | None = None,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, bucket_mb: float = 1.0):
         super().__init__()
         self.module, self.axis = module, dp_axis
-        self.units = tied_units(find_units(module))
         first = next(module.parameters())
         self.param_dtype = param_dtype or first.dtype
         self.grad_dtype = grad_dtype or self.param_dtype
         self.meter = GradMeter()
-        self.groups, self._group_of = [], {}
-        n, idx = dp_axis.size, dp_axis.index
-        for i, mods in enumerate(self.units):
+        self.groups, self.units, self._group_of, self._unit_of = [], [], {}, {}
+        for i, mods in enumerate(tied_units(find_units(module))):
             params = {p: None for m in mods for p in m.parameters() if p.requires_grad}  # once each
-            g = FlatGroup(i, list(params), n, idx)
-            fp32 = g.flatten(torch.float32, first.device)
-            g.master_init = None if self.param_dtype == torch.float32 else fp32[g.lo:g.hi].clone()
-            g.shard = fp32[g.lo:g.hi].to(self.param_dtype).clone()
-            g.full = torch.empty(g.padded, dtype=self.param_dtype, device=first.device)
-            g.adopt(g.full)
-            g.grad_shard = torch.zeros(g.shard_numel, dtype=self.grad_dtype, device=first.device)
-            self.meter.hold(("shard", i), g.grad_shard)
-            g.acc, g.shard_clean = None, True  # full-size gradient buffer; shard still zero
-            g.state, g.work, g.bwd_ready = "full", None, False
-            self._free(g)
-            self.groups.append(g)
-            for p in g.params:
-                self._group_of[p] = g
-                p.register_post_accumulate_grad_hook(self._on_grad)
-            for unit in mods:
-                unit.register_forward_pre_hook(lambda m, a, g=g: self._pre_forward(g))
-                unit.register_forward_hook(lambda m, a, out, g=g: self._post_forward(g, out))
+            runs = split_into_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+            unit = Unit(i, [self._piece(len(self.groups) + k, r, first.device)
+                            for k, r in enumerate(runs)])
+            self.groups += unit.pieces
+            self.units.append(unit)
+            self._free(unit)
+            for g in unit.pieces:
+                for p in g.params:
+                    self._group_of[p], self._unit_of[p] = g, unit
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+            for m in mods:
+                m.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
+                m.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         self.require_sync = True
         self._works: list = []
 
-    # ---- gather / free ---------------------------------------------------------------------
-    def _gather(self, g: FlatGroup, wait: bool = True):
-        if g.state == "free":
-            g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-            g.work = comm.all_gather(g.full, g.shard, self.axis, async_op=True)
-            g.state = "gathering"
-        if wait and g.state == "gathering":
-            g.work.wait()
-            g.work, g.state = None, "full"
+    def _piece(self, index: int, params: list, device) -> FlatGroup:
+        g = FlatGroup(index, params, self.axis.size, self.axis.index)
+        fp32 = g.flatten(torch.float32, device)
+        g.master_init = None if self.param_dtype == torch.float32 else fp32[g.lo:g.hi].clone()
+        g.shard = fp32[g.lo:g.hi].to(self.param_dtype).clone()
+        g.full = torch.empty(g.padded, dtype=self.param_dtype, device=device)
+        g.adopt(g.full)
+        g.grad_shard = torch.zeros(g.shard_numel, dtype=self.grad_dtype, device=device)
+        self.meter.hold(("shard", index), g.grad_shard)
+        g.acc = None  # full-size gradient buffer, while the piece's gradients arrive
+        return g
 
-    def _free(self, g: FlatGroup):
-        if g.state == "gathering":
-            g.work.wait()
-        g.full.untyped_storage().resize_(0)
-        g.work, g.state = None, "free"
+    # ---- gather / free ---------------------------------------------------------------------
+    def _gather(self, u: Unit, wait: bool = True):
+        if u.state == "free":
+            for g in u.pieces:
+                g.full.untyped_storage().resize_(g.padded * g.full.element_size())
+            u.works = [comm.all_gather(g.full, g.shard, self.axis, async_op=True)
+                       for g in u.pieces]
+            u.state = "gathering"
+        if wait and u.state == "gathering":
+            for w in u.works:
+                w.wait()
+            u.works, u.state = [], "full"
+
+    def _free(self, u: Unit):
+        for w in u.works:  # a prefetch still in flight
+            w.wait()
+        for g in u.pieces:
+            g.full.untyped_storage().resize_(0)
+        u.works, u.state = [], "free"
 
     def _prefetch(self, i: int):
-        if 0 <= i < len(self.groups):
-            self._gather(self.groups[i], wait=False)
+        if 0 <= i < len(self.units):
+            self._gather(self.units[i], wait=False)
 
     # ---- hooks -------------------------------------------------------------------------------
-    def _pre_forward(self, g: FlatGroup):
-        self._gather(g)
-        self._prefetch(g.index + 1)
+    def _pre_forward(self, u: Unit):
+        self._gather(u)
+        self._prefetch(u.index + 1)
 
-    def _post_forward(self, g: FlatGroup, out):
-        self._free(g)
+    def _post_forward(self, u: Unit, out):
+        self._free(u)
         if torch.is_grad_enabled():
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for t in outs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, g=g: self._pre_backward(g))
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
         return out
 
-    def _pre_backward(self, g: FlatGroup):
-        if not g.bwd_ready:
-            g.bwd_ready = True
-            self._gather(g)
-            self._prefetch(g.index - 1)
+    def _pre_backward(self, u: Unit):
+        if not u.bwd_ready:
+            u.bwd_ready = True
+            self._gather(u)
+            self._prefetch(u.index - 1)
 
     def _on_grad(self, p: torch.Tensor):
-        g = self._group_of[p]
+        g, u = self._group_of[p], self._unit_of[p]
         if p.grad is not None:
             self._accumulator(g, p).add_(p.grad)
             p.grad = None
         g.ready += 1
-        if g.ready < len(g.params):
-            return
-        g.ready, g.bwd_ready = 0, False
-        if self.require_sync:
+        if g.ready == len(g.params):  # every micro-batch, no_sync or not ("Micro-batches")
+            g.ready = 0
             self._reduce(g)
-        self._free(g)
+        u.ready += 1
+        if u.ready == u.n_params:
+            u.ready, u.bwd_ready = 0, False
+            self._free(u)
 
     def _accumulator(self, g: FlatGroup, p: torch.Tensor) -> torch.Tensor:
-        """`p`'s view of the unit's gradient buffer, allocated (zero) at the unit's first gradient
-        once earlier units' reductions have completed."""
+        """`p`'s view of its piece's gradient buffer, allocated (zero) at the piece's first
+        gradient once earlier pieces' reductions have completed."""
         if g.acc is None:
             self._drain(GRAD_BUCKETS_IN_FLIGHT - 1)
             g.acc = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.shard.device)
@@ -180,40 +204,36 @@ class FullyShardedDP(GradSyncWrapper):
 
     def _reduce(self, g: FlatGroup):
         flat, g.acc = g.acc, None  # from now on only the collective (and `finish`) hold it
-        direct = g.shard_clean  # nothing to add to: reduce straight into the shard
-        out = g.grad_shard if direct else torch.empty_like(g.grad_shard)
-        self.meter.hold(("out", g.index), None if direct else out)
-        work = comm.reduce_scatter(out, flat, self.axis, op="avg", async_op=True)
+        # in place, into this rank's slice of the buffer (as ddp.py's stage 2): no output buffer
+        work = comm.reduce_scatter(flat[g.lo:g.hi], flat, self.axis, op="avg", async_op=True)
 
-        def finish(g=g, out=out):
-            if not direct:
-                g.grad_shard.add_(out)
-            g.shard_clean = False
+        def finish(g=g, flat=flat):
+            g.grad_shard.add_(flat[g.lo:g.hi])
             self.meter.release(("acc", g.index))
-            self.meter.release(("out", g.index))
         self._works.append((work, finish))
 
     def _drain(self, limit: int):
         """Wait for and finish the oldest reduce-scatters until at most `limit` are pending (each
-        frees its unit's full gradient buffer)."""
+        frees its piece's full gradient buffer)."""
         while len(self._works) > limit:
             work, finish = self._works.pop(0)
             work.wait()
             finish()
 
     def finish_grad_sync(self):
-        """Reduce-scatter gradients still held in full size (no_sync windows), wait for all."""
-        for g in reversed(self.groups):  # the order backward would have used, on every rank
-            if g.acc is not None:
-                self._reduce(g)
-            g.ready, g.bwd_ready = 0, False
-            self._free(g)
+        """Reduce-scatter gradients still held in full size (a piece not complete), wait for all."""
+        for u in reversed(self.units):  # the order backward would have used, on every rank
+            for g in u.pieces:
+                if g.acc is not None:
+                    self._reduce(g)
+                g.ready = 0
+            u.ready, u.bwd_ready = 0, False
+            self._free(u)
         self._drain(0)
 
     def zero_grad(self):
         for g in self.groups:
             g.grad_shard.zero_()
-            g.shard_clean = True
             for p in g.params:
                 p.grad = None
 
