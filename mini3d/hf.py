@@ -206,7 +206,7 @@ def import_hf(hf_dir: str, ckpt_root: str, seed: int = 0) -> str:
     cfg, weights = read_hf_dir(hf_dir)
     writer = CheckpointWriter(ckpt_root, 0)
     writer.begin()
-    writer.write("stage0.pt", {"model": weights, "optim": {}, "optim_step": 0})
+    writer.write("stage0.pt", {"model": weights, "optim": {}, "optim_step": 0, "step": 0})
     writer.commit({"step": 0, "model": dataclasses.asdict(cfg), "plan": Plan().to_dict(),
                    "seed": seed, "data_position": 0, "source": os.path.abspath(hf_dir)})
     return latest_dir(ckpt_root)
