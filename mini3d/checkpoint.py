@@ -195,7 +195,10 @@ def seal_meta(meta: dict) -> dict:
 
 
 def latest_dir(root: str) -> str | None:
-    """The newest complete checkpoint under `root` (or `root` itself if it is one), else None."""
+    """The newest complete checkpoint under `root` (or `root` itself if it is one), else None
+    (a `root` that is a file or missing holds none)."""
+    if not os.path.isdir(root):
+        return None
     if os.path.isfile(os.path.join(root, "meta.json")):
         return root
     try:

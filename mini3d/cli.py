@@ -193,7 +193,9 @@ def validated_train(args):
         problems.append(str(e))
     if problems:
         return bad_input(problems)
-    return spec, plan, world, torchrun, derived
+    from .diagnose.cli import make_run_dir
+
+    return make_run_dir(spec), plan, world, torchrun, derived
 
 
 def cmd_train(args) -> int:

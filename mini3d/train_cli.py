@@ -5,6 +5,7 @@ of a failed or interrupted job.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .config import ModelConfig, Plan
@@ -53,7 +54,9 @@ def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
 
     ckpt = latest_dir(root)
     if ckpt is None:
-        return None, [f"--resume {root!r} holds no complete checkpoint"]
+        what = "is a file, not a checkpoint directory" if os.path.isfile(root) else \
+            "holds no complete checkpoint"
+        return None, [f"--resume {root!r} {what}"]
     broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
     if broken:
         return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
