@@ -14,8 +14,10 @@ of the same step already in place is first renamed aside (`.old-step-000123`) an
 the new one has its name, so a crash between the two renames still leaves one (`latest_dir` finds it).
 
 Verification. Each writer hashes its file as torch.save writes it (no read-back) and the leader stores
-every file's sha256, size and tensor shapes in `meta.json["files"]`; `verify_checkpoint` checks them
-(and the shapes against the model asked for) before any worker starts. A full disk is `DiskFull`
+every file's sha256, size and tensor shapes in `meta.json["files"]`, and meta.json its own digest
+(`meta_sha256`); each stage file also records the step. `verify_checkpoint` checks them all, the
+step and the tensor index against the files, and the shapes against the model asked for, before any
+worker starts. A full disk is `DiskFull`
 ("no space left on ROOT while writing checkpoint step N"), and the partial directory is removed.
 
 Loading. A rank opens only the stage files that hold its parameters, once, with `mmap=True,
@@ -40,6 +42,7 @@ import torch
 LATEST = "latest"
 SUMS = ".sum.json"  # a writer's sidecar in the temporary directory, merged into meta.json
 ASIDE = ".old-"  # prefix of a replaced checkpoint until its successor has its name
+META_SHA = "meta_sha256"  # meta.json's digest of itself (all its other fields)
 
 
 class DiskFull(RuntimeError):
@@ -150,7 +153,7 @@ class CheckpointWriter:
                     files[name[:-len(SUMS)]] = json.load(f)
                 os.remove(os.path.join(self.tmp, name))
         try:
-            _write_json(os.path.join(self.tmp, "meta.json"), {**meta, "files": files})
+            _write_json(os.path.join(self.tmp, "meta.json"), seal_meta({**meta, "files": files}))
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise self._full(e) from e
@@ -180,8 +183,22 @@ def _write_json(path: str, obj):
         os.fsync(f.fileno())
 
 
+def meta_digest(meta: dict) -> str:
+    """The sha256 of `meta` without its own digest field, over its canonical JSON (sorted keys)."""
+    body = {k: v for k, v in meta.items() if k != META_SHA}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def seal_meta(meta: dict) -> dict:
+    """`meta` with its own digest (`meta_sha256`), as the stage files have theirs in `files`."""
+    return {**meta, META_SHA: meta_digest(meta)}
+
+
 def latest_dir(root: str) -> str | None:
-    """The newest complete checkpoint under `root` (or `root` itself if it is one), else None."""
+    """The newest complete checkpoint under `root` (or `root` itself if it is one), else None
+    (a `root` that is a file or missing holds none)."""
+    if not os.path.isdir(root):
+        return None
     if os.path.isfile(os.path.join(root, "meta.json")):
         return root
     try:

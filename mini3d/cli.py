@@ -17,8 +17,8 @@ from .model_args import add_family_args, family_overrides
 
 from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_OOM, bad_input  # noqa: F401
 from .exits import EXIT_NONFINITE
-from .train_cli import (check_resume, report_failure, report_interrupt,  # noqa: F401
-                        run_from_args)
+from .train_cli import (check_resume, checkpoint_mark, report_failure,  # noqa: F401
+                        report_interrupt, report_twice, run_from_args, stopped_while_starting)
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
 SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
@@ -193,7 +193,9 @@ def validated_train(args):
         problems.append(str(e))
     if problems:
         return bad_input(problems)
-    return spec, plan, world, torchrun, derived
+    from .diagnose.cli import make_run_dir
+
+    return make_run_dir(spec), plan, world, torchrun, derived
 
 
 def cmd_train(args) -> int:
@@ -212,14 +214,16 @@ def cmd_train(args) -> int:
         return under_torchrun.train(spec, args.device, derived)
     from .stop import launcher_signals
 
+    before, got = checkpoint_mark(args.save), []
     try:
         with launcher_signals() as got:
             results = launch_train(spec, world, args.device, args.timeout)
     except KeyboardInterrupt:  # a second Ctrl-C: the ranks were stopped at once
-        print("mini3d train: interrupted twice: every rank was stopped without a checkpoint",
-              file=sys.stderr)
-        return 130
+        return report_twice(args.save, before)
     except WorkerError as e:
+        code = stopped_while_starting(e, got)
+        if code is not None:
+            return code
         if e.message.startswith("NonFiniteLoss: "):
             print(f"mini3d train: {e.message[len('NonFiniteLoss: '):]}", file=sys.stderr)
             return EXIT_NONFINITE

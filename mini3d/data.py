@@ -147,6 +147,26 @@ def check_data_path(path: str | None) -> str | None:
         return f"--data {path!r} does not exist or is not a file"
     if os.path.getsize(path) < 1024:
         return f"--data {path!r} holds {os.path.getsize(path)} bytes; at least 1024 are needed"
+    return text_problem("--data", path)
+
+
+def text_problem(flag: str, path: str, head: int = 1 << 20) -> str | None:
+    """Why the file at `path` is not UTF-8 text (a NUL byte, or bytes UTF-8 cannot decode, in its
+    first `head` bytes), naming the offset; None when it is. A binary file would otherwise be
+    decoded with replacement characters, or its bytes trained on as if they were text."""
+    import codecs
+
+    with open(path, "rb") as f:
+        data = f.read(head)
+    nul = data.find(bytes(1))
+    if nul >= 0:
+        return (f"{flag} {path!r} is not text: a NUL byte at offset {nul} "
+                f"(a binary file?)")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data, final=len(data) < head)
+    except UnicodeDecodeError as e:
+        return (f"{flag} {path!r} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+                f"{e.start} (a binary file?)")
     return None
 
 

@@ -1,8 +1,10 @@
 """Exit codes of every mini3d command, and the one-paragraph bad-input message (exit 2, printed
-before any process starts). Each subcommand module reads them here, so none imports `mini3d.cli`."""
+before any process starts), and the checks that an output path can be written where it points.
+Each subcommand module reads them here, so none imports `mini3d.cli`."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
@@ -14,3 +16,36 @@ def bad_input(problems: list[str], command: str = "train") -> int:
     print(f"mini3d {command}: bad input: " + "; ".join(problems) + ". Nothing was started.",
           file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def file_target(flag: str, path: str | None) -> list[str]:
+    """A file mini3d will create or append to: not a directory, in a directory that exists."""
+    if not path:
+        return []
+    if os.path.isdir(path):
+        return [f"{flag} {path!r} is a directory (give a file name)"]
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return [f"{flag} {path!r}: its directory {parent!r} does not exist"]
+    if not os.access(parent, os.W_OK):
+        return [f"{flag} {path!r}: its directory {parent!r} is not writable"]
+    return []
+
+
+def dir_target(flag: str, path: str | None) -> list[str]:
+    """A directory mini3d will create or fill: not an existing file, not below one, and the
+    directory itself or its nearest existing ancestor writable (os.access: a read-only file system
+    is refused even for root, which a mode bit is not)."""
+    if not path:
+        return []
+    if os.path.exists(path) and not os.path.isdir(path):
+        return [f"{flag} {path!r} is an existing file, not a directory"]
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        return [f"{flag} {path!r} lies below {parent!r}, which is a file"]
+    where = path if os.path.isdir(path) else parent
+    if where and not os.access(where, os.W_OK | os.X_OK):
+        return [f"{flag} {path!r}: {where!r} is not writable"]
+    return []

@@ -168,11 +168,9 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, dict]:
     """(config, mini3d full named state) of a local HF directory, sharded or not."""
     from safetensors.torch import load_file
 
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
+    if not os.path.isfile(os.path.join(path, "config.json")):
         raise HFError(f"{path!r} has no config.json (is it a Hugging Face model directory?)")
-    with open(cfg_path) as f:
-        cfg = config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+    cfg = hf_config(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
@@ -188,12 +186,24 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, dict]:
 
 
 def hf_config(path: str) -> ModelConfig:
-    """Only the ModelConfig of an HF directory (no tensors read)."""
+    """Only the ModelConfig of an HF directory (no tensors read); a config.json that is not JSON,
+    not an object or lacks a field is HFError naming the file and what is wrong."""
+    cfg_path = os.path.join(path, "config.json")
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return config_from_hf(json.load(f), name=os.path.basename(os.path.normpath(path)))
+        with open(cfg_path) as f:
+            d = json.load(f)
     except OSError as e:
         raise HFError(f"{path!r}: {e.strerror} (config.json)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HFError(f"{cfg_path!r} is not valid JSON ({str(e).splitlines()[0][:80]})") from None
+    if not isinstance(d, dict):
+        raise HFError(f"{cfg_path!r} holds a {type(d).__name__}, not a JSON object")
+    try:
+        return config_from_hf(d, name=os.path.basename(os.path.normpath(path)))
+    except KeyError as e:
+        raise HFError(f"{cfg_path!r} lacks the field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise HFError(f"{cfg_path!r} holds a value of the wrong kind ({e})") from None
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -206,7 +216,7 @@ def import_hf(hf_dir: str, ckpt_root: str, seed: int = 0) -> str:
     cfg, weights = read_hf_dir(hf_dir)
     writer = CheckpointWriter(ckpt_root, 0)
     writer.begin()
-    writer.write("stage0.pt", {"model": weights, "optim": {}, "optim_step": 0})
+    writer.write("stage0.pt", {"model": weights, "optim": {}, "optim_step": 0, "step": 0})
     writer.commit({"step": 0, "model": dataclasses.asdict(cfg), "plan": Plan().to_dict(),
                    "seed": seed, "data_position": 0, "source": os.path.abspath(hf_dir)})
     return latest_dir(ckpt_root)
@@ -243,7 +253,12 @@ def init_from_hf(trainer, hf_dir: str) -> None:
 
 def _run(fn):
     def run(args) -> int:
+        from .exits import dir_target
+
         try:
+            for problem in dir_target("the output directory", getattr(args, "ckpt_dir", None)
+                                      or getattr(args, "out_dir", None)):
+                raise HFError(problem)
             return fn(args)
         except ImportError as e:
             print(f"mini3d {args.command}: {e.name} is needed (pip install 'mini3d[hf]')",

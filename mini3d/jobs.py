@@ -1,11 +1,13 @@
 """What a local job reports when it fails, shared by the launcher, the watchdogs and torchrun's
 path: the exit statuses of a rank's watchdog, the job's own abort marker, and the exceptions
-`launch` raises (a rank failed, the job timed out, a watchdog saw a hang).
+`launch` raises (a rank failed, the job timed out, a watchdog saw a hang); and the launcher's live
+ranks, to which it forwards a stop.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
 ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
@@ -58,5 +60,25 @@ def _clear_run_dir(run_dir: str):
                 name.startswith("rank") and name.endswith((".json", ".stack", ".stderr"))):
             os.remove(os.path.join(run_dir, name))
 
+
+_CHILDREN: set = set()  # the live worker processes of this launcher (for forward_stop)
+# Blocked in a rank from its start (fork and exec inherit the mask) until mini3d.stop.install
+# unblocks them: a stop while the ranks start reaches the handler, not the default action (death).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGUSR1)
+_ASKED = {"stop": False}  # forward_stop was called: `launch` repeats it to ranks started since
+
+
+def forward_stop(reset: bool = False):
+    """Ask every live local rank to stop at its next step boundary (SIGUSR1: see mini3d.stop),
+    and remember it for ranks still being started (`reset`: forget it, for a new job)."""
+    _ASKED["stop"] = not reset
+    for p in list(_CHILDREN) if not reset else ():
+        if p.pid is not None and p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
+
 __all__ = ["HANG_EXIT", "ABORTED_EXIT", "ABORT_MARKER", "JOB_ENV", "WorkerError", "LaunchTimeout",
-           "HangDetected", "abort_marker"]
+           "HangDetected", "abort_marker", "STOP_SIGNALS", "forward_stop"]

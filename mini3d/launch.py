@@ -4,7 +4,8 @@
 works from a Jupyter kernel as long as `fn` lives in an importable module), initialises
 torch.distributed in each through a FileStore in a private directory (no network listener; gloo's
 and NCCL's own sockets are pinned to the loopback interface), runs `fn(*args)`, and returns every
-rank's result in rank order. A worker that raises ends the whole job with a `WorkerError` carrying
+rank's result in rank order. The ranks start with SIGINT and SIGUSR1 blocked (until a stop handler
+is installed, see mini3d.stop; a job that installs none is stopped by its launcher). A worker that raises ends the whole job with a `WorkerError` carrying
 its traceback; a job past `timeout` is stopped with `LaunchTimeout`. Either way all children are
 terminated (then killed) before `launch` returns or raises, and each child also dies with its
 parent (PR_SET_PDEATHSIG, armed in mini3d._boot before torch is imported) if the parent is killed.
@@ -35,26 +36,14 @@ import torch.multiprocessing as mp
 from .devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_device, choose_device,  # noqa: F401
                       current_device, device_index, device_memory, dump_memory_snapshot,
                       enter_strict_device, pg_device_id, strict_device, visible_gpus)  # (re-exported)
+from .jobs import (_ASKED, _CHILDREN, ABORT_MARKER, ABORTED_EXIT, HANG_EXIT,  # noqa: F401
+                   JOB_ENV, STOP_SIGNALS, HangDetected, LaunchTimeout, WorkerError, _clear_run_dir,
+                   abort_marker, forward_stop)
 from .p2p_record import (P2POrderError, check_saved, save_worker_record,  # noqa: F401
                          start_worker_record)
-from .jobs import (ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, JOB_ENV, HangDetected,  # noqa: F401
-                   LaunchTimeout, WorkerError, _clear_run_dir, abort_marker)
 
 PG_TIMEOUT_ENV = "MINI3D_PG_TIMEOUT_S"  # process-group timeout, set from --hang-timeout (watchdog.py)
 _FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
-_CHILDREN: set = set()  # the live worker processes of this launcher (for forward_stop)
-
-
-def forward_stop():
-    """Ask every live local rank to stop at its next step boundary (SIGUSR1: see mini3d.stop)."""
-    for p in list(_CHILDREN):
-        if p.pid is not None and p.is_alive():
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
-
-
 def on_failure(hook):
     """Register `hook(exc)` to run in this worker process when its function raises (e.g. a dump)."""
     _FAILURE_HOOKS.append(hook)
@@ -277,8 +266,14 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     deadline = time.monotonic() + timeout
     _CHILDREN.update(procs)
     try:
-        for p in procs:
-            p.start()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # the children inherit it
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # (ours: a pending Ctrl-C lands now)
+        if _ASKED["stop"]:
+            forward_stop()  # asked while a rank had no pid yet: it too must hear it
         results = _collect(procs, q, world_size, deadline, timeout)
         for p in procs:
             p.join(max(1.0, min(30.0, deadline - time.monotonic())))

@@ -5,6 +5,7 @@ Text files (or directories of them) become token shards that `mini3d train --dat
 of VOCAB tokens is first trained on the same text with the `tokenizers` library and stored as
 DIR/tokenizer.json, so a subword tokenizer needs no network. A tokenizer given as a file is copied
 into DIR, so the directory is self-contained. Run it again after an interruption: it resumes.
+A prepare holds an exclusive flock on DIR while it writes: a second one into the same DIR is exit 2.
 """
 
 from __future__ import annotations
@@ -35,9 +36,16 @@ def register(sub):
 
 
 def prepare_problems(args, files: list[str]) -> list[str]:
+    from .data import text_problem
+    from .exits import dir_target
+
     out = [f"INPUT {p!r} does not exist" for p in args.inputs if not os.path.exists(p)]
     if not out and not files:
         out.append(f"INPUT {' '.join(args.inputs)!r} holds no files")
+    elif files and sum(os.path.getsize(p) for p in files) == 0:
+        out.append(f"INPUT {' '.join(args.inputs)!r} holds 0 bytes of text (nothing to tokenise)")
+    out += [t for t in (text_problem("INPUT", p) for p in files) if t]
+    out += dir_target("--out", args.out)
     if not 0 <= args.val_fraction < 1:
         out.append(f"--val-fraction {args.val_fraction} must be in [0, 1)")
     if args.shard_tokens < 1:
@@ -56,9 +64,40 @@ def _settings(args, files) -> dict:
             "val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens}
 
 
+def _settings_problem(args, files) -> str | None:
+    """Why `--out` cannot take this prepare: its settings.json is another prepare's, or damaged."""
+    path = os.path.join(args.out, "settings.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            same = json.load(f) == _settings(args, files)
+    except (OSError, ValueError) as e:
+        return (f"--out {args.out!r}: {path} is damaged ({str(e).splitlines()[0][:80]}): delete "
+                f"the directory to start over, or choose another --out")
+    if not same:
+        return (f"--out {args.out!r} holds a prepare with other inputs or settings "
+                f"(see {path}): choose another --out or delete it")
+    return None
+
+
+def _lock(out: str):
+    """A file descriptor holding an exclusive flock on the directory `out`, or None when another
+    prepare holds it (it is writing there: its temporary files and progress.json are its own)."""
+    import fcntl
+
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def cmd_prepare(args) -> int:
     from .exits import bad_input
-    from .tokenizer import TokenizerError, get_tokenizer, train_bpe
+    from .tokenizer import TokenizerError, get_tokenizer
 
     files = input_files(args.inputs) if all(os.path.exists(p) for p in args.inputs) else []
     problems = prepare_problems(args, files)
@@ -68,19 +107,34 @@ def cmd_prepare(args) -> int:
             tok = get_tokenizer(args.tokenizer)
         except TokenizerError as e:
             problems.append(str(e))
-    settings_path = os.path.join(args.out, "settings.json")
-    if not problems and os.path.exists(settings_path):
-        with open(settings_path) as f:
-            if json.load(f) != _settings(args, files):
-                problems.append(f"--out {args.out!r} holds a prepare with other inputs or settings "
-                                f"(see {settings_path}): choose another --out or delete it")
     if problems:
         return bad_input(problems, "prepare")
+    created = not os.path.isdir(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    fd = _lock(args.out)
+    if fd is None:
+        return bad_input([f"--out {args.out!r}: another mini3d prepare is writing there (it holds "
+                          f"the directory's lock): wait for it to finish, or choose another --out"],
+                         "prepare")
+    try:
+        problem = _settings_problem(args, files)
+        if problem:
+            if created:
+                shutil.rmtree(args.out, ignore_errors=True)
+            return bad_input([problem], "prepare")
+        return _prepare(args, files, tok)
+    finally:
+        os.close(fd)
+
+
+def _prepare(args, files, tok) -> int:
+    """The prepare itself, under the lock of `--out`: settings, tokenizer, shards, header."""
+    from .tokenizer import get_tokenizer, train_bpe
+
     if os.path.exists(os.path.join(args.out, HEADER)):
         print(f"mini3d prepare: {args.out} is already complete", file=sys.stderr)
         return 0
-    os.makedirs(args.out, exist_ok=True)
-    with open(settings_path, "w") as f:
+    with open(os.path.join(args.out, "settings.json"), "w") as f:
         json.dump(_settings(args, files), f, indent=1)
     if os.path.exists(os.path.join(args.out, PROGRESS)):
         print(f"mini3d prepare: resuming the interrupted prepare in {args.out}", file=sys.stderr)

@@ -22,11 +22,17 @@ class TensorBoardMissing(ImportError):
 
 
 def tensorboard_problem(path: str | None) -> str | None:
-    """Exit-2 text when --tensorboard is asked for but the package is missing."""
+    """Exit-2 text when --tensorboard is asked for but is not a writable directory (a file, below
+    one, read-only) or the package is missing."""
     if not path:
         return None
     import importlib.util
 
+    from .exits import dir_target
+
+    where = dir_target("--tensorboard", path)
+    if where:
+        return where[0]
     if importlib.util.find_spec("tensorboard") is None:
         return (f"--tensorboard {path!r} needs the `tensorboard` package, which is not installed "
                 f"(pip install 'mini3d[text]' or pip install tensorboard)")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import os
 
+from .exits import dir_target as _dir_target, file_target as _file_target
+
 
 def _finite(flag: str, value, positive: bool = True) -> list[str]:
     if value is None:
@@ -21,32 +23,25 @@ def _finite(flag: str, value, positive: bool = True) -> list[str]:
     return []
 
 
-def _file_target(flag: str, path: str | None) -> list[str]:
-    """A file mini3d will create or append to: not a directory, in a directory that exists."""
-    if not path:
-        return []
-    if os.path.isdir(path):
-        return [f"{flag} {path!r} is a directory (give a file name)"]
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        return [f"{flag} {path!r}: its directory {parent!r} does not exist"]
-    if not os.access(parent, os.W_OK):
-        return [f"{flag} {path!r}: its directory {parent!r} is not writable"]
-    return []
+STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and AdamW's two moments, each held once
 
 
-def _dir_target(flag: str, path: str | None) -> list[str]:
-    """A directory mini3d will create or fill: not an existing file, not below one."""
-    if not path:
+def host_memory_problem(args, cfg) -> list[str]:
+    """A CPU run whose model cannot fit this host: the weights, gradients and AdamW moments of
+    every parameter (16 bytes each, however the layout splits them) against its physical memory.
+    (GPU runs are the memory estimator's and the OOM report's.)"""
+    from .devices import visible_gpus
+
+    if cfg.problems() or args.device not in ("cpu", "auto") or (args.device == "auto" and
+                                                                 visible_gpus()):
+        return []  # (an inconsistent model is named by its own check)
+    need = cfg.n_params() * STATE_BYTES_PER_PARAM
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need <= ram:
         return []
-    if os.path.exists(path) and not os.path.isdir(path):
-        return [f"{flag} {path!r} is an existing file, not a directory"]
-    parent = os.path.dirname(os.path.abspath(path))
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):
-        return [f"{flag} {path!r} lies below {parent!r}, which is a file"]
-    return []
+    return [f"the model ({cfg.n_params():,} parameters, d_model={cfg.d_model}, n_layers="
+            f"{cfg.n_layers}) needs at least {need / 2**30:,.1f} GiB for its weights, gradients "
+            f"and AdamW moments, more than this host's {ram / 2**30:,.1f} GiB of memory"]
 
 
 def run_problems(args, plan, cfg) -> list[str]:
@@ -64,6 +59,7 @@ def run_problems(args, plan, cfg) -> list[str]:
         out.append(f"--save-every {args.save_every} needs --save DIR (where the checkpoints go)")
     if plan.sequence_parallel and plan.tp == 1:
         out.append("--sequence-parallel needs --tp > 1 (it shards the LayerNorm regions over tp)")
+    out += host_memory_problem(args, cfg)
     out += _file_target("--log-jsonl", args.log_jsonl)
     out += _dir_target("--save", args.save)
     out += _dir_target("--run-dir", args.run_dir)

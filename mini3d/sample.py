@@ -13,6 +13,7 @@ masked: sampling never emits an id the tokenizer cannot decode.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -76,14 +77,32 @@ def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 1.
     return x[0].tolist()
 
 
+MAX_NEW_TOKENS = 100_000  # one full forward per token: more is hours on a CPU, a typo not a wish
+
+
 def sample_problems(args) -> list[str]:
+    import math
+
+    from .devices import LaunchError, choose_device
+
     out = []
     if args.max_new_tokens < 1:
         out.append(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    if args.temperature <= 0:
+    elif args.max_new_tokens > MAX_NEW_TOKENS:
+        out.append(f"--max-new-tokens {args.max_new_tokens} exceeds the bound of {MAX_NEW_TOKENS:,} "
+                   f"(one forward pass per token)")
+    if not math.isfinite(args.temperature):
+        out.append(f"--temperature {args.temperature} must be a finite number")
+    elif args.temperature <= 0:
         out.append(f"--temperature {args.temperature} must be > 0 (use --top-k 1 for greedy)")
     if args.top_k < 0:
         out.append(f"--top-k {args.top_k} must be >= 0")
+    try:
+        if args.device == "auto":
+            raise LaunchError("device='auto' is not a sample device (choose cpu or cuda)")
+        choose_device(args.device, 1)
+    except LaunchError as e:
+        out.append(str(e))
     return out
 
 
@@ -94,7 +113,9 @@ def cmd_sample(args) -> int:
 
     problems = sample_problems(args)
     ckpt = latest_dir(args.ckpt)
-    if ckpt is None:
+    if ckpt is None and os.path.isfile(args.ckpt):
+        problems.append(f"CKPT {args.ckpt!r} is a file, not a checkpoint directory")
+    elif ckpt is None:
         problems.append(f"CKPT {args.ckpt!r} is not a checkpoint and holds no complete one")
     if problems:
         return bad_input(problems, "sample")

@@ -22,10 +22,14 @@ def _flag(signum, frame):
 
 
 def install(torchrun: bool = False):
-    """In a rank's main thread: SIGINT (and SIGUSR1, or SIGTERM under torchrun) set the flag."""
+    """In a rank's main thread: SIGINT (and SIGUSR1, or SIGTERM under torchrun) set the flag.
+    A rank starts with them blocked (mini3d.jobs.STOP_SIGNALS): one that came while it started
+    is pending, and lands in the handler as they are unblocked here."""
     _requested["signum"] = 0
-    for sig in (signal.SIGINT, signal.SIGTERM if torchrun else signal.SIGUSR1):
+    sigs = (signal.SIGINT, signal.SIGTERM if torchrun else signal.SIGUSR1)
+    for sig in sigs:
         signal.signal(sig, _flag)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
 
 
 def requested() -> int:
@@ -47,9 +51,10 @@ def agree(device) -> int:
 def launcher_signals():
     """In `mini3d train`'s process while its ranks run: the first SIGINT / SIGTERM is recorded
     (yielded list) and forwarded to the ranks; a second SIGINT raises KeyboardInterrupt."""
-    from .launch import forward_stop
+    from .jobs import forward_stop
 
     got: list = []
+    forward_stop(reset=True)
 
     def handler(signum, frame):
         if got and signum == signal.SIGINT:

@@ -139,7 +139,7 @@ class Trainer:
             writer.begin()
         comm.barrier(world)
         if is_writer:
-            part = {"model": weights, "optim": moments, "optim_step": opt_step,
+            part = {"model": weights, "optim": moments, "optim_step": opt_step, "step": step,
                     "rng": torch.get_rng_state()}
             writer.write(f"stage{self.topo.pp.index}.pt", part)
         comm.barrier(world)

@@ -5,6 +5,7 @@ of a failed or interrupted job.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from .config import ModelConfig, Plan
@@ -19,6 +20,47 @@ def report_interrupt(stopped: dict, got: list, save: str | None) -> int:
     print(f"mini3d train: stopped by {name(signum)} after step {stopped['step']}{where}",
           file=sys.stderr, flush=True)
     return exit_code(signum)
+
+
+def checkpoint_mark(save: str | None):
+    """(latest complete checkpoint under --save, its meta.json's mtime), to tell afterwards
+    whether this run wrote one; None without --save or a checkpoint."""
+    from .checkpoint import latest_dir
+
+    ckpt = latest_dir(save) if save else None
+    return (ckpt, os.path.getmtime(os.path.join(ckpt, "meta.json"))) if ckpt else None
+
+
+def report_twice(save: str | None, before) -> int:
+    """A second Ctrl-C stopped every rank at once: say which checkpoint is the last complete one
+    (one may have been committed between the two), or that there is none."""
+    now = checkpoint_mark(save)
+    if now is None:
+        where = " without a checkpoint"
+    elif now == before:
+        where = f" before this run wrote a checkpoint (the last complete one, {now[0]}, is older)"
+    else:
+        where = f"; the last complete checkpoint is {now[0]}"
+    print(f"mini3d train: interrupted twice: every rank was stopped{where}", file=sys.stderr)
+    return 130
+
+
+def stopped_while_starting(exc, got: list) -> int | None:
+    """The exit code (130 / 143) when the launcher was asked to stop and a rank ended of that
+    stop before it could act on it (killed by the signal, or a KeyboardInterrupt); else None:
+    the launcher's stop, not a rank, ends such a job, so no rank is blamed."""
+    import signal
+
+    from .stop import exit_code, name
+
+    died = {f"process exited with code -{int(s)} " for s in (signal.SIGINT, signal.SIGUSR1,
+                                                             signal.SIGTERM)}
+    if not got or not (exc.message.startswith("KeyboardInterrupt")
+                       or any(exc.message.startswith(d) for d in died)):
+        return None
+    print(f"mini3d train: stopped by {name(got[0])} while the ranks were starting (no step was "
+          f"taken, no checkpoint written)", file=sys.stderr, flush=True)
+    return exit_code(got[0])
 
 
 def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
@@ -53,7 +95,9 @@ def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
 
     ckpt = latest_dir(root)
     if ckpt is None:
-        return None, [f"--resume {root!r} holds no complete checkpoint"]
+        what = "is a file, not a checkpoint directory" if os.path.isfile(root) else \
+            "holds no complete checkpoint"
+        return None, [f"--resume {root!r} {what}"]
     broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
     if broken:
         return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
@@ -77,4 +121,5 @@ def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
     return ckpt, out
 
 
-__all__ = ["run_from_args", "check_resume", "report_failure", "report_interrupt"]
+__all__ = ["run_from_args", "check_resume", "report_failure", "report_interrupt",
+           "checkpoint_mark", "report_twice", "stopped_while_starting"]

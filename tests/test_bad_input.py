@@ -6,9 +6,15 @@ tripwires, so no case may start a process, and the whole table runs in about a s
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
+
 import pytest
 
 from mini3d import cli
+from mini3d.devices import visible_gpus
 from mini3d import torchrun_train as torchrun
 
 CASES = [  # (flags, a piece of the message that names the value)
@@ -84,7 +90,46 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--save {file}/sub", "which is a file"),
     ("--lr inf", "--lr inf must be a finite number"),
     ("--inject-fault slow:0:1:inf", "slow's ARG='inf' must be a finite number"),
+    # issue 33: unclean until its second pass
+    ("--resume {file}", "--resume '{file}' is a file, not a checkpoint directory"),
+    ("--init-from-hf {badhf}", "config.json' is not valid JSON"),
+    ("--hidden 1000000000", "needs at least 715,255,747,646.1 GiB"),
+    ("--tensorboard {file}", "--tensorboard '{file}' is an existing file, not a directory"),
+    ("--save {ro}/ck", "is not writable"),
+    ("--data {binary}", "is not text: a NUL byte at offset 3"),
 ]
+
+OTHER_CASES = [  # (a whole command line, a piece of the message): every subcommand's bad input
+    ("sample {file}", "CKPT '{file}' is a file, not a checkpoint directory"),
+    ("sample {missing} --temperature nan", "--temperature nan must be a finite number"),
+    ("sample {missing} --device cuda", "--device cuda needs 1 GPUs on this node, found 0"),
+    ("sample {missing} --max-new-tokens 100000000", "--max-new-tokens 100000000 exceeds the bound"),
+    ("import-hf {badhf} {dir}/ck", "config.json' is not valid JSON"),
+    ("import-hf {badhf} {ro}/ck", "is not writable"),
+    ("prepare {kib} --out {file}", "--out '{file}' is an existing file, not a directory"),
+    ("prepare {kib} --out {badprep}", "settings.json is damaged"),
+    ("prepare {empty} --out {missing}", "holds 0 bytes of text"),
+    ("prepare {binary} --out {missing}", "is not text: a NUL byte at offset 3"),
+    ("prepare {kib} --out {ro}/p", "is not writable"),
+    ("explain-hang {badhang}", "rank0.json is damaged"),
+    ("plan --model tiny --gpus 2 --seq-len -5", "--seq-len -5 must be >= 1"),
+    ("plan --model tiny --gpus 2 --top -1", "--top -1 must be >= 1"),
+    ("estimate --model tiny --seq-len 0", "--seq-len 0 must be >= 1"),
+    ("calibrate --out {ro}/hw.json", "is not writable"),
+    ("schedule --pp 100000 --micro-batches 100000", "exceeds the bound of 50,000"),
+]
+
+
+def _read_only_dir(path) -> bool:
+    """A directory writes really fail in, even for root: a read-only tmpfs (root may mount one),
+    else a mode-555 directory (refused to anyone but root)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return True
+    return shutil.which("mount") is not None and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+        capture_output=True).returncode == 0
 
 
 @pytest.fixture
@@ -92,14 +137,41 @@ def paths(tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "kib.txt").write_bytes(b"a" * 1024)
     (tmp_path / "tiny.txt").write_bytes(b"a" * 10)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "binary.dat").write_bytes(b"abc" + bytes(range(256)) * 8)
     (tmp_path / "dir").mkdir()
-    return {"file": str(tmp_path / "file"), "kib": str(tmp_path / "kib.txt"),
-            "tiny": str(tmp_path / "tiny.txt"), "dir": str(tmp_path / "dir"),
-            "missing": str(tmp_path / "missing")}
+    (tmp_path / "badhf").mkdir()
+    (tmp_path / "badhf" / "config.json").write_text('{"model_type": "gpt2", ')
+    (tmp_path / "badprep").mkdir()
+    (tmp_path / "badprep" / "settings.json").write_text('{"inputs": [')
+    (tmp_path / "badhang").mkdir()
+    (tmp_path / "badhang" / "rank0.json").write_text('{"rank": 0, "grid": ')
+    mounted = _read_only_dir(tmp_path / "ro")
+    yield {"file": str(tmp_path / "file"), "kib": str(tmp_path / "kib.txt"),
+           "tiny": str(tmp_path / "tiny.txt"), "dir": str(tmp_path / "dir"),
+           "missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty.txt"),
+           "binary": str(tmp_path / "binary.dat"), "badhf": str(tmp_path / "badhf"),
+           "badprep": str(tmp_path / "badprep"), "badhang": str(tmp_path / "badhang"),
+           "ro": str(tmp_path / "ro") if mounted else None}
+    if mounted and os.geteuid() == 0:
+        subprocess.run(["umount", "-l", str(tmp_path / "ro")], capture_output=True)
+
+
+def _tree(root) -> list[str]:
+    return sorted(os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+def _fill(flags: str, paths) -> str:
+    if "{ro}" in flags and paths["ro"] is None:
+        pytest.skip("no read-only directory can be made here")
+    if "--device cuda" in flags and visible_gpus():
+        pytest.skip("this host has a GPU")
+    return flags.format(**paths)
 
 
 def test_the_table_holds_at_least_58_cases():
     assert len(CASES) >= 58 and len({flags for flags, _ in CASES}) == len(CASES)
+    assert len({line for line, _ in OTHER_CASES}) == len(OTHER_CASES)
 
 
 @pytest.mark.parametrize("flags,needle", CASES, ids=[c[0] for c in CASES])
@@ -109,7 +181,38 @@ def test_bad_input_is_exit_2_before_anything_starts(flags, needle, paths, capsys
 
     monkeypatch.setattr(cli, "launch_train", tripwire)
     monkeypatch.setattr(torchrun, "train", tripwire)
-    argv = ["train", "--no-progress", *flags.format(**paths).split()]
+    argv = ["train", "--no-progress", *_fill(flags, paths).split()]
+    before = _tree(os.path.dirname(paths["file"]))
     assert cli.main(argv) == 2, capsys.readouterr().err
     err = capsys.readouterr().err
-    assert needle in err and "Nothing was started" in err, (flags, err)
+    assert needle.format(**paths) in err and "Nothing was started" in err, (flags, err)
+    assert _tree(os.path.dirname(paths["file"])) == before  # nothing left behind
+
+
+@pytest.mark.parametrize("line,needle", OTHER_CASES, ids=[c[0] for c in OTHER_CASES])
+def test_bad_input_of_every_subcommand_is_exit_2_naming_it(line, needle, paths, capsys,
+                                                           monkeypatch):
+    """In-process, so a traceback would be an exception here; `launch_train` is a tripwire."""
+    def tripwire(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(cli, "launch_train", tripwire)
+    argv = _fill(line, paths).split()
+    before = _tree(os.path.dirname(paths["file"]))
+    assert cli.main(argv) == 2, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle.format(**paths) in err and "Traceback" not in err, (line, err)
+    assert _tree(os.path.dirname(paths["file"])) == before  # nothing left behind
+
+
+def test_a_refused_or_dry_run_leaves_no_run_directory(tmp_path, capsys, monkeypatch):
+    """The default run directory (TMPDIR/mini3d-run-*) is made only for a run that starts."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile caches the temp dir
+    monkeypatch.setattr(cli, "launch_train", lambda *a, **k: (_ for _ in ()).throw(
+        AssertionError("a process was started")))
+    for flags in ("--tp 3", "--lr nan", "--steps 0", "--dry-run", "--pp 2 --micro-batches 2 "
+                  "--dry-run"):
+        code = cli.main(["train", "--no-progress", *flags.split()])
+        assert code == (0 if "--dry-run" in flags else 2), (flags, capsys.readouterr())
+        assert not [n for n in os.listdir(tmp_path) if n.startswith("mini3d-run-")], flags

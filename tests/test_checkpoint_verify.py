@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mini3d import cli
-from mini3d.checkpoint import CheckpointWriter, latest_dir, read_states
+from mini3d.checkpoint import CheckpointWriter, latest_dir, read_states, seal_meta
 from mini3d.checkpoint_verify import verify_checkpoint
 from mini3d.config import Plan, model_from_preset
 from mini3d.launch import launch
@@ -88,8 +88,53 @@ def _rewrite(ckpt, name, part):
     torch.save(part, path)
     meta = json.loads(Path(ckpt, "meta.json").read_text())
     meta["files"][name].update(sha256=hashlib.sha256(Path(path).read_bytes()).hexdigest(),
-                               bytes=os.path.getsize(path))
-    Path(ckpt, "meta.json").write_text(json.dumps(meta))
+                               bytes=os.path.getsize(path),
+                               tensors={k: list(v.shape) for k, v in part["model"].items()})
+    Path(ckpt, "meta.json").write_text(json.dumps(seal_meta(meta)))
+
+
+def _edit_meta(ckpt, edit, reseal=False):
+    """Edit meta.json in place; with `reseal`, record its new digest too (a tool that knows it)."""
+    meta = json.loads(Path(ckpt, "meta.json").read_text())
+    edit(meta)
+    Path(ckpt, "meta.json").write_text(json.dumps(seal_meta(meta) if reseal else meta))
+
+
+def _first_2d(meta):
+    tensors = meta["files"]["stage0.pt"]["tensors"]
+    return tensors, next(n for n in sorted(tensors) if len(tensors[n]) == 2)
+
+
+def _meta_shape(ckpt, reseal=False):
+    def edit(meta):
+        tensors, name = _first_2d(meta)
+        tensors[name][0] -= 1
+    _edit_meta(ckpt, edit, reseal)
+    tensors, name = _first_2d(json.loads(Path(ckpt, "meta.json").read_text()))
+    return f"meta.json records shape {tensors[name]} for {name} in stage0.pt"
+
+
+def _meta_shape_resealed(ckpt):
+    return _meta_shape(ckpt, reseal=True)
+
+
+def _meta_step(ckpt, reseal=False):
+    _edit_meta(ckpt, lambda meta: meta.update(step=1), reseal)
+    return "meta.json records step 1, but stage0.pt was saved at step 2"
+
+
+def _meta_step_resealed(ckpt):
+    return _meta_step(ckpt, reseal=True)
+
+
+def _meta_index_emptied(ckpt):
+    _edit_meta(ckpt, lambda meta: meta["files"]["stage1.pt"].update(tensors={}), reseal=True)
+    return "meta.json's index of stage1.pt lacks tensor"
+
+
+def _meta_other_field(ckpt):
+    _edit_meta(ckpt, lambda meta: meta.update(seed=meta.get("seed", 0) + 1))
+    return "meta.json differs from its own digest (meta_sha256)"
 
 
 def _mis_shaped(ckpt):
@@ -114,7 +159,9 @@ def _malicious(ckpt):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("corrupt", [_flip_byte, _truncate, _missing, _garbage_meta,
-                                     _meta_without_step, _mis_shaped, _malicious])
+                                     _meta_without_step, _mis_shaped, _malicious, _meta_shape,
+                                     _meta_shape_resealed, _meta_step, _meta_step_resealed,
+                                     _meta_index_emptied, _meta_other_field])
 def test_a_damaged_checkpoint_is_refused_before_any_worker_starts(root, tmp_path, capsys,
                                                                   monkeypatch, corrupt):
     ckpt = str(tmp_path / "step-000002")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,14 +23,14 @@ from tests.test_orphans import REPO, kill_all, marked
 SMALL = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--no-progress"]
 
 
-def _interrupt(tmp_path, send) -> tuple[int, str, int]:
+def _interrupt(tmp_path, send, extra=()) -> tuple[int, str, int]:
     """Start a dp2 job saving to tmp_path/ck, `send(proc)` once it has logged 2 steps;
     (exit status, its output, steps logged)."""
     value = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MINI3D_TEST_SIGNAL=value)
     log = tmp_path / "log.jsonl"
     cmd = [sys.executable, "-m", "mini3d", "train", *SMALL, "--dp", "2", "--steps", "500",
-           "--save", str(tmp_path / "ck"), "--log-jsonl", str(log)]
+           "--save", str(tmp_path / "ck"), "--log-jsonl", str(log), *extra]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -98,3 +99,83 @@ def test_a_non_finite_loss_stops_the_job_with_exit_5(tmp_path, capfd):
     assert code == 5, err
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
     assert err.startswith(f"mini3d train: the loss is nan at step {len(losses) + 1} (seen on rank 0"), err
+
+
+def _ranks_started(pid: int) -> bool:
+    """Whether the launcher `pid` has spawned a rank (a child running multiprocessing's spawn_main)."""
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if ppid == pid and b"spawn_main" in f.read():
+                    return True
+        except (OSError, ValueError, IndexError):
+            continue
+    return False
+
+
+def _stop_while_starting(tmp_path, signum: int, delay: float) -> tuple[int, str]:
+    """A dp2 job saving to tmp_path/ck, sent `signum` `delay` s after its first rank was spawned
+    (while the ranks import torch, before their stop handler exists); (exit status, output)."""
+    value = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MINI3D_TEST_SIGNAL=value)
+    cmd = [sys.executable, "-m", "mini3d", "train", *SMALL, "--dp", "2", "--steps", "500",
+           "--save", str(tmp_path / "ck")]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while not _ranks_started(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.01)
+        time.sleep(delay)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+        else:
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        time.sleep(0.3)
+        left = marked(f"MINI3D_TEST_SIGNAL={value}".encode())
+        kill_all(left)
+    assert not left, "a rank survived"
+    return proc.returncode, out
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("signum,delay", [(signal.SIGTERM, 0.0), (signal.SIGTERM, 0.3),
+                                          (signal.SIGTERM, 1.0), (signal.SIGINT, 0.0),
+                                          (signal.SIGINT, 0.5)])
+def test_a_stop_while_the_ranks_start_is_the_signals_exit_blaming_no_rank(tmp_path, signum,
+                                                                          delay):
+    """Before, the forwarded stop (SIGUSR1) or Ctrl-C met a rank without its handler: killed, or a
+    KeyboardInterrupt, and the job was exit 1 blaming rank 0. Now the ranks start with the stop
+    signals blocked: the stop lands when the handler is installed (one step, its checkpoint)."""
+    code, out = _stop_while_starting(tmp_path, signum, delay)
+    name = signal.Signals(signum).name
+    assert code == 128 + signum, out
+    assert out.strip().startswith(f"mini3d train: stopped by {name}"), out
+    assert not re.search(r"\brank \d", out) and "Traceback" not in out, out  # no rank blamed
+    if "after step" in out:  # it stopped at the first boundary, after saving there
+        assert verify_checkpoint(latest_dir(str(tmp_path / "ck"))) == []
+
+
+@pytest.mark.timeout(150)
+def test_interrupted_twice_names_the_checkpoint_that_was_written(tmp_path):
+    def twice(proc):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+
+    # a checkpoint every step: after 2 logged steps this run has written complete ones
+    code, out, _ = _interrupt(tmp_path, twice, ["--save-every", "1"])
+    assert code == 130, out
+    ckpt = latest_dir(str(tmp_path / "ck"))
+    assert ckpt is not None and verify_checkpoint(ckpt) == []
+    if "interrupted twice" in out:  # (else the stop finished between the two: the usual line)
+        assert "without a checkpoint" not in out, out
+        assert f"the last complete checkpoint is {ckpt}" in out, out

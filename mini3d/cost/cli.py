@@ -183,9 +183,24 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _check_counts(args):
+    """Counts that must be >= 1 when given (0 or a negative one would pass for the default)."""
+    for flag in ("seq_len", "top", "global_batch", "micro_batches", "virtual_stages"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise BadInput(f"--{flag.replace('_', '-')} {value} must be >= 1")
+    out = getattr(args, "out", None)
+    if args.command == "calibrate" and out:
+        from ..exits import file_target
+
+        for problem in file_target("--out", out):
+            raise BadInput(problem)
+
+
 def _guard(fn):
     def run(args) -> int:
         try:
+            _check_counts(args)
             return fn(args)
         except BadInput as e:
             print(f"error: {e}", file=sys.stderr)

@@ -14,7 +14,12 @@ def cmd_explain_hang(args) -> int:
     if not os.path.isdir(args.dir):
         print(f"mini3d explain-hang: bad input: DIR={args.dir!r} is not a directory", file=sys.stderr)
         return 2
-    result = explain(args.dir)
+    try:
+        result = explain(args.dir)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # a damaged dump
+        print(f"mini3d explain-hang: bad input: {_damaged(args.dir, e)} (a dump cut short or "
+              f"edited?)", file=sys.stderr)
+        return 2
     if result is None:
         from .flight_recorder import summary_lines
 
@@ -27,6 +32,24 @@ def cmd_explain_hang(args) -> int:
         return 2
     print(result.text)
     return 0
+
+
+def _damaged(run_dir: str, error: Exception) -> str:
+    """The first dump of `run_dir` that is not a JSON object with a rank, named with its error;
+    else `run_dir` with `error`."""
+    import glob
+    import json
+
+    why = f"{type(error).__name__}: {str(error).splitlines()[0][:80] if str(error) else ''}"
+    for path in sorted(glob.glob(os.path.join(run_dir, "*.json"))):
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            return f"{path} is damaged ({str(e).splitlines()[0][:80]})"
+        if os.path.basename(path).startswith("rank") and not (isinstance(d, dict) and "rank" in d):
+            return f"{path} is damaged (not a rank dump: no 'rank' field)"
+    return f"DIR={run_dir!r} holds a dump explain-hang cannot read ({why})"
 
 
 def diagnose_problems(args, plan) -> list[str]:
@@ -53,12 +76,17 @@ def diagnose_problems(args, plan) -> list[str]:
 
 
 def diagnose_spec(args) -> dict:
-    """The diagnostics part of a worker spec; without --run-dir the dumps go to a new temp dir."""
+    """The diagnostics part of a worker spec; without --run-dir the run dir is None here and
+    `make_run_dir` makes a temp dir once the input is valid (a refused or dry run leaves none)."""
+    return dict(run_dir=args.run_dir, hang_timeout=args.hang_timeout, inject_fault=args.inject_fault,
+                memory_budget=args.memory_budget)
+
+
+def make_run_dir(spec):
+    """`spec` with a run dir: its own, else a new temp dir (made only for a run that starts)."""
     import tempfile
 
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="mini3d-run-")
-    return dict(run_dir=run_dir, hang_timeout=args.hang_timeout, inject_fault=args.inject_fault,
-                memory_budget=args.memory_budget)
+    return spec if spec.run_dir else spec.replace(run_dir=tempfile.mkdtemp(prefix="mini3d-run-"))
 
 
 def add_train_args(p):
@@ -83,4 +111,5 @@ def register(subparsers):
     p.set_defaults(func=cmd_explain_hang)
 
 
-__all__ = ["register", "cmd_explain_hang", "add_train_args", "diagnose_problems", "diagnose_spec"]
+__all__ = ["register", "cmd_explain_hang", "add_train_args", "diagnose_problems", "diagnose_spec",
+           "make_run_dir"]

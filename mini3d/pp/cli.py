@@ -37,9 +37,16 @@ def register(subparsers):
     return p
 
 
+MAX_CELLS = 50_000  # pp x micro-batches x v: the grid, check and simulation take seconds at this
+
+
 def run(args) -> int:
     v = args.virtual_stages or (2 if args.schedule in MULTI_CHUNK else 1)
     problems = schedule_problems(args.schedule, args.pp, args.micro_batches, v)
+    if not problems and args.pp * args.micro_batches * v > MAX_CELLS:
+        problems.append(f"pp x micro-batches x virtual-stages = {args.pp} x {args.micro_batches} x "
+                        f"{v} = {args.pp * args.micro_batches * v:,} exceeds the bound of "
+                        f"{MAX_CELLS:,} (a schedule to print and simulate)")
     if problems:
         print(f"mini3d schedule: bad input (--pp {args.pp} --micro-batches {args.micro_batches} "
               f"--schedule {args.schedule} --virtual-stages {v}): " + "; ".join(problems) + ".",
