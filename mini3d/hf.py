@@ -168,8 +168,6 @@ def read_hf_dir(path: str) -> tuple[ModelConfig, dict]:
     """(config, mini3d full named state) of a local HF directory, sharded or not."""
     from safetensors.torch import load_file
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise HFError(f"{path!r} has no config.json (is it a Hugging Face model directory?)")
     cfg = hf_config(path)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -193,7 +191,9 @@ def hf_config(path: str) -> ModelConfig:
         with open(cfg_path) as f:
             d = json.load(f)
     except OSError as e:
-        raise HFError(f"{path!r}: {e.strerror} (config.json)") from None
+        missing = "has no config.json (is it a Hugging Face model directory?)"
+        raise HFError(f"{path!r} " + (missing if isinstance(e, FileNotFoundError)
+                                      else f"cannot be read: {e.strerror} (config.json)")) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise HFError(f"{cfg_path!r} is not valid JSON ({str(e).splitlines()[0][:80]})") from None
     if not isinstance(d, dict):
@@ -270,9 +270,7 @@ def _run(fn):
 
 
 def cmd_import(args) -> int:
-    path = import_hf(args.hf_dir, args.ckpt_dir)
-    with open(os.path.join(path, "meta.json")) as f:
-        cfg = model_from_dict(json.load(f)["model"])
+    path, cfg = import_hf(args.hf_dir, args.ckpt_dir), hf_config(args.hf_dir)
     print(f"wrote {path}: {cfg.family} model, {cfg.n_params():,} parameters, step 0 "
           f"(mini3d train --resume {args.ckpt_dir} ...)")
     return 0
