@@ -9,6 +9,7 @@
     vocabulary padding                 mini3d.tp.layers.padded_size
     model-state bytes per ZeRO stage   mini3d.cost.memory.model_state_bytes (STATE_BYTES)
     parameters / activations per stage mini3d.cost.memory.stage_param_count / layer_activation_bytes
+    ZeRO traffic per step (M mbs)      mini3d.cost.comm_time.dp_collectives / zero_traffic_psi
 
 Each test asks the callers and checks they agree with the owner, on cases where a copied formula
 would have drifted (n > 2 rings, uneven splits, interleaving). The last one checks that the
@@ -86,6 +87,25 @@ def test_cost_model_tp_and_dp_use_the_ring_factors():
     assert dp[1] - base[1] == pytest.approx(14 * 1e-3, rel=1e-6)  # one bucket, 2(8-1) steps
 
 
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_zero_traffic_has_one_owner(m):
+    """The cost model's dp wire bytes and chapter 03's formula column are zero_traffic_psi's Psi
+    (2, 2, M + 1, 3M) times one ring share of the gradient bytes, on a 3-rank ring (float32: the
+    gradient and parameter bytes are equal, as the paper's accounting assumes)."""
+    from mini3d.cost.comm_time import dp_time, zero_traffic_psi
+    from mini3d.course.viz.zero_traffic import zero_comm_rows
+
+    cfg, n, d = PRESETS["tiny"], 3000, 3  # n a multiple of d: whole ring shares, no flooring
+    psi = ring_wire_bytes("reduce_scatter", d, n * 4)
+    assert [zero_traffic_psi(z, m) for z in range(4)] == [2, 2, m + 1, 3 * m]
+    for z in range(4):
+        plan = Plan(dp=d, zero=z, micro_batches=m, global_batch=3 * m, dtype="float32")
+        wire = dp_time(cfg, plan, A100, n, 1e9, 0.0, 1.0)[2]
+        assert wire == pytest.approx(zero_traffic_psi(z, m) * psi, rel=1e-12)
+    rows = zero_comm_rows({z: {"comm_wire_bytes": {}} for z in range(4)}, n * 4, d, 1, micro_batches=m)
+    assert [r["formula_psi"] for r in rows] == [zero_traffic_psi(z, m) for z in range(4)]
+
+
 CASES = [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 3, 1), ("interleaved", 2, 4, 2),
          ("interleaved", 4, 8, 3)]
 
@@ -122,12 +142,15 @@ def test_layer_partition_has_one_owner():
 
 
 def test_removed_copies_stay_removed():
-    """The old second copies of shared formulas are not defined anywhere in the package."""
-    gone = {"padded_vocab", "chunk_layers", "closed_form_bubble", "_layers_per_chunk"}
+    """The old second copies of shared formulas are not defined anywhere in the package (ZERO_PSI
+    was chapter 03's table of ZeRO traffic at one micro-batch)."""
+    gone = {"padded_vocab", "chunk_layers", "closed_form_bubble", "_layers_per_chunk", "ZERO_PSI"}
     root = Path(__file__).resolve().parents[1] / "mini3d"
     found = []
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in gone:
                 found.append(f"{path.relative_to(root)}: {node.name}")
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) in gone for t in node.targets):
+                found.append(f"{path.relative_to(root)}: {node.targets[0].id}")
     assert not found

@@ -129,13 +129,20 @@ def test_zero_comm_rows_and_figure():
     psi = (dp - 1) / dp * grad_bytes
     res = {0: {"comm_wire_bytes": {"dp": steps * (2 * psi + 8)}},
            3: {"comm_wire_bytes": {"dp": steps * (3 * psi + 8)}}}
-    rows = zero_traffic.zero_comm_rows(res, grad_bytes, dp, steps)
+    rows = zero_traffic.zero_comm_rows(res, grad_bytes, dp, steps, micro_batches=1)
     assert [r["measured_psi"] for r in rows] == [pytest.approx(2.0), pytest.approx(3.0)]
     assert [r["formula_psi"] for r in rows] == [2, 3]
     fig = zero_traffic.zero_comm_figure(rows, grad_bytes, dp)
     _has_unit(fig.layout.yaxis.title.text)
     assert list(_trace(fig, "formula").x) == ["no ZeRO", "ZeRO-3"]
     assert list(_trace(fig, "formula").y) == pytest.approx([2 * psi / MIB, 3 * psi / MIB])
+    # Two micro-batches: ZeRO-2 reduce-scatters each one's gradients, (M + 1) Psi; ZeRO-3 3M Psi.
+    accum = zero_traffic.zero_comm_rows({2: {"comm_wire_bytes": {"dp": steps * (3 * psi + 8)}},
+                                         3: {"comm_wire_bytes": {"dp": steps * (6 * psi + 8)}}},
+                                        grad_bytes, dp, steps, micro_batches=2)
+    assert [(r["measured_psi"], r["formula_psi"]) for r in accum] == [(pytest.approx(3.0), 3), (pytest.approx(6.0), 6)]
+    fig = zero_traffic.zero_comm_figure(rows + accum, grad_bytes, dp)
+    assert list(_trace(fig, "formula").x) == ["no ZeRO · M=1", "ZeRO-3 · M=1", "ZeRO-2 · M=2", "ZeRO-3 · M=2"]
 
 
 @pytest.mark.timeout(180)
@@ -152,7 +159,7 @@ def test_train_many_worker_live_zero_traffic_and_ledger():
              for z in (0, 3)]
     r0 = launch(zero_traffic.train_many_worker, 2, specs)[0]
     grad_bytes = cfg.n_params() * 4
-    rows = zero_traffic.zero_comm_rows({0: r0[0], 3: r0[1]}, grad_bytes, 2, 1)
+    rows = zero_traffic.zero_comm_rows({0: r0[0], 3: r0[1]}, grad_bytes, 2, 1, micro_batches=1)
     assert [r["measured_psi"] for r in rows] == [pytest.approx(2.0), pytest.approx(3.0)]
     full, sharded = (measured_memory.measured_breakdown(r) for r in r0)
     assert sharded["params"] == full["params"] / 2 and sharded["grads"] == full["grads"] / 2

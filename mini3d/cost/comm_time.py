@@ -1,7 +1,8 @@
 """Communication time per axis, the cost model's three terms that talk to the links
 (`mini3d.cost.model.estimate_cost` adds them to compute): tensor parallelism per micro-batch
 (`tp_time`, from the layer's own collectives in `mini3d.tp.layout.comm_per_layer`), data
-parallelism / ZeRO per step with the overlap of the last backward (`dp_time`), and context
+parallelism / ZeRO per step with the overlap of the last backward (`dp_time`; how many
+collectives per step, `dp_collectives`, and their volume in Psi, `zero_traffic_psi`), and context
 parallelism's ring per micro-batch with its overlap behind each block's attention (`cp_time`).
 Every collective is timed by `Hardware.collective_s` and sized by `mini3d.comm.ring_wire_bytes`.
 """
@@ -40,6 +41,27 @@ def tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, fl
     return fwd_s, bwd_s, wire
 
 
+def dp_collectives(zero: int, micro_batches: int) -> tuple[int, int]:
+    """(gradient reductions, parameter all-gathers) of the whole model one rank issues per
+    optimizer step under ZeRO-`zero` with `micro_batches` micro-batches (mini3d.dp.zero,
+    "Communication per optimizer step"). ZeRO-0/1 keep full gradients, accumulate the
+    micro-batches and reduce once (ZeRO-0 an all-reduce, ZeRO-1 a reduce-scatter); ZeRO-2/3 keep
+    only a 1/dp shard, so they reduce-scatter every micro-batch's gradients. ZeRO-1/2 all-gather
+    the updated parameters once; ZeRO-3 gathers them for every micro-batch's forward and backward."""
+    reductions = micro_batches if zero >= 2 else 1
+    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * micro_batches}[zero]
+    return reductions, gathers
+
+
+def zero_traffic_psi(zero: int, micro_batches: int) -> int:
+    """Ring volumes one rank sends per step, in Psi: one Psi is a reduce-scatter's or an
+    all-gather's share of the full model, (dp-1)/dp of its bytes, and an all-reduce is two (the
+    ZeRO paper's accounting, with equal gradient and parameter bytes). With M micro-batches:
+    ZeRO-0 and -1 send 2, ZeRO-2 M + 1, ZeRO-3 3M; at M = 1, 2, 2, 2, 3."""
+    reductions, gathers = dp_collectives(zero, micro_batches)
+    return reductions * (2 if zero == 0 else 1) + gathers
+
+
 def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
     """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step.
     `t_bwd` is one micro-batch's backward, `t_compute` the step's compute. ZeRO-0/1 reduce the
@@ -55,9 +77,8 @@ def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float
     bucket = plan.bucket_mb * 2**20
     n_buckets = max(1, math.ceil(grads / bucket))
     g_op = "all_reduce" if plan.zero == 0 else "reduce_scatter"
-    reductions = plan.micro_batches if plan.zero >= 2 else 1
+    reductions, gathers = dp_collectives(plan.zero, plan.micro_batches)
     g_wire = reductions * ring_wire_bytes(g_op, d, grads)
-    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * plan.micro_batches}[plan.zero]  # parameter all-gathers
     p_wire = gathers * ring_wire_bytes("all_gather", d, params)
     t_reduce = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw)  # one reduction
     t_last = min(t_reduce, hw.collective_s(g_op, d, min(bucket, grads), bw))
@@ -89,4 +110,4 @@ def cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
             "wire": layers * wire}
 
 
-__all__ = ["tp_time", "dp_time", "cp_time"]
+__all__ = ["tp_time", "dp_collectives", "zero_traffic_psi", "dp_time", "cp_time"]
