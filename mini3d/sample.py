@@ -2,17 +2,20 @@
 
 A checkpoint holds every tensor at full shape under the reference model's names (mini3d.checkpoint),
 whatever layout wrote it, so one process loads it into the plain `mini3d.model.GPT` and generates
-with the tokenizer named in its meta. Decoding is the textbook loop (no KV cache: these models are
-small and the loop is the clearest statement of what sampling is): crop the context to max_seq_len,
-take the last position's logits, divide by the temperature, keep the top k, draw from a generator
-seeded with S. `--top-k 1` is greedy decoding (the draw then has one choice). The checkpoint is the
-model (every field from its meta.json; a tied head is the embedding it stores once), and the logits
-of ids past the tokenizer's vocabulary (a model whose table is wider, e.g. an imported one) are
-masked: sampling never emits an id the tokenizer cannot decode.
+with the tokenizer named in its meta. Decoding is the textbook loop: the last position's logits of
+the context cropped to max_seq_len, divided by the temperature, the top k kept, a draw from a
+generator seeded with S. The logits come from a key/value cache (mini3d.kv_cache: the prompt once,
+then one position per token; past the window the last window afresh), or with `--no-kv-cache` from
+the whole window every token (the same tokens, slower: for comparison). `--top-k 1` is greedy
+decoding (the draw then has one choice). The checkpoint is the model (every field from its
+meta.json; a tied head is the embedding it stores once), and the logits of ids past the tokenizer's
+vocabulary (a model whose table is wider, e.g. an imported one) are masked: sampling never emits an
+id the tokenizer cannot decode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -28,6 +31,8 @@ def register(sub):
     p.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (0: all; 1: greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="recompute the whole window for every token (the same tokens, slower)")
     p.set_defaults(func=cmd_sample)
 
 
@@ -55,25 +60,37 @@ def load_model(ckpt: str, device: str = "cpu"):
 
 @torch.no_grad()
 def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             seed: int = 0, n_vocab: int | None = None) -> list[int]:
+             seed: int = 0, n_vocab: int | None = None, kv_cache: bool = True,
+             on_logits=None) -> list[int]:
     """`ids` followed by `max_new_tokens` sampled tokens, each below `n_vocab` (the tokenizer's
     vocabulary: the logits of a model's wider table, e.g. an import padded to a round size, are
-    masked, so no id comes out that the tokenizer cannot decode)."""
+    masked, so no id comes out that the tokenizer cannot decode). `kv_cache=False` recomputes the
+    window for every token; `on_logits(step, logits)` sees each step's raw logits (V,) (tests)."""
+    from .kv_cache import KVDecoder
+
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.tensor([ids], dtype=torch.long, device=device)
     limit = model.cfg.max_seq_len
-    for _ in range(max_new_tokens):
-        logits = model(x[:, -limit:])[0, -1].float()  # (V,)
-        if n_vocab is not None and n_vocab < logits.numel():
-            logits[n_vocab:] = float("-inf")  # ids the tokenizer has no text for
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits / max(temperature, 1e-8), dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=g)
-        x = torch.cat([x, nxt[None]], dim=1)
+    decoder = KVDecoder(model) if kv_cache else None
+    with decoder or contextlib.nullcontext():
+        for step in range(max_new_tokens):
+            logits = decoder(x)[0] if decoder else model(x[:, -limit:])[0, -1].float()  # (V,)
+            if on_logits is not None:
+                on_logits(step, logits.clone())
+            x = torch.cat([x, _draw(logits, temperature, top_k, n_vocab, g)[None]], dim=1)
     return x[0].tolist()
+
+
+def _draw(logits, temperature: float, top_k: int, n_vocab, g) -> torch.Tensor:
+    """One token id (1,) drawn from logits (V,) (modified in place by the vocabulary mask)."""
+    if n_vocab is not None and n_vocab < logits.numel():
+        logits[n_vocab:] = float("-inf")  # ids the tokenizer has no text for
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / max(temperature, 1e-8), dim=-1)
+    return torch.multinomial(probs, 1, generator=g)
 
 
 def sample_problems(args) -> list[str]:
@@ -110,7 +127,7 @@ def cmd_sample(args) -> int:
         return bad_input([f"--prompt {args.prompt!r} encodes to id {max(ids)}, past the model's "
                           f"vocabulary of {model.cfg.vocab_size} (tokenizer {tok.name!r})"], "sample")
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                   n_vocab=tok.vocab_size)
+                   n_vocab=tok.vocab_size, kv_cache=args.kv_cache)
     sys.stdout.write(tok.decode(out) + "\n")
     return 0
 
