@@ -58,7 +58,8 @@ class CachedCore:
     def __call__(self, q, k, v):
         start, T = self.length, k.shape[2]
         if start + T > self.capacity:
-            raise ValueError(f"KV cache: {start} cached + {T} new positions > capacity {self.capacity}")
+            raise ValueError(f"KV cache: {start} cached + {T} new positions > capacity "
+                             f"{self.capacity}")
         if self.k is None or self.k.shape[0] != k.shape[0]:
             shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
             self.k = torch.empty(shape, dtype=k.dtype, device=k.device)

@@ -47,7 +47,8 @@ def both(model, prompt, n, **kw):
                          ids=["inside", "crosses-window", "prompt-past-window"])
 def test_greedy_cached_equals_uncached(name, prompt_len, n_new):
     model = model_of(CASES[name])
-    prompt = torch.randint(0, 64, (prompt_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 64, (prompt_len,), generator=g).tolist()
     cached, plain, lc, lp = both(model, prompt, n_new, top_k=1)
     assert cached == plain and len(cached) == prompt_len + n_new
     assert lc.shape == (n_new, 64)
