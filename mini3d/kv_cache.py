@@ -19,6 +19,11 @@ rotary's scores depend only on distances, but each block's hidden states would h
 context, so deeper layers' keys differ too). Sliding the cache would therefore sample something
 else than the uncached model. `KVDecoder` recomputes instead: past the window each step runs the
 last `max_seq_len` tokens afresh (the uncached cost; sampled tokens stay equal token for token).
+For rotary positions it can slide instead (`slide=True`, `mini3d sample --kv-slide`): the newest
+max_seq_len keys stay cached at their own positions and each new token reads them, which is
+exactly sliding-window attention (every layer, every position attends to the last max_seq_len
+positions, as in Mistral), at the decode cost of one position; its tokens past the window are that
+model's, not the cropped loop's.
 """
 
 from __future__ import annotations
@@ -46,30 +51,34 @@ def offset_attention(q, k, v):
 
 
 class CachedCore:
-    """An attention core that appends each call's k and v (B, nkv, T, hd) to preallocated buffers
+    """An attention core that writes each call's k and v (B, nkv, T, hd) into preallocated buffers
     of `capacity` positions and attends over everything cached. A call on an empty cache (the
-    prompt) goes through the model's own `core` (explicit or sdpa), so it is the uncached model."""
+    prompt) goes through the model's own `core` (explicit or sdpa), so it is the uncached model.
+    Full, it takes one more position only when `slide` is set: the new k and v overwrite the
+    oldest (slot = position % capacity; with one query the order of the keys does not matter)."""
 
-    def __init__(self, core, capacity: int):
-        self.core, self.capacity = core, capacity
+    def __init__(self, core, capacity: int, slide: bool = False):
+        self.core, self.capacity, self.slide = core, capacity, slide
         self.k = self.v = None  # (B, nkv, capacity, hd) once the first call shows B, dtype, device
-        self.length = 0  # positions cached
+        self.length = 0  # positions seen since the last reset (the cached ones: the last capacity)
 
     def __call__(self, q, k, v):
         start, T = self.length, k.shape[2]
-        if start + T > self.capacity:
+        if start + T > self.capacity and not (self.slide and T == 1):
             raise ValueError(f"KV cache: {start} cached + {T} new positions > capacity "
                              f"{self.capacity}")
         if self.k is None or self.k.shape[0] != k.shape[0]:
             shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
             self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
             self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
-        self.k[:, :, start:start + T] = k
-        self.v[:, :, start:start + T] = v
+        slot = start % self.capacity
+        self.k[:, :, slot:slot + T] = k
+        self.v[:, :, slot:slot + T] = v
         self.length = start + T
         if start == 0:
             return self.core(q, k, v)
-        return offset_attention(q, self.k[:, :, :self.length], self.v[:, :, :self.length])
+        n = min(self.length, self.capacity)
+        return offset_attention(q, self.k[:, :, :n], self.v[:, :, :n])
 
 
 class KVDecoder:
@@ -82,18 +91,29 @@ class KVDecoder:
 
         with KVDecoder(model) as next_logits:
             for _ in range(n): x = torch.cat([x, pick(next_logits(x))], dim=1)
+
+    Past the window it recomputes the last window (the default: the uncached loop's tokens), or,
+    with `slide=True` (rotary positions only: llama), keeps going one position per token over
+    the last max_seq_len cached keys at their own positions: sliding-window attention, whose
+    tokens past the window differ from the uncached loop's (see the module docstring).
     """
 
-    def __init__(self, model):
-        self.model, self.window = model, model.cfg.max_seq_len
+    def __init__(self, model, slide: bool = False):
+        self.model, self.window, self.slide = model, model.cfg.max_seq_len, slide
         self.attns = [block.attn for block in model.blocks.values()]
+        if slide and any(attn.rope_base is None for attn in self.attns):
+            raise ValueError("KV cache: slide needs rotary positions (the llama family); learned "
+                             "positions (gpt2) end at max_seq_len, so past it the window is "
+                             "recomputed")
         self.cores = []
+        self.offset = 0  # leading ids of x the last reset cropped off (a prompt past the window)
+        self.length = 0  # ids of x after the offset the cache has seen (their positions 0..)
         self.recomputes = 0  # calls that ran a whole window (the prompt, and each one past it)
 
     def __enter__(self):
         self.cores = [attn.core for attn in self.attns]
         for attn, core in zip(self.attns, self.cores):
-            attn.core = CachedCore(core, self.window)
+            attn.core = CachedCore(core, self.window, self.slide)
         return self
 
     def __exit__(self, *exc):
@@ -101,21 +121,17 @@ class KVDecoder:
             attn.core = core
         return False
 
-    @property
-    def length(self) -> int:
-        return self.attns[0].core.length if self.attns else 0
-
-    def reset(self):
-        for attn in self.attns:
-            attn.core.length = 0
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n, start = x.shape[1], self.length
-        if n > self.window or start == 0 or n <= start:
-            self.reset()  # a prompt, or past the window: the last window afresh (see the docstring)
+        n, seen = x.shape[1], self.offset + self.length
+        if self.length == 0 or n <= seen or (n > self.window and not self.slide):
+            # a prompt, or past the window: the last window afresh (see the module docstring)
+            self.offset, self.length, start = max(0, n - self.window), 0, 0
+            for attn in self.attns:
+                attn.core.length = 0
             self.recomputes += 1
-            x, start = x[:, -self.window:], 0
         else:
-            x = x[:, start:]  # the tokens the cache has not seen
-        positions = torch.arange(start, start + x.shape[1], device=x.device)
+            start = self.length  # the tokens the cache has not seen, at their positions
+        x = x[:, self.offset + start:]
+        self.length = start + x.shape[1]
+        positions = torch.arange(start, self.length, device=x.device)
         return self.model(x, positions=positions)[:, -1].float()  # (B, V)

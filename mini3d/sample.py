@@ -33,6 +33,9 @@ def register(sub):
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
                    help="recompute the whole window for every token (the same tokens, slower)")
+    p.add_argument("--kv-slide", action="store_true",
+                   help="llama family: past max_seq_len keep sliding the cache (sliding-window "
+                        "attention, one position per token) instead of recomputing the window")
     p.set_defaults(func=cmd_sample)
 
 
@@ -61,18 +64,19 @@ def load_model(ckpt: str, device: str = "cpu"):
 @torch.no_grad()
 def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              seed: int = 0, n_vocab: int | None = None, kv_cache: bool = True,
-             on_logits=None) -> list[int]:
+             slide: bool = False, on_logits=None) -> list[int]:
     """`ids` followed by `max_new_tokens` sampled tokens, each below `n_vocab` (the tokenizer's
     vocabulary: the logits of a model's wider table, e.g. an import padded to a round size, are
     masked, so no id comes out that the tokenizer cannot decode). `kv_cache=False` recomputes the
-    window for every token; `on_logits(step, logits)` sees each step's raw logits (V,) (tests)."""
+    window for every token; `slide` makes the cache slide past the window (rotary only, see
+    mini3d.kv_cache); `on_logits(step, logits)` sees each step's raw logits (V,) (tests)."""
     from .kv_cache import KVDecoder
 
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.tensor([ids], dtype=torch.long, device=device)
     limit = model.cfg.max_seq_len
-    decoder = KVDecoder(model) if kv_cache else None
+    decoder = KVDecoder(model, slide) if kv_cache else None
     with decoder or contextlib.nullcontext():
         for step in range(max_new_tokens):
             logits = decoder(x)[0] if decoder else model(x[:, -limit:])[0, -1].float()  # (V,)
@@ -101,6 +105,8 @@ def sample_problems(args) -> list[str]:
         out.append(f"--temperature {args.temperature} must be > 0 (use --top-k 1 for greedy)")
     if args.top_k < 0:
         out.append(f"--top-k {args.top_k} must be >= 0")
+    if args.kv_slide and not args.kv_cache:
+        out.append("--kv-slide slides the KV cache, which --no-kv-cache turns off")
     return out
 
 
@@ -120,6 +126,10 @@ def cmd_sample(args) -> int:
         tok = get_tokenizer(meta.get("tokenizer", "bytes"))
     except TokenizerError as e:
         return bad_input([f"checkpoint {ckpt!r}: {e}"], "sample")
+    if args.kv_slide and model.cfg.family != "llama":
+        return bad_input([f"--kv-slide needs rotary positions (the llama family); checkpoint "
+                          f"{ckpt!r} is {model.cfg.family} (learned positions end at max_seq_len)"],
+                         "sample")
     ids = tok.encode(args.prompt)
     if not ids:
         return bad_input([f"--prompt {args.prompt!r} encodes to no tokens"], "sample")
@@ -127,7 +137,7 @@ def cmd_sample(args) -> int:
         return bad_input([f"--prompt {args.prompt!r} encodes to id {max(ids)}, past the model's "
                           f"vocabulary of {model.cfg.vocab_size} (tokenizer {tok.name!r})"], "sample")
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                   n_vocab=tok.vocab_size, kv_cache=args.kv_cache)
+                   n_vocab=tok.vocab_size, kv_cache=args.kv_cache, slide=args.kv_slide)
     sys.stdout.write(tok.decode(out) + "\n")
     return 0
 

@@ -13,7 +13,7 @@ import torch
 from mini3d.cli import build_parser
 from mini3d.config import ModelConfig
 from mini3d.model import GPT, attention_core, set_attention
-from mini3d.sample import generate
+from mini3d.sample import generate, sample_problems
 
 GPT2 = ModelConfig(n_layers=3, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16)
 LLAMA = dataclasses.replace(GPT2, family="llama", n_kv_heads=2, d_ff=48, tie_embeddings=True)
@@ -82,3 +82,45 @@ def test_sample_has_a_no_kv_cache_flag():
     parser = build_parser()
     assert parser.parse_args(["sample", "ck"]).kv_cache is True
     assert parser.parse_args(["sample", "ck", "--no-kv-cache"]).kv_cache is False
+    both_off = parser.parse_args(["sample", "ck", "--no-kv-cache", "--kv-slide"])
+    assert sample_problems(both_off) == ["--kv-slide slides the KV cache, which --no-kv-cache "
+                                         "turns off"]
+    assert sample_problems(parser.parse_args(["sample", "ck", "--kv-slide"])) == []
+
+
+def banded_core(window: int):
+    """Reference sliding-window attention over a whole sequence: query i reads keys i-window+1..i
+    (key/value head i // g for query head i), written plainly (repeated heads, one mask)."""
+    def core(q, k, v):
+        T, g = q.shape[2], q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        ones = torch.ones(T, T, dtype=torch.bool)
+        hidden = ones.triu(1) | ones.tril(-window)
+        att = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        return torch.softmax(att.masked_fill(hidden, float("-inf")), dim=-1) @ v
+    return core
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "llama-mqa"])
+def test_sliding_cache_is_sliding_window_attention(name):
+    """`slide=True` past the window equals the whole sequence run at positions 0..n-1 with every
+    position reading the last max_seq_len ones, token for token and logits to float32 rounding."""
+    from mini3d.kv_cache import KVDecoder
+
+    cfg = CASES[name]
+    model = model_of(cfg)
+    got = []
+    ids = generate(model, [3, 1, 4, 1, 5], 40, top_k=1, slide=True,
+                   on_logits=lambda s, lg: got.append(lg))
+    for block in model.blocks.values():
+        block.attn.core = banded_core(cfg.max_seq_len)
+    x = torch.tensor([ids])
+    with torch.no_grad():  # the banded model's logits for each prefix the sampler extended
+        ref = model(x[:, :-1], positions=torch.arange(len(ids) - 1))[0, 4:]
+    lc = torch.stack(got)
+    assert torch.equal(ref.argmax(-1), x[0, 5:])  # its greedy tokens are the sampler's
+    torch.testing.assert_close(lc, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert generate(model_of(cfg), [3, 1, 4, 1, 5], 40, top_k=1)[:cfg.max_seq_len + 1] == \
+        ids[:cfg.max_seq_len + 1]  # inside the window sliding and recomputing agree
+    with pytest.raises(ValueError, match="rotary"):
+        KVDecoder(model_of(GPT2), slide=True)
