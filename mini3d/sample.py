@@ -2,17 +2,20 @@
 
 A checkpoint holds every tensor at full shape under the reference model's names (mini3d.checkpoint),
 whatever layout wrote it, so one process loads it into the plain `mini3d.model.GPT` and generates
-with the tokenizer named in its meta. Decoding is the textbook loop (no KV cache: these models are
-small and the loop is the clearest statement of what sampling is): crop the context to max_seq_len,
-take the last position's logits, divide by the temperature, keep the top k, draw from a generator
-seeded with S. `--top-k 1` is greedy decoding (the draw then has one choice). The checkpoint is the
-model (every field from its meta.json; a tied head is the embedding it stores once), and the logits
-of ids past the tokenizer's vocabulary (a model whose table is wider, e.g. an imported one) are
-masked: sampling never emits an id the tokenizer cannot decode.
+with the tokenizer named in its meta. Decoding is the textbook loop: the last position's logits of
+the context cropped to max_seq_len, divided by the temperature, the top k kept, a draw from a
+generator seeded with S. The logits come from a key/value cache (mini3d.kv_cache: the prompt once,
+then one position per token; past the window the last window afresh), or with `--no-kv-cache` from
+the whole window every token (the same tokens, slower: for comparison). `--top-k 1` is greedy
+decoding (the draw then has one choice). The checkpoint is the model (every field from its
+meta.json; a tied head is the embedding it stores once), and the logits of ids past the tokenizer's
+vocabulary (a model whose table is wider, e.g. an imported one) are masked: sampling never emits an
+id the tokenizer cannot decode.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -29,6 +32,11 @@ def register(sub):
     p.add_argument("--top-k", type=int, default=0, help="keep the K likeliest tokens (0: all; 1: greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no-kv-cache", dest="kv_cache", action="store_false",
+                   help="recompute the whole window for every token (the same tokens, slower)")
+    p.add_argument("--kv-slide", action="store_true",
+                   help="llama family: past max_seq_len keep sliding the cache (sliding-window "
+                        "attention, one position per token) instead of recomputing the window")
     p.set_defaults(func=cmd_sample)
 
 
@@ -56,28 +64,41 @@ def load_model(ckpt: str, device: str = "cpu"):
 
 @torch.no_grad()
 def generate(model, ids: list[int], max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             seed: int = 0, n_vocab: int | None = None) -> list[int]:
+             seed: int = 0, n_vocab: int | None = None, kv_cache: bool = True,
+             slide: bool = False, on_logits=None) -> list[int]:
     """`ids` followed by `max_new_tokens` sampled tokens, each below `n_vocab` (the tokenizer's
     vocabulary: the logits of a model's wider table, e.g. an import padded to a round size, are
-    masked, so no id comes out that the tokenizer cannot decode)."""
+    masked, so no id comes out that the tokenizer cannot decode). `kv_cache=False` recomputes the
+    window for every token; `slide` makes the cache slide past the window (rotary only, see
+    mini3d.kv_cache); `on_logits(step, logits)` sees each step's raw logits (V,) (tests)."""
+    from .kv_cache import KVDecoder
+
     device = next(model.parameters()).device
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.tensor([ids], dtype=torch.long, device=device)
     limit = model.cfg.max_seq_len
-    for _ in range(max_new_tokens):
-        logits = model(x[:, -limit:])[0, -1].float()  # (V,)
-        if n_vocab is not None and n_vocab < logits.numel():
-            logits[n_vocab:] = float("-inf")  # ids the tokenizer has no text for
-        if top_k:
-            kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits / max(temperature, 1e-8), dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=g)
-        x = torch.cat([x, nxt[None]], dim=1)
+    decoder = KVDecoder(model, slide) if kv_cache else None
+    with decoder or contextlib.nullcontext():
+        for step in range(max_new_tokens):
+            logits = decoder(x)[0] if decoder else model(x[:, -limit:])[0, -1].float()  # (V,)
+            if on_logits is not None:
+                on_logits(step, logits.clone())
+            x = torch.cat([x, _draw(logits, temperature, top_k, n_vocab, g)[None]], dim=1)
     return x[0].tolist()
 
 
-MAX_NEW_TOKENS = 100_000  # one full forward per token: more is hours on a CPU, a typo not a wish
+MAX_NEW_TOKENS = 100_000  # past this a run is hours on a CPU even with the KV cache: a typo
+
+
+def _draw(logits, temperature: float, top_k: int, n_vocab, g) -> torch.Tensor:
+    """One token id (1,) drawn from logits (V,) (modified in place by the vocabulary mask)."""
+    if n_vocab is not None and n_vocab < logits.numel():
+        logits[n_vocab:] = float("-inf")  # ids the tokenizer has no text for
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / max(temperature, 1e-8), dim=-1)
+    return torch.multinomial(probs, 1, generator=g)
 
 
 def sample_problems(args) -> list[str]:
@@ -103,6 +124,8 @@ def sample_problems(args) -> list[str]:
         choose_device(args.device, 1)
     except LaunchError as e:
         out.append(str(e))
+    if args.kv_slide and not args.kv_cache:
+        out.append("--kv-slide slides the KV cache, which --no-kv-cache turns off")
     return out
 
 
@@ -124,6 +147,10 @@ def cmd_sample(args) -> int:
         tok = get_tokenizer(meta.get("tokenizer", "bytes"))
     except TokenizerError as e:
         return bad_input([f"checkpoint {ckpt!r}: {e}"], "sample")
+    if args.kv_slide and model.cfg.family != "llama":
+        return bad_input([f"--kv-slide needs rotary positions (the llama family); checkpoint "
+                          f"{ckpt!r} is {model.cfg.family} (learned positions end at max_seq_len)"],
+                         "sample")
     ids = tok.encode(args.prompt)
     if not ids:
         return bad_input([f"--prompt {args.prompt!r} encodes to no tokens"], "sample")
@@ -131,7 +158,7 @@ def cmd_sample(args) -> int:
         return bad_input([f"--prompt {args.prompt!r} encodes to id {max(ids)}, past the model's "
                           f"vocabulary of {model.cfg.vocab_size} (tokenizer {tok.name!r})"], "sample")
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.seed,
-                   n_vocab=tok.vocab_size)
+                   n_vocab=tok.vocab_size, kv_cache=args.kv_cache, slide=args.kv_slide)
     sys.stdout.write(tok.decode(out) + "\n")
     return 0
 
