@@ -232,7 +232,7 @@ def materialize_reference(model, topo, seed: int, device) -> None:
     The Parameter objects are replaced (meta tensors hold no storage to fill) and keep their marks."""
     from ..model import reference_init
 
-    done: dict[int, tuple] = {}  # id(meta Parameter) -> (it, kept alive so ids stay unique; its replacement)
+    done: dict[int, tuple] = {}  # id(meta Parameter) -> (it, kept so ids stay unique; replacement)
     for mod_name, mod in model.named_modules():
         for key, p in list(mod._parameters.items()):
             if p is None:
