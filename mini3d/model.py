@@ -55,7 +55,7 @@ def reference_init(name: str, shape: tuple, seed: int, cfg: ModelConfig) -> torc
     std = 0.02
     if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
         std = 0.02 / math.sqrt(2 * cfg.n_layers)  # GPT-2's scaled residual projections
-    return torch.randn(shape, generator=g, device="cpu") * std
+    return torch.randn(shape, generator=g, device="cpu").mul_(std)  # in place: no second full copy
 
 
 def norm(cfg: ModelConfig) -> nn.Module:

@@ -215,12 +215,13 @@ def shard_like(p, full: torch.Tensor, topo) -> torch.Tensor:
     if not is_tp_sharded(p):
         return full
     dim, idx = p.tp_dim, p.tp_index.chunk(topo.tp.size)[topo.tp.index].to(full.device)
-    pad = len(p.tp_index) - full.shape[dim]
-    if pad:
-        shape = list(full.shape)
-        shape[dim] = pad
-        full = torch.cat([full, full.new_zeros(shape)], dim)
-    return full.index_select(dim, idx)
+    n = full.shape[dim]
+    if len(p.tp_index) == n:
+        return full.index_select(dim, idx)
+    # Padding indices (>= n) select row n-1 and are then zeroed: the only allocation is the slice
+    # (padding `full` itself would be a second full-size copy, alive next to `full`).
+    pad = (idx >= n).nonzero().squeeze(1)
+    return full.index_select(dim, idx.clamp(max=n - 1)).index_fill_(dim, pad, 0)
 
 
 @torch.no_grad()
@@ -231,9 +232,13 @@ def materialize_reference(model, topo, seed: int, device) -> None:
     The Parameter objects are replaced (meta tensors hold no storage to fill) and keep their marks."""
     from ..model import reference_init
 
+    done: dict[int, tuple] = {}  # id(meta Parameter) -> (it, kept so ids stay unique; replacement)
     for mod_name, mod in model.named_modules():
         for key, p in list(mod._parameters.items()):
             if p is None:
+                continue
+            if id(p) in done:  # a tied head: the embedding's value, not a second full transient
+                mod._parameters[key] = done[id(p)][1]
                 continue
             shape = list(p.shape)
             if is_tp_sharded(p):
@@ -242,7 +247,8 @@ def materialize_reference(model, topo, seed: int, device) -> None:
             full = reference_init(name, tuple(shape), seed, model.cfg)
             new = nn.Parameter(shard_like(p, full, topo).to(device), p.requires_grad)  # a new tensor
             new.__dict__.update(p.__dict__)  # tp_dim, tp_index, tp_full_size
-            mod._parameters[key] = new
+            mod._parameters[key], done[id(p)] = new, (p, new)
+            del full  # before the next parameter's value is drawn: one full parameter at a time
     tie_weights(model)  # a tied head was visited twice above: share one Parameter again
 
 
