@@ -66,7 +66,7 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
     fused = bool(optimizer.inner.defaults.get("fused"))  # fused AdamW keeps `step` on the device
     for (group, pshard, _), master in zip(optimizer.shards, optimizer.masters):
         def local_flat(source, key=None):
-            flat = torch.zeros(group.padded, dtype=torch.float32, device=master.device)
+            flat = torch.zeros(group.padded, dtype=master.dtype, device=master.device)
             for p, view in group.views(flat):
                 full = source[names[p]] if key is None else source[names[p]][key]
                 view.copy_(shard_like(p, full.to(master.device), topo))

@@ -29,6 +29,7 @@ from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
 from .dp import make_dp
+from .dp.zero import DTYPES
 from .grid import Grid, build_topology
 from .launch import current_device
 from .model import set_attention
@@ -74,10 +75,9 @@ class Trainer:
         self.last_peak_grad_bytes = 0  # most gradient bytes held at once in the latest step
         if plan.pp > 1:
             schedule = make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
-            act_dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
             self.runtime = PipelineRuntime(self.stages, schedule, topo,
                                            boundary_shape(plan, plan.micro_batch_size, cfg),
-                                           dtype=act_dtype, device=topo.device)
+                                           dtype=DTYPES[plan.dtype], device=topo.device)
 
     def _clip(self, local, max_norm: float):
         self.last_grad_norm = clip_grad_norm_(local, self.topo, max_norm, self.plan.zero >= 1)

@@ -96,8 +96,9 @@ class FullyShardedDP(GradSyncWrapper):
         for i, mods in enumerate(self.units):
             params = {p: None for m in mods for p in m.parameters() if p.requires_grad}  # once each
             g = FlatGroup(i, list(params), n, idx)
-            fp32 = g.flatten(torch.float32, first.device)
-            g.master_init = None if self.param_dtype == torch.float32 else fp32[g.lo:g.hi].clone()
+            wide = torch.float64 if self.param_dtype == torch.float64 else torch.float32
+            fp32 = g.flatten(wide, first.device)  # float64 runs: float64 masters
+            g.master_init = None if self.param_dtype == wide else fp32[g.lo:g.hi].clone()
             g.shard = fp32[g.lo:g.hi].to(self.param_dtype).clone()
             g.full = torch.empty(g.padded, dtype=self.param_dtype, device=first.device)
             g.adopt(g.full)

@@ -153,10 +153,11 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     Each element is counted once: tp-sharded pieces are summed over tp, replicated ones (equal on
     every tp rank, after `sum_replicated_grads`) taken once; dp shards (ZeRO >= 1) are summed over
     dp, replicas (ZeRO-0) not; pipeline stages are summed over pp. Each piece's norm is taken in
-    float32 (as torch does), the squares are summed in float64."""
+    float32 (as torch does; float64 in float64 runs), the squares are summed in float64."""
     norms = ([], [])  # [replicated, sharded]: one float32 norm per piece, summed once below
     for part, replicated in _local_parts(local_grads):
-        norms[0 if replicated else 1].append(torch.linalg.vector_norm(part, dtype=torch.float32))
+        wide = torch.promote_types(part.dtype, torch.float32)  # float64 runs: float64 norms
+        norms[0 if replicated else 1].append(torch.linalg.vector_norm(part, dtype=wide))
     dev = local_grads[0][1].device
     sq = torch.stack([torch.stack(n).double().square().sum() if n else
                       torch.zeros((), dtype=torch.float64, device=dev) for n in norms])
