@@ -28,8 +28,7 @@ from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
-from .dp import make_dp
-from .dp.zero import DTYPES
+from .dp import DTYPES, make_dp
 from .grid import Grid, build_topology
 from .launch import current_device
 from .model import set_attention
@@ -197,7 +196,8 @@ def _setup(run: RunConfig) -> dict:
     batches = Batches(open_tokens(run.data, tok), plan.seq_len, plan.global_batch, run.seed)
     val = open_tokens(run.data, tok, "val") if run.eval_every else None
     val_batches = Batches(val, plan.seq_len, plan.global_batch, run.seed, stream=1) if val else None
-    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip,
+    clip = run.grad_clip or (float("inf") if run.log_grad_norm else 0.0)  # inf: norm, no clip
+    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, clip,
                       run.decay_embeddings)
     start = trainer.load(run.resume) if run.resume else 0
     if run.init_from_hf and not run.resume:
