@@ -115,8 +115,14 @@ class RingAttention(torch.autograd.Function):
 
 @torch.compiler.disable  # its p2p ring stays outside compiled graphs (see mini3d.compile)
 def ring_attention(q, k, v, axis, kind: str = "explicit", scale: float | None = None):
-    """Ring attention of local (B, nh, T_local, hd) q, k, v over the cp `axis` (zig-zag layout)."""
+    """Ring attention of local (B, nh, T_local, hd) q, k, v over the cp `axis` (zig-zag layout).
+    Grouped-query attention (k, v with nkv < nh heads): each key/value head is repeated for its
+    nh / nkv query heads first (autograd sums their gradients back), as the block math wants equal
+    heads; the ring then carries nh heads of K and V."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     return RingAttention.apply(q, k, v, axis, kind, scale)
 
 
