@@ -45,7 +45,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
                 full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
                 comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
             for p, local in group.views(full):
-                value = unshard_like(p, local.float(), topo)
+                value = unshard_like(p, local.to(torch.promote_types(local.dtype, torch.float32)), topo)
                 if not keep:
                     continue
                 value = value.cpu()
