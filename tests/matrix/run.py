@@ -87,23 +87,21 @@ def spec_of(case: dict, data: str):
 
 def run_cases(specs: list) -> None:
     """On every rank: `train_worker` on each spec in turn. The reporting rank leaves each spec's
-    records in its run directory (result-<i>.pkl), a rank whose spec raises leaves the error
-    (error-<i>.txt), and rank 0 names the spec it is on (current), so that a launch that fails
-    (a hang: the watchdog ends it after HANG_SECONDS) still tells which case, and what came before."""
+    records in its run directory (result-<i>.pkl); a rank whose spec raises leaves the error
+    (error-<i>.txt) and ends the launch: the other ranks may still be inside that spec, so going on
+    would pair its collectives with the next spec's. The first spec without a result is then the
+    broken one (a hang too: the watchdog ends the launch after HANG_SECONDS)."""
     import torch.distributed as dist
 
     from mini3d.train import train_worker
 
     for i, spec in enumerate(specs):
-        if dist.get_rank() == 0:
-            with open(os.path.join(spec.run_dir, "current"), "w") as f:
-                f.write(str(i))
         try:
             r = train_worker(spec)
-        except Exception as e:  # noqa: BLE001 (reported per case; the next spec still runs)
+        except Exception as e:
             with open(os.path.join(spec.run_dir, f"error-{i}.txt"), "w") as f:
                 f.write(f"rank {dist.get_rank()}: {type(e).__name__}: {str(e)[:500]}")
-            continue
+            raise
         if r["reporter"]:
             with open(os.path.join(spec.run_dir, f"result-{i}.pkl"), "wb") as f:
                 pickle.dump({"records": r["records"]}, f)
@@ -119,6 +117,20 @@ def _read(run_dir: str, j: int) -> dict | None:
         with open(path) as f:
             return {"error": f.read()}
     return None
+
+
+def _explained(run_dir: str, e: Exception) -> str:
+    """The error, and for a hang the first lines of `mini3d explain-hang` (the dumps go with the
+    run directory)."""
+    from mini3d import cli
+    from mini3d.jobs import HangDetected
+
+    if not isinstance(e, HangDetected):
+        return str(e)[:300]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+        cli.main(["explain-hang", run_dir])
+    return "hang: " + " | ".join(line.strip() for line in text.getvalue().splitlines()[:6])
 
 
 def _launch_group(n: int, specs: list) -> list[dict]:
@@ -137,15 +149,14 @@ def _launch_group(n: int, specs: list) -> list[dict]:
                    env={**STRICT, **nccl_env(HANG_SECONDS, run_dir, "gloo")},
                    timeout=60 + CASE_SECONDS * len(batch))
         except Exception as e:  # noqa: BLE001 (a rank died or hung: named on its case below)
-            failure = f"launch of {n} ranks failed: {type(e).__name__}: {str(e)[:300]}"
+            failure = f"launch of {n} ranks failed: {type(e).__name__}: {_explained(run_dir, e)}"
+        got = [_read(run_dir, j) for j in range(len(pending))]
         for j, i in enumerate(pending):
-            got = _read(run_dir, j)
-            if got is not None:
-                out[i] = got
-        if failure:
-            current = os.path.join(run_dir, "current")
-            j = int(open(current).read()) if os.path.exists(current) else 0
-            out[pending[j]] = {"error": failure + "; " + out.get(pending[j], {}).get("error", "")}
+            if got[j] is not None and "error" not in got[j]:
+                out[i] = got[j]
+        if failure:  # the first spec without records broke the launch
+            j = next((j for j, i in enumerate(pending) if i not in out), 0)
+            out[pending[j]] = {"error": ((got[j] or {}).get("error", "") + "; " + failure)[:900]}
         shutil.rmtree(run_dir, ignore_errors=True)
         pending = [i for i in pending if i not in out]
     return [out[i] for i in range(len(specs))]
