@@ -29,7 +29,13 @@ NAMES = [describe(c) for c in VALID]
 
 # Cases that fail because of bugs other engineers are fixing now (issue 28): strict, so each turns
 # into a failure when its fix merges, and its entry must then be removed.
-XFAIL: dict[str, str] = {}
+_CP_VAL = ("validation with cp>1 (being fixed elsewhere): evaluate() feeds each cp rank whole "
+           "sequences, not its zig-zag chunks ('size of tensor a (16) must match b (8)')")
+XFAIL: dict[str, str] = {
+    "cp2-dp2-zero3-m1-llama-float64-explicit-tied-validation-rc-full": _CP_VAL,
+    "cp2-pp2-1f1b-zero2-m4-llama-bf16-sdpa-validation-rc-full": _CP_VAL,
+    "tp2-cp2-pp2-looped-bfs-zero1-m4-gpt2-bf16-explicit-tied-validation": _CP_VAL,
+}
 
 
 def test_covering_array_holds_every_pair_once_valid_or_refused():

@@ -48,9 +48,10 @@ def pairs_of(case: dict) -> set:
     return {(a, case[a], b, case[b]) for i, a in enumerate(names) for b in names[i + 1:]}
 
 
-def _layers(case: dict) -> int:
-    """4 layers; 8 where pp x virtual stages needs them (pp=4 with two chunks a rank)."""
-    return 8 if case["pp"] * _chunks(case) > 4 else 4
+def layers(case: dict) -> int:
+    """4 layers; 8 where pp x virtual stages needs them (pp=4 with two chunks a rank); a
+    reference keeps its case's ("layers")."""
+    return case.get("layers") or (8 if case["pp"] * _chunks(case) > 4 else 4)
 
 
 def _chunks(case: dict) -> int:
@@ -60,7 +61,7 @@ def _chunks(case: dict) -> int:
 def flags(case: dict, data: str = "DATA") -> list[str]:
     """The `mini3d train` flags of `case` (its data: a `mini3d prepare` directory with a val split)."""
     case = normalized(case)
-    out = ["--model", "tiny", "--layers", str(_layers(case)), "--hidden", "32", "--heads", "4",
+    out = ["--model", "tiny", "--layers", str(layers(case)), "--hidden", "32", "--heads", "4",
            "--ffn", "128", "--family", case["family"],
            "--kv-heads", "2" if case["family"] == "llama" else "4",  # llama: grouped-query
            "--tie-embeddings" if case["tied"] else "--no-tie-embeddings"]

@@ -34,7 +34,7 @@ import tempfile
 
 from mini3d.launch import launch
 
-from . import describe, flags, parsed, world
+from . import describe, flags, layers, parsed, world
 
 BOUNDS = {"float64": dict(loss=1e-10, val_loss=1e-10, grad_norm=1e-10),
           "float32": dict(loss=1e-5, val_loss=1e-5, grad_norm=1e-4),
@@ -68,7 +68,8 @@ def prepare_data(root: str | None = None) -> str:
 def reference_of(case: dict) -> dict:
     """The one-process run `case` is compared with."""
     return {**case, "tp": 1, "cp": 1, "pp": 1, "dp": 1, "zero": 0, "schedule": "1f1b", "sp": False,
-            "recompute": "none", "micro_batches": 1, "attention": "explicit", "dtype": "float64"}
+            "recompute": "none", "micro_batches": 1, "attention": "explicit", "dtype": "float64",
+            "layers": layers(case)}  # the case's model
 
 
 def spec_of(case: dict, data: str):
