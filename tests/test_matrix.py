@@ -5,9 +5,9 @@ one-process run (losses, gradient norm and validation losses of 3 AdamW steps: f
 1e-10, bf16 within test_3d's bounds; see tests/matrix/run.py), or, for the pairs only invalid
 combinations hold, in an exit-2 case whose message names the offending values.
 
-CI budget: 3-4 minutes on 2 CPU cores. Measured on the shared 2-core machine (load average 15-20
-from other jobs): 241 s for the module (43 cases, 3 xfailed), 157 CPU seconds in all, so about
-80 s on two idle cores; the array itself takes 4 s to build. The valid cases run in
+CI budget: 3-4 minutes on 2 CPU cores. Measured on the shared 2-core machine (load average 15-35
+from other jobs): 150-241 s for the module (44 cases, 4 xfailed), about 160 CPU seconds in all,
+so under 2 minutes on two idle cores; the array itself takes 4 s to build. The valid cases run in
 one launch per world size (1, 2, 4, 8 ranks: each launch runs its cases in sequence) plus one
 1-rank launch for the deduplicated references; the cases expected to fail (XFAIL: bugs being fixed
 elsewhere) run alone, so that their failure cannot hide the others. `python -m tests.matrix`
@@ -26,7 +26,14 @@ from tests.matrix.pairwise import _all_pairs, covering_array, random_valid_cases
 from tests.matrix.run import check_exit2, prepare_data, run_matrix, spec_of
 
 VALID, EXIT2 = covering_array()
-NAMES = [describe(c) for c in VALID]
+# Cases the random campaign (python -m tests.matrix --random N) found failing that no covering
+# case shows (pairs only: the covering array's tied x cp x pp x ZeRO cases are bf16, whose 3 %
+# bound hides a 3e-5 error), kept as regression cases.
+FOUND = [dict(tp=1, cp=2, pp=2, schedule="gpipe", dp=1, zero=1, tied=True, family="llama", sp=False,
+              recompute="none", clip=False, dtype="float64", validation=False, micro_batches=4,
+              attention="explicit")]
+CASES = VALID + FOUND
+NAMES = [describe(c) for c in CASES]
 
 # Cases that fail because of bugs other engineers are fixing now (issue 28): strict, so each turns
 # into a failure when its fix merges, and its entry must then be removed.
@@ -36,6 +43,9 @@ XFAIL: dict[str, str] = {
     "cp2-dp2-zero3-m1-llama-float64-explicit-tied-validation-rc-full": _CP_VAL,
     "cp2-pp2-1f1b-zero2-m4-llama-bf16-sdpa-validation-rc-full": _CP_VAL,
     "tp2-cp2-pp2-looped-bfs-zero1-m4-gpt2-bf16-explicit-tied-validation": _CP_VAL,
+    "cp2-pp2-gpipe-zero1-m4-llama-float64-explicit-tied": (
+        "tied head x cp x ZeRO x pp (being fixed elsewhere): the gradient norm is off by 2.95e-5 "
+        "(relative) at step 3 (1.50371 vs 1.50376) where every other float64 layout is within 1e-15"),
 }
 
 
@@ -77,10 +87,10 @@ def test_exit2_cases_are_refused_naming_the_offending_values(data):
 
 @pytest.fixture(scope="module")
 def verdicts(data):
-    for c in VALID:
+    for c in CASES:
         assert not isinstance(spec_of(c, data)[0], int), describe(c)  # the CLI accepts it
     alone = tuple(i for i, n in enumerate(NAMES) if n in XFAIL)
-    return run_matrix(VALID, data, alone)
+    return run_matrix(CASES, data, alone)
 
 
 def _param(i: int, name: str):
