@@ -65,7 +65,7 @@ def _complete(pair, uncovered: set, dims: dict, rng: random.Random) -> dict:
         def gain(v):
             trial = {**case, d: v}
             new = sum((e, trial[e], f, trial[f]) in uncovered or (f, trial[f], e, trial[e]) in uncovered
-                      for e in trial for f in trial if e != f and d in (e, f)) // 1
+                      for e in trial for f in trial if e != f and d in (e, f))
             fill = {k: vals[0] for k, vals in dims.items()} | trial
             return (new / cost(fill) ** WEIGHT, -world(fill), rng.random())
         case[d] = max(dims[d], key=gain)
