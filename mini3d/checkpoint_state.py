@@ -45,7 +45,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
                 full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
                 comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
             for p, local in group.views(full):
-                value = unshard_like(p, local.float(), topo)
+                value = unshard_like(p, local.to(torch.promote_types(local.dtype, torch.float32)), topo)
                 if not keep:
                     continue
                 value = value.cpu()
@@ -66,7 +66,7 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
     fused = bool(optimizer.inner.defaults.get("fused"))  # fused AdamW keeps `step` on the device
     for (group, pshard, _), master in zip(optimizer.shards, optimizer.masters):
         def local_flat(source, key=None):
-            flat = torch.zeros(group.padded, dtype=torch.float32, device=master.device)
+            flat = torch.zeros(group.padded, dtype=master.dtype, device=master.device)
             for p, view in group.views(flat):
                 full = source[names[p]] if key is None else source[names[p]][key]
                 view.copy_(shard_like(p, full.to(master.device), topo))

@@ -67,7 +67,8 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--global-batch", type=int, default=global_batch_default, help="sequences per step")
     g.add_argument("--seq-len", type=int, default=seq_len_default, help="tokens per sequence")
     g.add_argument("--recompute", default="none", help="none, selective or full")
-    g.add_argument("--dtype", default="float32", help="float32 or bf16")
+    g.add_argument("--dtype", default="float32",
+                   help="float32, bf16 (fp32 master weights) or float64 (exact parity checks)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm regions (tp > 1)")
     g.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size in MiB")
     g.add_argument("--grad-dtype", default="float32",

@@ -18,7 +18,7 @@ from .model_config import (ACTIVATIONS, ALIASES, FAMILIES, PRESETS, ModelConfig,
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")  # = mini3d.pp KINDS
 MULTI_CHUNK = ("interleaved", "looped-bfs", "zbv")  # kinds with v > 1 chunks per rank
 RECOMPUTE = ("none", "selective", "full")
-DTYPES = ("float32", "bf16")
+DTYPES = ("float32", "bf16", "float64")  # float64: exact parity checks (tests/matrix.py)
 ATTENTION = ("explicit", "sdpa")
 COMPILE = ("none", "inductor", "aot_eager")  # Plan.compile: off, or the torch.compile backend
 
@@ -64,7 +64,9 @@ class Plan:
     micro_batches: int = 1  # micro-batches per optimizer step on each dp replica
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved, looped-bfs; zbv: 2)
     recompute: str = "none"  # activation recomputation: none, selective or full
-    dtype: str = "float32"  # float32, or bf16 with fp32 master weights
+    # float32; bf16 with fp32 master weights; or float64 everywhere (parameters, activations,
+    # gradients, reductions: parity checks whose bounds do not depend on summation order)
+    dtype: str = "float32"
     global_batch: int = 8  # sequences per optimizer step, over all replicas
     seq_len: int = 64  # tokens per sequence
     sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence (tp > 1)
@@ -119,8 +121,8 @@ class Plan:
             out.append(f"recompute={self.recompute!r} is unknown (choose {', '.join(RECOMPUTE)})")
         if self.dtype not in DTYPES:
             out.append(f"dtype={self.dtype!r} is unknown (choose {', '.join(DTYPES)})")
-        if self.grad_dtype not in DTYPES:
-            out.append(f"grad_dtype={self.grad_dtype!r} is unknown (choose {', '.join(DTYPES)})")
+        if self.grad_dtype not in ("float32", "bf16"):
+            out.append(f"grad_dtype={self.grad_dtype!r} is unknown (choose float32 or bf16)")
         elif self.grad_dtype == "bf16" and self.dtype != "bf16":
             out.append("grad_dtype='bf16' needs dtype='bf16' (float32 parameters have float32 "
                        "gradients)")

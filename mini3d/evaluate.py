@@ -73,7 +73,9 @@ def _share(trainer, loss) -> float:
     rt = trainer.runtime
     if rt is None:
         return float(loss)
-    buf = loss.reshape(1).float().clone() if loss is not None else torch.zeros(1, device=rt.device)
+    wide = torch.promote_types(rt.p2p.dtype, torch.float32)  # the loss's dtype (float64 runs)
+    buf = loss.reshape(1).to(wide).clone() if loss is not None else torch.zeros(
+        1, dtype=wide, device=rt.device)
     comm.broadcast(buf, trainer.topo.pp, src_index=rt.schedule.rank_of(rt.schedule.n_stages - 1))
     return float(buf[0])
 

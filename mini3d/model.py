@@ -226,7 +226,8 @@ class Embedding(nn.Module):
 
 def cross_entropy(logits, targets):
     """Mean token-level cross-entropy; logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    z = logits.reshape(-1, logits.shape[-1])  # in float32 at least (float64 stays float64)
+    return F.cross_entropy(z.to(torch.promote_types(z.dtype, torch.float32)), targets.reshape(-1))
 
 
 class Head(nn.Module):

@@ -35,6 +35,9 @@ def add_run_args(p):
                    help="print a short sample every N steps (pp = 1)")
     g.add_argument("--tensorboard", metavar="DIR", help="TensorBoard event files (optional package)")
     g.add_argument("--keep-last", type=int, default=0, metavar="N", help="keep the newest N checkpoints")
+    g.add_argument("--log-grad-norm", action="store_true",
+                   help="record the global gradient norm every step, also without --grad-clip "
+                        "(one more scalar all-reduce per axis and step)")
     g.add_argument("--log-every", type=int, default=10, metavar="N",
                    help="plain progress line every N steps when stderr is not a terminal")
 
@@ -91,5 +94,6 @@ def run_options(args, cfg: ModelConfig, fixed: bool = False) -> tuple[ModelConfi
                   lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, min_lr=args.min_lr,
                   decay_steps=args.decay_steps, weight_decay=args.weight_decay,
                   decay_embeddings=args.decay_embeddings, sample_every=args.sample_every,
-                  tensorboard=args.tensorboard, keep_last=args.keep_last, log_every=args.log_every)
+                  tensorboard=args.tensorboard, keep_last=args.keep_last, log_every=args.log_every,
+                  log_grad_norm=args.log_grad_norm)
     return cfg, fields, problems

@@ -31,6 +31,7 @@ class RunConfig:
     seed: int = 0  # seeds the weights and the batches (batches are a function of (seed, step))
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float = 0.0  # clip the global gradient norm to this (0: off)
+    log_grad_norm: bool = False  # record `grad_norm` every step also without clipping
     data: str | None = None  # a text file, a `mini3d prepare` shard directory; None: embedded corpus
     tokenizer: str = "bytes"  # bytes, gpt2, or a tokenizer file's path (mini3d.tokenizer)
     eval_every: int = 0  # validation loss every N steps and at the end (0: never)

@@ -28,7 +28,7 @@ from .data import Batches, open_tokens
 from .diagnose.faults import parse_size
 from .diagnose.oom import check_budget, cuda_oom
 from .diagnose.session import diagnostics
-from .dp import make_dp
+from .dp import DTYPES, make_dp
 from .grid import Grid, build_topology
 from .launch import current_device
 from .model import set_attention
@@ -74,10 +74,9 @@ class Trainer:
         self.last_peak_grad_bytes = 0  # most gradient bytes held at once in the latest step
         if plan.pp > 1:
             schedule = make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
-            act_dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
             self.runtime = PipelineRuntime(self.stages, schedule, topo,
                                            boundary_shape(plan, plan.micro_batch_size, cfg),
-                                           dtype=act_dtype, device=topo.device)
+                                           dtype=DTYPES[plan.dtype], device=topo.device)
 
     def _clip(self, local, max_norm: float):
         self.last_grad_norm = clip_grad_norm_(local, self.topo, max_norm, self.plan.zero >= 1)
@@ -199,7 +198,8 @@ def _setup(run: RunConfig) -> dict:
     batches = Batches(open_tokens(run.data, tok), plan.seq_len, plan.global_batch, run.seed)
     val = open_tokens(run.data, tok, "val") if run.eval_every else None
     val_batches = Batches(val, plan.seq_len, plan.global_batch, run.seed, stream=1) if val else None
-    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, run.grad_clip,
+    clip = run.grad_clip or (float("inf") if run.log_grad_norm else 0.0)  # inf: norm, no clip
+    trainer = Trainer(cfg, plan, topo, run.seed, run.lr, run.weight_decay, clip,
                       run.decay_embeddings)
     start = trainer.load(run.resume) if run.resume else 0
     if run.init_from_hf and not run.resume:

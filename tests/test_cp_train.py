@@ -1,5 +1,6 @@
 """Context parallelism in the trainer: cp layouts equal the single-process reference (loss and
-every gradient over several AdamW steps, float32), and Plan's cp checks.
+every gradient over several AdamW steps, float64 with test_3d's tight F64 bounds), and Plan's
+cp checks.
 
 One 4-process gloo job runs every layout (tests/cp_workers.run_cp_layouts): cp=2 and cp=4 alone,
 tp2 x cp2 (with sequence parallelism), cp2 x pp2 (1F1B, sdpa block math, full recompute; and
@@ -13,22 +14,25 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from mini3d.config import Plan
 from mini3d.launch import launch
 from tests.cp_workers import run_cp_layouts
-from tests.test_3d import BF16, BASE, CFG, F32, SEED, STEPS, check_bf16, check_float32, reference
+from tests.test_3d import BF16, BASE, CFG, F64, SEED, STEPS, check_bf16, check_float32, reference
+
+F64_BASE = {**BASE, "dtype": "float64"}  # exact layouts: float64, test_3d's F64 bounds
 
 CASES = [
-    ("cp2", Plan(cp=2, micro_batches=2, **BASE)),
-    ("cp4", Plan(cp=4, **BASE)),
-    ("tp2-cp2-sp", Plan(tp=2, cp=2, micro_batches=2, sequence_parallel=True, **BASE)),
+    ("cp2", Plan(cp=2, micro_batches=2, **F64_BASE)),
+    ("cp4", Plan(cp=4, **F64_BASE)),
+    ("tp2-cp2-sp", Plan(tp=2, cp=2, micro_batches=2, sequence_parallel=True, **F64_BASE)),
     ("cp2-pp2-1f1b-sdpa-full", Plan(cp=2, pp=2, micro_batches=2, attention="sdpa",
-                                    recompute="full", **BASE)),
-    ("cp2-dp2-zero1", Plan(cp=2, dp=2, zero=1, micro_batches=2, **BASE)),
+                                    recompute="full", **F64_BASE)),
+    ("cp2-dp2-zero1", Plan(cp=2, dp=2, zero=1, micro_batches=2, **F64_BASE)),
     ("cp2-pp2-interleaved-v2", Plan(cp=2, pp=2, schedule="interleaved", virtual_stages=2,
-                                          micro_batches=2, **BASE)),
-    ("cp2-dp2-zero3", Plan(cp=2, dp=2, zero=3, micro_batches=2, **BASE)),
+                                          micro_batches=2, **F64_BASE)),
+    ("cp2-dp2-zero3", Plan(cp=2, dp=2, zero=3, micro_batches=2, **F64_BASE)),
     ("cp2-dp2-zero2-bf16", Plan(cp=2, dp=2, zero=2, micro_batches=2, dtype="bf16", **BASE)),
 ]
 
@@ -38,15 +42,19 @@ def test_cp_layouts_equal_the_reference():
     cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
     results = launch(run_cp_layouts, 4, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu",
                      timeout=220)
-    ref = reference(STEPS)
+    refs = {"float64": reference(STEPS, dtype=torch.float64), "bf16": reference(STEPS)}
     for name, plan in CASES:
+        ref = refs[plan.dtype]
         mine = [r for per_rank in results for r in per_rank if r["name"] == name]
         assert mine, name
         losses = {tuple(r["losses"]) for r in mine}
         assert len(losses) == 1, (name, losses)
-        tol = F32["loss"] if plan.dtype == "float32" else BF16["loss"]
+        tol = F64["loss"] if plan.dtype == "float64" else BF16["loss"]
         assert list(losses.pop()) == pytest.approx(ref[0], abs=tol), name
-        (check_float32 if plan.dtype == "float32" else check_bf16)(name, plan, results, ref)
+        if plan.dtype == "float64":
+            check_float32(name, plan, results, ref, bounds=F64)
+        else:
+            check_bf16(name, plan, results, ref)
         # the ring really ran: per layer and micro-batch 3cp-2 sends (see test_cp.py)
         layers = CFG.n_layers // plan.pp
         want = (3 * plan.cp - 2) * layers * plan.micro_batches * STEPS * (2 if plan.recompute == "full" else 1)

@@ -29,13 +29,18 @@ from mini3d.train import Trainer
 LR, WEIGHT_DECAY = 3e-3, 0.1
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """float32 at least (a bf16 gradient), float64 kept (float64 runs)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _capture_grads(trainer: Trainer) -> list:
     """Make the inner optimizer record each master's gradient shard just before it steps."""
     opt, seen = trainer.optimizer, []
     inner_step = opt.inner.step
 
     def step(*a, **k):
-        seen.append([None if m.grad is None else m.grad.detach().float().clone() for m in opt.masters])
+        seen.append([None if m.grad is None else _wide(m.grad.detach()).clone() for m in opt.masters])
         return inner_step(*a, **k)
 
     opt.inner.step = step

@@ -13,7 +13,7 @@ from ..config import ModelConfig, Plan
 from ..pp.schedules import in_flight_bound
 from ..tp.layers import padded_size
 
-ELEMENT_BYTES = {"float32": 4, "bf16": 2}
+ELEMENT_BYTES = {"float32": 4, "bf16": 2, "float64": 8}
 
 
 def local_seq_len(plan: Plan) -> int:

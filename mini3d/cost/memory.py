@@ -47,7 +47,7 @@ from .activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatche
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
-STATE_BYTES = {"float32": (4, 4, 8), "bf16": (2, 2, 12)}  # (params, grads, optimizer) per param
+STATE_BYTES = {"float32": (4, 4, 8), "bf16": (2, 2, 12), "float64": (8, 8, 16)}  # (params, grads, optim.)
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,13 @@ _HAS_CPU_FLASH = (hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu")
                   and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 at least: bf16 is widened, float64 (parity runs) stays float64."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    s = (q.float() @ k.float().transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
+    s = (_wide(q) @ _wide(k).transpose(-2, -1)) * scale  # (B, nh, Tq, Tk)
     if causal:
         mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
@@ -47,10 +52,10 @@ def block_forward(q, k, v, causal: bool, kind: str, scale: float):
     if kind == "sdpa" and _fused(q):
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
-        return out.float(), lse.float()
+        return _wide(out), _wide(lse)
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v.float(), lse
+    return torch.exp(s - lse.unsqueeze(-1)) @ _wide(v), lse
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -67,11 +72,11 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, kind: str, scale: floa
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(dt).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
             out.to(dt).contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
-        return dq.float(), dk.float(), dv.float()
+        return _wide(dq), _wide(dk), _wide(dv)
     s = _scores(q, k, causal, scale)
     p = torch.exp(s - lse.unsqueeze(-1))  # (B, nh, Tq, Tk); masked entries are exp(-inf) = 0
-    dout, out = dout.float(), out.float()
+    dout, out = _wide(dout), _wide(out)
     dv = p.transpose(-2, -1) @ dout
-    dp = dout @ v.float().transpose(-2, -1)
+    dp = dout @ _wide(v).transpose(-2, -1)
     ds = p * (dp - (dout * out).sum(-1, keepdim=True))
-    return (ds @ k.float()) * scale, (ds.transpose(-2, -1) @ q.float()) * scale, dv
+    return (ds @ _wide(k)) * scale, (ds.transpose(-2, -1) @ _wide(q)) * scale, dv

@@ -85,14 +85,15 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         axis, cp = ctx.axis, ctx.axis.size
         qs, dos, outs, lses = (x.chunk(2, dim=2) for x in (q, dout, out, lse))
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        wide = torch.promote_types(q.dtype, torch.float32)  # float64 runs: float64 sums
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
         dqs = dq.chunk(2, dim=2)
         kv = torch.stack([k, v]).contiguous()
         dkv_in, pending = None, []  # the accumulator arriving for the next step; sends in flight
         for t in range(cp):
             nxt, works = _exchange(kv, axis) if t + 1 < cp else (None, [])
             ks, vs = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            dkv = torch.zeros(kv.shape, dtype=wide, device=q.device)
             dks, dvs = dkv[0].chunk(2, dim=2), dkv[1].chunk(2, dim=2)
             for qi, ki, causal in _pairs(axis, t):
                 dqp, dkp, dvp = block_backward(dos[qi], qs[qi], ks[ki], vs[ki], outs[qi], lses[qi],
@@ -121,8 +122,14 @@ class RingAttention(torch.autograd.Function):
 
 @torch.compiler.disable  # its p2p ring stays outside compiled graphs (see mini3d.compile)
 def ring_attention(q, k, v, axis, kind: str = "explicit", scale: float | None = None):
-    """Ring attention of local (B, nh, T_local, hd) q, k, v over the cp `axis` (zig-zag layout)."""
+    """Ring attention of local (B, nh, T_local, hd) q, k, v over the cp `axis` (zig-zag layout).
+    Grouped-query attention (k, v with nkv < nh heads): each key/value head is repeated for its
+    nh / nkv query heads first (autograd sums their gradients back), as the block math wants equal
+    heads; the ring then carries nh heads of K and V."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     return RingAttention.apply(q, k, v, axis, kind, scale)
 
 

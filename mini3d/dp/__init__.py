@@ -3,7 +3,7 @@ ZeRO-3 (zero3.py), bf16 mixed precision with fp32 masters (zero.py), and the mem
 
 from .ddp import DataParallel
 from .ledger import model_state_ledger
-from .zero import ShardedOptimizer, make_dp
+from .zero import DTYPES, ShardedOptimizer, make_dp
 from .zero3 import FullyShardedDP
 
-__all__ = ["DataParallel", "FullyShardedDP", "ShardedOptimizer", "make_dp", "model_state_ledger"]
+__all__ = ["DTYPES", "DataParallel", "FullyShardedDP", "ShardedOptimizer", "make_dp", "model_state_ledger"]

@@ -101,9 +101,10 @@ class DataParallel(GradSyncWrapper):
         self.buckets = [FlatGroup(i, r, n, idx) for i, r in enumerate(runs)]
         self._bucket_of = {}
         for b in self.buckets:
-            fp32 = b.flatten(torch.float32, device)  # exact initial values, for the master copy
-            b.master_init = None if self.param_dtype == torch.float32 else fp32[b.lo:b.hi].clone()
-            b.param_buf = fp32 if self.param_dtype == torch.float32 else fp32.to(self.param_dtype)
+            wide = torch.float64 if self.param_dtype == torch.float64 else torch.float32
+            fp32 = b.flatten(wide, device)  # exact initial values, for the master copy
+            b.master_init = None if self.param_dtype == wide else fp32[b.lo:b.hi].clone()
+            b.param_buf = fp32 if self.param_dtype == wide else fp32.to(self.param_dtype)
             b.adopt(b.param_buf)
             b.grad_buf, b.grad_shard, b.launched = None, None, False
             if zero_stage < 2:

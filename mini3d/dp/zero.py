@@ -74,7 +74,7 @@ import torch.nn as nn
 from .ddp import DataParallel
 from .zero3 import FullyShardedDP
 
-DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
 
 
 class ShardedOptimizer:
@@ -85,7 +85,7 @@ class ShardedOptimizer:
         self.shards = wrapper.shard_groups()  # [(group, param shard view, grad shard getter)]
         self.masters = []
         for group, pshard, _ in self.shards:
-            if pshard.dtype == torch.float32:
+            if pshard.dtype in (torch.float32, torch.float64):
                 master = nn.Parameter(pshard)  # shares storage with the parameters
             else:
                 master = nn.Parameter(group.master_init)

@@ -125,8 +125,9 @@ class FullyShardedDP(GradSyncWrapper):
 
     def _piece(self, index: int, params: list, device) -> FlatGroup:
         g = FlatGroup(index, params, self.axis.size, self.axis.index)
-        fp32 = g.flatten(torch.float32, device)
-        g.master_init = None if self.param_dtype == torch.float32 else fp32[g.lo:g.hi].clone()
+        wide = torch.float64 if self.param_dtype == torch.float64 else torch.float32
+        fp32 = g.flatten(wide, device)  # float64 runs: float64 masters
+        g.master_init = None if self.param_dtype == wide else fp32[g.lo:g.hi].clone()
         g.shard = fp32[g.lo:g.hi].to(self.param_dtype).clone()
         g.full = torch.empty(g.padded, dtype=self.param_dtype, device=device)
         g.adopt(g.full)

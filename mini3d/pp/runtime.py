@@ -114,7 +114,9 @@ class PipelineRuntime:
         if st.losses:
             loss = torch.stack(st.losses).mean()
         if broadcast_loss and sched.p > 1:
-            buf = loss.reshape(1).clone() if loss is not None else torch.zeros(1, device=self.device)
+            wide = torch.promote_types(self.p2p.dtype, torch.float32)  # the loss's dtype
+            buf = (loss.reshape(1).to(wide).clone() if loss is not None else
+                   torch.zeros(1, dtype=wide, device=self.device))
             last_rank = sched.rank_of(sched.n_stages - 1)
             comm.broadcast(buf, self.topo.pp, src_index=last_rank)
             loss = buf[0]

@@ -30,7 +30,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, axis, vocab_start: int, vocab_size: int):
-        z = logits.reshape(-1, logits.shape[-1]).float()  # (N, V/tp)
+        z = logits.reshape(-1, logits.shape[-1])  # (N, V/tp), float32 at least
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
         t = targets.reshape(-1)
         n_local = z.shape[1]
         n_pad = vocab_start + n_local - vocab_size  # padding columns at the end of this slice

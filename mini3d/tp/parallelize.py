@@ -155,10 +155,12 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     shard group, `topo.dp_cp` (cp x dp: the group the dp wrapper reduces every gradient over),
     replicas (ZeRO-0: equal on every cp x dp rank after its average) not; pipeline stages are summed
     over pp (a tied head's copy, `tied_copy`, is left out: the matrix counts once). Each piece's
-    norm is taken in float32 (as torch does), the squares are summed in float64."""
+    norm is taken in float32 (as torch does; float64 in float64 runs), the squares are summed in
+    float64."""
     norms = ([], [])  # [replicated, sharded]: one float32 norm per piece, summed once below
     for part, replicated in _local_parts(local_grads):
-        norms[0 if replicated else 1].append(torch.linalg.vector_norm(part, dtype=torch.float32))
+        wide = torch.promote_types(part.dtype, torch.float32)  # float64 runs: float64 norms
+        norms[0 if replicated else 1].append(torch.linalg.vector_norm(part, dtype=wide))
     dev = local_grads[0][1].device
     sq = torch.stack([torch.stack(n).double().square().sum() if n else
                       torch.zeros((), dtype=torch.float64, device=dev) for n in norms])
