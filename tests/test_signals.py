@@ -41,14 +41,20 @@ def _interrupt(tmp_path, send, extra=()) -> tuple[int, str, int]:
         send(proc)
         out = proc.communicate(timeout=60)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        time.sleep(0.3)
-        left = marked(f"MINI3D_TEST_SIGNAL={value}".encode())
-        kill_all(left)
-    assert not left, "a rank survived"
+        _reap(proc, value)
     return proc.returncode, out, len(log.read_text().splitlines())
+
+
+def _reap(proc, value: str):
+    """Kill the job if it is still running, then fail if any rank it started (marked by the job's
+    MINI3D_TEST_SIGNAL value) survived it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    time.sleep(0.3)
+    left = marked(f"MINI3D_TEST_SIGNAL={value}".encode())
+    kill_all(left)
+    assert not left, "a rank survived"
 
 
 @pytest.mark.timeout(150)
@@ -136,13 +142,7 @@ def _stop_while_starting(tmp_path, signum: int, delay: float) -> tuple[int, str]
             proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        time.sleep(0.3)
-        left = marked(f"MINI3D_TEST_SIGNAL={value}".encode())
-        kill_all(left)
-    assert not left, "a rank survived"
+        _reap(proc, value)
     return proc.returncode, out
 
 

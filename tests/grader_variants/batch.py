@@ -63,5 +63,5 @@ def run_batches(jobs, timeout: float = 600.0) -> dict:
 
     sized = [(name, who, seed, world_of(grading.find([name])[0], seed)) for name, who, seed in jobs]
     ranks = launch(run_jobs, max(w for *_, w in sized), sized, timeout=timeout,
-                   env={"MINI3D_STRICT_DEVICE": "0"})
+                   env={"MINI3D_STRICT_DEVICE": "0", "MINI3D_CHECK_P2P": "0"})  # as the grader's
     return {(name, who, seed): [r[(name, who, seed)] for r in ranks[:w]] for name, who, seed, w in sized}

@@ -50,7 +50,9 @@ def min_gpus(ctx):
 
 
 
-_PER = {dtype: dict(zip(("params", "grads", "optimizer"), per)) for dtype, per in STATE_BYTES.items()}
+# the exercise's two training dtypes (STATE_BYTES also has float64, a parity-debugging mode only)
+_PER = {dtype: dict(zip(("params", "grads", "optimizer"), STATE_BYTES[dtype]))
+        for dtype in ("float32", "bf16")}
 
 
 def bytes_per_param_ok(ctx):
