@@ -1,7 +1,7 @@
-"""Compiled / eager: `mini3d train --compile` (inductor, each block compiled, mini3d.compile) against
+"""Compiled / eager: `mini3d train --compile` (inductor, each block compiled, mini3d.run.compile) against
 the same run in eager mode, one process and tp2, on local CPU processes.
 
-Each side is a real `mini3d.train.train_worker` launch (the CLI's worker) of the tiny model; the
+Each side is a real `mini3d.run.train.train_worker` launch (the CLI's worker) of the tiny model; the
 steps are timed by the trainer's own step records. The first `WARMUP` steps are left out of the
 timed ones: the compiled run's first step traces and compiles (inductor writes C++ and builds it
 with the system compiler), which costs seconds to minutes and is reported on its own: the warm-up
@@ -21,8 +21,8 @@ import statistics
 import time
 
 from mini3d.config import PRESETS, Plan
-from mini3d.launch import launch
-from mini3d.train import make_spec, reporter_records, train_worker
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec, reporter_records, train_worker
 
 from .common import ratio_row, value_row
 

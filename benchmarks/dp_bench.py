@@ -26,8 +26,8 @@ import torch.distributed as dist
 from mini3d.config import ModelConfig, Plan
 from mini3d.dp import make_dp
 from mini3d.grid import Grid, build_topology
-from mini3d.launch import launch
-from mini3d.model import GPT
+from mini3d.launch.launcher import launch
+from mini3d.models.transformer import GPT
 
 from .common import ratio_row
 

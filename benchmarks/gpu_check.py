@@ -88,8 +88,8 @@ def device_peak(device: str, peak_tflops: float | None) -> tuple[str, float | No
 
 def profile_mini3d(cfg, plan: Plan, steps: int, device: str, top: int = 12) -> str:
     """torch.profiler table of `steps` mini3d steps at world size 1 (by self device time on CUDA)."""
-    from mini3d.launch import launch
-    from mini3d.train import make_spec
+    from mini3d.launch.launcher import launch
+    from mini3d.run.train import make_spec
 
     from .profile_3d import _profiled_worker
 
@@ -128,7 +128,7 @@ def check(model: str, seq_len: int, global_batch: int, steps: int, warmup: int, 
             r["profile"] = profile_mini3d(cfg, plan, profile_steps, device)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         ours, r["error"] = [], str(e)
-    if device == "cpu":  # match the launched rank's single thread (mini3d.launch threads=1)
+    if device == "cpu":  # match the launched rank's single thread (mini3d.launch.launcher threads=1)
         import torch
 
         torch.set_num_threads(1)

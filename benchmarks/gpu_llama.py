@@ -7,12 +7,12 @@ the ratio to a plain compiled PyTorch loop (the Llama section of `benchmarks/gpu
 The model is the `llama-3.2-1b` preset (1.24B parameters: 16 layers, d_model 2048, 32 query and
 8 key/value heads, SwiGLU width 8192, 128256-token vocabulary, tied head: Meta's published shape),
 4 x 2048 tokens per step, bf16 with fp32 master weights, fused sdpa attention, each block compiled
-by inductor (mini3d.compile).
+by inductor (mini3d.run.compile).
 
 1. `mini3d train --device D --dtype bf16 --attention sdpa --compile` at world size 1, as a
    subprocess, with --log-jsonl; the first `--warmup` steps (the compilation) are left out of the
    timed ones and reported apart as the compile warm-up.
-2. MFU: `mini3d.report.model_flops_utilisation` (the trainer's own) against the bf16 peak of the
+2. MFU: `mini3d.run.report.model_flops_utilisation` (the trainer's own) against the bf16 peak of the
    cost package's preset matching the GPU (`gpu_check.device_peak`), or `--peak-tflops`.
 3. Peak memory: the run's `peak_mem_bytes` (CUDA's allocator peak; process RSS on a CPU) next to
    `mini3d.cost.memory.estimate_memory(cfg, plan).total`.
@@ -33,7 +33,7 @@ import sys
 from mini3d.cli import build_parser, model_from_args
 from mini3d.config import Plan
 from mini3d.cost.memory import estimate_memory
-from mini3d.report import model_flops_utilisation
+from mini3d.run.report import model_flops_utilisation
 
 from .gpu_check import _ratios, device_peak, publish, run_mini3d
 from .plain_loop import plain_step_times
@@ -67,7 +67,7 @@ def check(tiny: bool, seq_len: int, global_batch: int, steps: int, warmup: int, 
                  loss_first_last=(records[0]["loss"], records[-1]["loss"]))
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         r["error"] = str(e)
-    if device == "cpu":  # match the launched rank's single thread (mini3d.launch threads=1)
+    if device == "cpu":  # match the launched rank's single thread (mini3d.launch.launcher threads=1)
         import torch
 
         torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.one_process [--quick]
 
-One launched process runs both, taking turns `ROUNDS` times: `mini3d.train.train_worker` for a
+One launched process runs both, taking turns `ROUNDS` times: `mini3d.run.train.train_worker` for a
 one-process plan (world size 1: no tensor, pipeline or data parallelism, but mini3d's whole step:
 the trainer, its records, the optimizer wrapper) and `benchmarks.plain_loop.plain_step_times` (the
 same GPT with the same seed, the same batches, AdamW, nothing else). A repeat's time is the median
@@ -16,8 +16,8 @@ import statistics
 import sys
 
 from mini3d.config import Plan
-from mini3d.launch import launch
-from mini3d.train import make_spec, reporter_records, train_worker
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec, reporter_records, train_worker
 
 from .common import ratio_row
 from .plain_loop import plain_step_times

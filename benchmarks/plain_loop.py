@@ -1,6 +1,6 @@
 """A plain single-device PyTorch training loop: the baseline `gpu_check.py` compares mini3d with.
 
-Same GPT (`mini3d.model.GPT`, same seed, so the same weights), the same batches (`mini3d.data`'s
+Same GPT (`mini3d.models.transformer.GPT`, same seed, so the same weights), the same batches (`mini3d.data.corpus`'s
 embedded corpus, the same global batch and sequence length), AdamW with mini3d's betas (fused on
 CUDA, as mini3d's), and nothing else: no process group, no DP/ZeRO wrapper, no hooks. Recipes:
 
@@ -25,8 +25,8 @@ import time
 import torch
 
 from mini3d.config import ModelConfig, model_from_preset
-from mini3d.data import Batches, load_tokens
-from mini3d.model import GPT, set_attention
+from mini3d.data.corpus import Batches, load_tokens
+from mini3d.models.transformer import GPT, set_attention
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "amp": torch.float32}  # parameter dtype
 

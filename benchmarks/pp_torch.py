@@ -26,8 +26,8 @@ import torch.distributed as dist
 from mini3d import comm
 from mini3d.config import ModelConfig
 from mini3d.grid import Grid, build_topology
-from mini3d.launch import launch
-from mini3d.model import cross_entropy
+from mini3d.launch.launcher import launch
+from mini3d.models.transformer import cross_entropy
 from mini3d.pp.partition import build_stages
 from mini3d.pp.runtime import PipelineRuntime
 from mini3d.pp.schedules import make_schedule

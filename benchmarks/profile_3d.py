@@ -2,7 +2,7 @@
 
     python -m benchmarks.profile_3d [--label before|after] [--steps N] [--no-write]
 
-Rank 0 (first pipeline stage, tp_rank 0, dp_rank 0) runs `mini3d.train.train_worker` under both
+Rank 0 (first pipeline stage, tp_rank 0, dp_rank 0) runs `mini3d.run.train.train_worker` under both
 torch.profiler (operator self-CPU time: the math and the collectives) and cProfile (Python time per
 function: where mini3d's own per-op costs show). The other 7 ranks run unprofiled. The section
 "profile-LABEL" of benchmarks/RESULTS.md gets the run's tokens/s (the same 8-process measurement
@@ -19,8 +19,8 @@ import pstats
 
 import torch.distributed as dist
 
-from mini3d.launch import launch
-from mini3d.train import make_spec, train_worker
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec, train_worker
 
 from .common import replace_section
 from .train_runs import PLAN_3D, TINY, measure_train

@@ -3,7 +3,7 @@
 
     python -m benchmarks.sample_bench [--quick]
 
-Each round generates `n_new` tokens after a one-token prompt twice, cached (mini3d.kv_cache) and
+Each round generates `n_new` tokens after a one-token prompt twice, cached (mini3d.models.kv_cache) and
 uncached (the whole window for every token), with the same seed; the two must give the same ids.
 Two lengths: inside the window (120 new tokens, max_seq_len 128: every step after the prompt is one
 position) and past it (250: from token 128 on, the cache recomputes the last window each step, as
@@ -27,8 +27,8 @@ import time
 import torch
 
 from mini3d.config import PRESETS
-from mini3d.model import GPT
-from mini3d.sample import generate
+from mini3d.models.transformer import GPT
+from mini3d.run.sample import generate
 
 from .common import ratio_row
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from mini3d import comm
 from mini3d.grid import Grid, build_topology
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from mini3d.tp import ColumnParallelLinear, RowParallelLinear
 
 from benchmarks.common import ratio_row

@@ -1,7 +1,7 @@
 """Measuring real `mini3d train` runs (the same worker the CLI spawns) on local gloo/CPU processes.
 
 `measure_train(cfg, plan, steps, warmup)` launches `plan.world_size` processes running
-`mini3d.train.train_worker` and returns the reporting rank's per-step times, dropping the first
+`mini3d.run.train.train_worker` and returns the reporting rank's per-step times, dropping the first
 `warmup` steps (first-touch allocations, gloo connection set-up, autograd graph caching).
 
 `run(quick)` gives the tokens/s row of the tiny 3D run (tp2 pp2 dp2, 1F1B) for the combined table.
@@ -13,8 +13,8 @@ import statistics
 
 from mini3d.config import PRESETS, ModelConfig, Plan
 from mini3d.cost.host_probe import probe_worker, summarise
-from mini3d.launch import launch
-from mini3d.train import make_spec, reporter_records, train_worker
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec, reporter_records, train_worker
 
 from .common import stats, value_row
 

@@ -33,7 +33,7 @@ from mini3d import comm  # noqa: E402
 from mini3d.config import Plan  # noqa: E402
 from mini3d.dp import make_dp  # noqa: E402
 from mini3d.grid import Grid, build_topology  # noqa: E402
-from mini3d.launch import current_device, launch  # noqa: E402
+from mini3d.launch.launcher import current_device, launch  # noqa: E402
 from mini3d.pp.generic import stages_from_blocks  # noqa: E402
 from mini3d.pp.runtime import PipelineRuntime  # noqa: E402
 from mini3d.pp.schedules import make_schedule  # noqa: E402

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     entropy = None
     if not args.no_entropy:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from mini3d.data import load_tokens, unigram_entropy
+        from mini3d.data.corpus import load_tokens, unigram_entropy
 
         entropy = unigram_entropy(load_tokens())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -1,6 +1,6 @@
 """mini3d: 3D-parallel training (data + tensor + pipeline, ZeRO, recomputation) you can read and use."""
 
-# The names below are imported lazily (PEP 562): a worker process first imports mini3d._boot,
+# The names below are imported lazily (PEP 562): a worker process first imports mini3d.launch.boot,
 # which must arm its die-with-parent signal before anything imports torch (seconds of start-up in
 # which a killed launcher would otherwise leave it running).
 _LAZY = {"PRESETS": "config", "ModelConfig": "config", "Plan": "config", "PlanError": "config",

@@ -13,16 +13,16 @@ import os
 import sys
 
 from .config import PRESETS, ModelConfig, Plan, PlanError, model_from_preset
-from .model_args import add_family_args, family_overrides
+from mini3d.run.model_args import add_family_args, family_overrides
 
 from .exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_HUNG, EXIT_OK, EXIT_OOM, bad_input  # noqa: F401
 from .exits import EXIT_NONFINITE
-from .train_cli import (check_resume, checkpoint_mark, report_failure,  # noqa: F401
-                        report_interrupt, report_twice, run_from_args, stopped_while_starting)
+from mini3d.run.train_cli import (check_resume, checkpoint_mark, report_failure, report_interrupt,
+                                  report_twice, run_from_args, stopped_while_starting)
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
-SUBCOMMAND_MODULES = ("mini3d.cost.cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.prepare",
-                      "mini3d.sample", "mini3d.hf")
+SUBCOMMAND_MODULES = ("mini3d.run.cost_cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.data.prepare",
+                      "mini3d.run.sample", "mini3d.checkpoint.hf")
 
 
 def add_model_args(p: argparse.ArgumentParser):
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--allow-change", action="store_true",
                    help="resume although --seed, --data or --global-batch differ from the checkpoint's")
     from .diagnose.cli import add_train_args
-    from .run_cli import add_run_args
+    from mini3d.run.options import add_run_args
 
     add_run_args(t)  # tokenizer, validation, lr schedule, metrics, long runs
     add_train_args(t)  # mini3d.diagnose: --hang-timeout --run-dir --inject-fault --memory-budget ...
@@ -147,9 +147,9 @@ def validated_train(args):
     exit code (2 for bad input naming every value; a dry run's verdict).
 
     Returns (spec, plan, world, torchrun, derived run dir) or an int."""
-    from .launch import LaunchError, choose_device, in_torchrun
+    from mini3d.launch.launcher import LaunchError, choose_device, in_torchrun
 
-    from .model_source import run_model
+    from mini3d.run.model_source import run_model
 
     try:  # a checkpoint (--resume) or an HF directory (--init-from-hf) is the model; else the flags
         cfg, fixed, problems = run_model(args, lambda: model_from_args(args))
@@ -162,7 +162,7 @@ def validated_train(args):
     world = int(os.environ["WORLD_SIZE"]) if torchrun else (args.world_size or plan.world_size)
     from .diagnose.cli import diagnose_problems, diagnose_spec
 
-    from .run_cli import run_options
+    from mini3d.run.options import run_options
 
     derived, shared = False, []
     if torchrun:  # one run directory for all ranks: --run-dir, or derived from the rendezvous id
@@ -171,7 +171,7 @@ def validated_train(args):
         run_dir, problem = run_dir_for(args.run_dir)
         shared = [problem] if problem else []
         derived, args.run_dir = not args.run_dir, run_dir or args.run_dir
-    from .run_checks import run_problems
+    from mini3d.run.checks import run_problems
 
     early = problems + run_problems(args, plan, cfg) + shared  # before diagnose_spec makes a run dir
     cfg, options, problems = run_options(args, cfg, fixed)  # tokenizer, eval, schedule, metrics
@@ -179,7 +179,7 @@ def validated_train(args):
     problems = spec.problems(world) + problems + early
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
     if args.dry_run:  # validate, map, the recorded step's comm verdict, memory; starts nothing
-        from .dryrun import dry_run
+        from mini3d.run.dryrun import dry_run
 
         return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node,
                                                             grad_clip=args.grad_clip)
@@ -200,20 +200,20 @@ def validated_train(args):
 
 
 def cmd_train(args) -> int:
-    from .launch import LaunchTimeout, WorkerError
+    from mini3d.launch.launcher import LaunchTimeout, WorkerError
 
     job = validated_train(args)
     if isinstance(job, int):
         return job
     spec, plan, world, torchrun, derived = job
-    from .train import summary_line
+    from mini3d.run.train import summary_line
 
     spec = spec.replace(stop_on_signal=True)  # Ctrl-C / SIGTERM: stop at a step boundary
     if torchrun:  # the local launcher's failure handling, among the ranks (mini3d.diagnose)
-        from . import torchrun_train as under_torchrun
+        from mini3d.run import torchrun as under_torchrun
 
         return under_torchrun.train(spec, args.device, derived)
-    from .stop import launcher_signals
+    from mini3d.run.stop import launcher_signals
 
     before, got = checkpoint_mark(args.save), []
     try:
@@ -250,8 +250,8 @@ def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
     """Spawn `world` local processes running `train_worker(spec)` (a RunConfig)."""
     from .diagnose.save_clock import checkpoint_bytes
     from .diagnose.watchdog import nccl_env
-    from .launch import choose_device, launch
-    from .train import train_worker
+    from mini3d.launch.launcher import choose_device, launch
+    from mini3d.run.train import train_worker
 
     run_dir = spec.run_dir
     backend = choose_device(device, world)[0]

@@ -3,10 +3,10 @@ number, shape, dtype, payload and ring wire bytes, start and end), kept in a bou
 `CommLog` with per-axis counters. `mini3d.comm`'s wrappers write it; the hang watchdog, `explain-hang`,
 the measured communication volumes and the measured timelines read it.
 
-The p2p record (`P2P_RECORD`): under MINI3D_CHECK_P2P=1 a `mini3d.launch` worker turns it on
+The p2p record (`P2P_RECORD`): under MINI3D_CHECK_P2P=1 a `mini3d.launch.launcher` worker turns it on
 (`start_p2p_record`) and every CommLog of the process (a test may build several topologies in
 one launch) appends each point-to-point op it issues, and each wait, in program order; the
-launcher checks the ranks' records against each other (`mini3d.p2p_record`). One record per
+launcher checks the ranks' records against each other (`mini3d.launch.p2p_record`). One record per
 process, not per log, on purpose: it is the process' program the rules judge. Off by default, so a
 long job's memory does not grow.
 """

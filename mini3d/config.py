@@ -1,5 +1,5 @@
 """Configuration as data: the parallel layout (`Plan`), next to the model's shape (`ModelConfig`,
-its families and presets: mini3d/model_config.py, re-exported here).
+its families and presets: mini3d/models/config.py, re-exported here).
 
 Everything else in mini3d reads these two frozen dataclasses: the launcher, the trainer, the
 memory estimator, the cost model, the planner and the course widgets. `Plan.problems()` checks a
@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .model_config import (ACTIVATIONS, ALIASES, FAMILIES, PRESETS, ModelConfig,  # noqa: F401
-                           PlanError, _divisors, model_from_dict, model_from_preset)
+from mini3d.models.config import (ACTIVATIONS, ALIASES, FAMILIES, PRESETS, ModelConfig, PlanError,
+                                  _divisors, model_from_dict, model_from_preset)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")  # = mini3d.pp KINDS
 MULTI_CHUNK = ("interleaved", "looped-bfs", "zbv")  # kinds with v > 1 chunks per rank
@@ -76,7 +76,7 @@ class Plan:
     # bf16: half the gradient memory and dp traffic, but rounded at every sum (see mini3d/dp/ddp.py)
     grad_dtype: str = "float32"
     cp: int = 1  # context-parallel degree (splits each sequence; attention by ring attention)
-    # torch.compile each transformer block (mini3d.compile): "none", or the backend ("inductor";
+    # torch.compile each transformer block (mini3d.run.compile): "none", or the backend ("inductor";
     # "aot_eager" traces and partitions the same graphs without generating code, for quick tests)
     compile: str = "none"
 

@@ -9,7 +9,7 @@ import sys
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_HUNG, EXIT_OOM = 0, 1, 2, 3, 4
 EXIT_NONFINITE = 5  # the loss became nan or inf (the message names the step and the rank)
-# 130 / 143: stopped by SIGINT / SIGTERM at a step boundary (mini3d.stop.exit_code)
+# 130 / 143: stopped by SIGINT / SIGTERM at a step boundary (mini3d.run.stop.exit_code)
 
 
 def bad_input(problems: list[str], command: str = "train") -> int:

@@ -99,7 +99,7 @@ class WeightDecay:
 
 def _is_embedding(name: str, tied: bool = False) -> bool:
     # tensor-parallel embeddings are not nn.Embedding subclasses: known by their reference names;
-    # a tied head's copy on the last pipeline stage is the embedding (mini3d.model.canonical_name)
+    # a tied head's copy on the last pipeline stage is the embedding (mini3d.models.transformer.canonical_name)
     return name.endswith(("wte.weight", "wpe.weight")) or (tied and name.endswith("head.out.weight"))
 
 

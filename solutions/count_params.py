@@ -9,7 +9,7 @@ import math
 
 
 def count_params(cfg) -> int:
-    """Exact number of parameters of `mini3d.model.GPT(cfg)`.
+    """Exact number of parameters of `mini3d.models.transformer.GPT(cfg)`.
 
     Embedding: token table (V, h) + position table (max_seq_len, h). Each block: two LayerNorms
     (weight + bias), qkv Linear h -> 3h, out-projection h -> h, MLP h -> d_ff -> h, all with biases.

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 
 def apply_recompute(model, policy: str):
-    """Make `model` (a mini3d.model.GPT) recompute activations in backward instead of storing them.
+    """Make `model` (a mini3d.models.transformer.GPT) recompute activations in backward instead of storing them.
 
     "none": leave it. "full": each block's forward runs under checkpoint (only its input is kept).
     "selective": only each block's attention core `block.attn.core` (the softmax(QK^T)V part, whose

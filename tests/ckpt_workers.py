@@ -8,7 +8,7 @@ def resume_and_watch_loads(spec: dict) -> dict:
     and whether the RNG state after the load is the one the checkpoint holds."""
     import torch
 
-    import mini3d.train as train
+    import mini3d.run.train as train
 
     calls, rng = [], []
     load, restore = torch.load, train.restore_rng

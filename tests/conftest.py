@@ -3,14 +3,14 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Every process a test launches (mini3d.launch workers, `python -m mini3d` subprocesses) computes
+# Every process a test launches (mini3d.launch.launcher workers, `python -m mini3d` subprocesses) computes
 # with torch's default device set to meta, so a tensor created without an explicit device fails
-# as it would under NCCL / CUDA (see mini3d/launch.py). The test process itself is not affected:
+# as it would under NCCL / CUDA (see mini3d/launch/launcher.py). The test process itself is not affected:
 # its single-process reference computations stay ordinary CPU code. MINI3D_STRICT_DEVICE=0 turns
 # it off for a local investigation.
 STRICT = os.environ.setdefault("MINI3D_STRICT_DEVICE", "1")
-# Every mini3d.launch job records each rank's point-to-point program, and the launcher checks it
-# under NCCL's ordering rules once all ranks returned (mini3d/p2p_record.py: pairwise one for one;
+# Every mini3d.launch.launcher job records each rank's point-to-point program, and the launcher checks it
+# under NCCL's ordering rules once all ranks returned (mini3d/launch/p2p_record.py: pairwise one for one;
 # mini3d/diagnose/p2p_order.py, imported here: the full simulation): every multi-process test is
 # also judged on whether its p2p calls would hang on NCCL. MINI3D_CHECK_P2P=0 turns it off for a
 # local investigation.

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_cp.py (spawned by mini3d.launch)."""
+"""Worker functions for tests/test_cp.py (spawned by mini3d.launch.launcher)."""
 
 from __future__ import annotations
 
@@ -51,11 +51,11 @@ def run_cp_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> 
     each cp rank its zig-zag chunks; returns from every dp_rank-0, cp_rank-0 rank the losses, every
     step's full gradients and the final parameters (gathered over cp x dp, tp)."""
     from mini3d import comm
-    from mini3d.checkpoint import gather_full_state
+    from mini3d.checkpoint.store import gather_full_state
     from mini3d.config import ModelConfig, Plan
     from mini3d.cp import chunk_batch
-    from mini3d.data import Batches, load_tokens
-    from mini3d.train import Trainer
+    from mini3d.data.corpus import Batches, load_tokens
+    from mini3d.run.train import Trainer
     from tests.threed_workers import LR, WEIGHT_DECAY, _capture_grads, full_grads
 
     cfg, rank, out = ModelConfig(**cfg_dict), dist.get_rank(), []
@@ -87,9 +87,9 @@ def run_cp_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> 
 
 
 def measured_ring(spec: dict) -> dict:
-    """`mini3d.train.train_worker` on `spec`, reduced to what tests/test_cp_costs.py compares: this
+    """`mini3d.run.train.train_worker` on `spec`, reduced to what tests/test_cp_costs.py compares: this
     rank's activation bytes of layer 0 per micro-batch, and its cp sends of step 1 (count, bytes)."""
-    from mini3d.train import train_worker
+    from mini3d.run.train import train_worker
 
     r = train_worker(spec)
     sends = [e for e in r["events"] if e["axis"] == "cp" and e["op"] == "send"

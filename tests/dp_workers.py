@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.data import Batches, load_tokens
+from mini3d.data.corpus import Batches, load_tokens
 from mini3d.dp import make_dp, model_state_ledger
 from mini3d.grid import Grid, build_topology
-from mini3d.model import GPT
+from mini3d.models.transformer import GPT
 
 # d_model=18: a block holds 4122 parameters, not a multiple of 4, so dp=4 shards need padding
 CFG = ModelConfig(n_layers=2, d_model=18, n_heads=3, vocab_size=64, max_seq_len=16, name="dp-test")

@@ -1,4 +1,4 @@
-"""Workers for tests/test_p2p_check.py (spawned by mini3d.launch: importable, top level)."""
+"""Workers for tests/test_p2p_check.py (spawned by mini3d.launch.launcher: importable, top level)."""
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ def layouts_p2p(cases: list[dict], cfg_dict: dict) -> list:
     from mini3d.comm_log import P2P_RECORD
     from mini3d.config import ModelConfig, Plan
     from mini3d.cp import chunk_batch
-    from mini3d.train import Trainer
+    from mini3d.run.train import Trainer
     from tests.cp_workers import _groups_only
 
     cfg, rank, out = ModelConfig(**cfg_dict), dist.get_rank(), []

@@ -1,7 +1,7 @@
-"""3D composition: tp x pp x dp layouts of mini3d.train.Trainer equal the single-process reference.
+"""3D composition: tp x pp x dp layouts of mini3d.run.train.Trainer equal the single-process reference.
 
 One 8-process gloo job runs every layout in turn (tests/threed_workers.run_layouts). The reference is
-the plain `mini3d.model.GPT` with AdamW of the same hyper-parameters, trained on the full global batch
+the plain `mini3d.models.transformer.GPT` with AdamW of the same hyper-parameters, trained on the full global batch
 of each step (the mean token loss of the global batch = the mean over equal micro-batches of their
 mean losses). Compared: the loss of every step, EVERY gradient of every step (gathered back to full
 shape), and every parameter after the last step.
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.data import Batches, load_tokens
-from mini3d.launch import launch
-from mini3d.model import GPT
-from mini3d.train import make_spec, train_worker
+from mini3d.data.corpus import Batches, load_tokens
+from mini3d.launch.launcher import launch
+from mini3d.models.transformer import GPT
+from mini3d.run.train import make_spec, train_worker
 from tests.threed_workers import LR, WEIGHT_DECAY, run_layouts
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests.test_3d import F64, F64_BASE, SEED, STEPS, check_float32, reference
 from tests.threed_workers import run_layouts
 
@@ -87,7 +87,7 @@ def test_gpt2_with_a_tied_head_across_two_stages_equals_the_reference():
 def test_dropout_is_available_off_by_default_and_refused_with_tp():
     import torch
 
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
 
     x = torch.randint(0, 256, (2, 16))
     model = GPT(ModelConfig(dropout=0.2))

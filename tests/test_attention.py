@@ -12,7 +12,7 @@ import torch
 from mini3d.cli import main
 from mini3d.config import ModelConfig, Plan
 from mini3d.cost.memory import layer_activation_bytes
-from mini3d.model import GPT, attention_core, sdpa_core, set_attention
+from mini3d.models.transformer import GPT, attention_core, sdpa_core, set_attention
 from tests.test_recompute import CFG, _run as run_policy
 
 
@@ -74,7 +74,7 @@ def test_plans_that_cannot_use_sdpa_are_named():
 
 
 def test_cli_refuses_sdpa_with_selective_before_any_process(capsys, monkeypatch):
-    import mini3d.launch as launch
+    import mini3d.launch.launcher as launch
 
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a process was started"))
     assert main(["train", "--attention", "sdpa", "--recompute", "selective"]) == 2

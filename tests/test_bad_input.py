@@ -14,8 +14,8 @@ import tempfile
 import pytest
 
 from mini3d import cli
-from mini3d.devices import visible_gpus
-from mini3d import torchrun_train as torchrun
+from mini3d.launch.devices import visible_gpus
+from mini3d.run import torchrun
 
 CASES = [  # (flags, a piece of the message that names the value)
     # campaign: tracebacks after the workers started

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from mini3d import cli
-from mini3d.checkpoint import latest_dir, read_meta, read_states
+from mini3d.checkpoint.store import latest_dir, read_meta, read_states
 from mini3d.config import Plan, model_from_preset
-from mini3d.launch import launch
-from mini3d.train import make_spec, reporter_records
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec, reporter_records
 from tests.threed_workers import run_specs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +84,7 @@ def test_checkpoint_layout_on_disk(runs):
     meta = read_meta(latest_dir(root))
     assert meta["step"] == 4 and meta["model"]["d_model"] == 32
     model = read_states(latest_dir(root))["model"]
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
 
     ref = dict(GPT(CFG, SEED).named_parameters())
     assert sorted(model) == sorted(ref)  # full, unsharded tensors under the reference names
@@ -126,7 +126,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(runs, tmp_path):
     ckpt, problems = cli.check_resume(root, CFG, 6)
     assert ckpt == os.path.join(root, "step-000004") and problems == []
     # the next save removes the half-written directory
-    from mini3d.checkpoint import CheckpointWriter
+    from mini3d.checkpoint.store import CheckpointWriter
 
     CheckpointWriter(root, 6).begin()
     assert not os.path.exists(tmp) and os.path.isdir(os.path.join(root, ".tmp-step-000006"))
@@ -166,7 +166,8 @@ def test_loading_uses_weights_only(runs, tmp_path):
     import inspect
     import re
 
-    from mini3d import checkpoint, train
+    from mini3d.checkpoint import store as checkpoint
+    from mini3d.run import train
 
     for mod in (checkpoint, train):
         calls = re.findall(r"torch\.load\(.*", inspect.getsource(mod))

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from mini3d import cli
-from mini3d.checkpoint import CheckpointWriter, latest_dir, read_states, seal_meta
-from mini3d.checkpoint_verify import verify_checkpoint
+from mini3d.checkpoint.store import CheckpointWriter, latest_dir, read_states, seal_meta
+from mini3d.checkpoint.verify import verify_checkpoint
 from mini3d.config import Plan, model_from_preset
-from mini3d.launch import launch
-from mini3d.train import make_spec
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec
 from tests.ckpt_workers import resume_and_watch_loads
 
 FLAGS = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--no-progress"]

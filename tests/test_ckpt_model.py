@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mini3d import cli
-from mini3d.checkpoint import latest_dir, read_states
-from mini3d.sample import generate, load_model
+from mini3d.checkpoint.store import latest_dir, read_states
+from mini3d.run.sample import generate, load_model
 
 transformers = pytest.importorskip("transformers")
 RUN = ["--steps", "1", "--seq-len", "16", "--global-batch", "2", "--no-progress", "--timeout", "150"]
@@ -79,8 +79,8 @@ def test_sample_a_wide_vocabulary_import_never_emits_an_undecodable_id(tmp_path,
 
 @pytest.mark.timeout(240)
 def test_init_from_hf_and_resume_an_import_take_the_model_from_it(tmp_path):
-    from mini3d.data import Batches, load_tokens
-    from mini3d.hf import to_hf_state
+    from mini3d.data.corpus import Batches, load_tokens
+    from mini3d.checkpoint.hf import to_hf_state
 
     hf_dir, ckpt, saved = str(tmp_path / "hf"), str(tmp_path / "ck"), str(tmp_path / "out")
     hf = _llama(hf_dir)
@@ -126,7 +126,7 @@ def test_a_conflicting_shape_flag_is_exit_2_naming_it(tmp_path, capsys, monkeypa
 @pytest.mark.timeout(120)
 def test_a_resume_reads_with_the_checkpoints_tokenizer(tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
-    from mini3d.tokenizer import train_bpe
+    from mini3d.data.tokenizer import train_bpe
 
     bpe = train_bpe(["the quick brown fox jumps over the lazy dog. " * 50], 300,
                     str(tmp_path / "tokenizer.json"))

@@ -1,4 +1,4 @@
-"""`--compile` (mini3d.compile: each transformer block's forward through torch.compile) equals the
+"""`--compile` (mini3d.run.compile: each transformer block's forward through torch.compile) equals the
 eager single-process reference: loss, every gradient of every step and the final parameters, over
 3 AdamW steps in float32, for both families, both attention kinds, every recomputation policy,
 tp (with sequence parallelism), pp under split-backward schedules, and dp with ZeRO-1/3.
@@ -22,7 +22,7 @@ it equals eager exactly, and in the layouts only the layouts' own summation orde
 compiled forward whose output is off by 1e-4 relative fails the layouts' test (tried by hand).
 Under the split-backward schedules (zb-h1, zbv) a compiled piece is one autograd node whose
 linears are not deferred (mini3d.wgrad): B computes its weight gradients and W accumulates them
-(see mini3d/compile.py), which the zb-h1 and zbv layouts check.
+(see mini3d/run/compile.py), which the zb-h1 and zbv layouts check.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import dataclasses
 import pytest
 
 from mini3d.config import Plan
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests.test_3d import BASE, CFG, SEED, STEPS, check_float32, reference
 from tests.test_3d_llama import LLAMA
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from mini3d.config import PRESETS, Plan
-from mini3d.cost.cli import register
+from mini3d.run.cost_cli import register
 from mini3d.cost.hardware import load_hardware
 from mini3d.cost.model import predict_step_time
 

@@ -8,7 +8,7 @@ from mini3d.config import PRESETS, ModelConfig, Plan
 from mini3d.cost.memory import (estimate_all_stages, estimate_memory, inflight_microbatches,
                                        layer_activation_bytes, model_state_bytes,
                                        paper_layer_activation_bytes, stage_layers, stage_param_count)
-from mini3d.model import GPT
+from mini3d.models.transformer import GPT
 
 
 @pytest.mark.timeout(30)

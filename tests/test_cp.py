@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mini3d.cp.blocks import block_backward, block_forward, merge
 from mini3d.cp.layout import block_kind, zigzag_merge, zigzag_positions, zigzag_split
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests.cp_workers import full_inputs, ring_cases
 
 

@@ -13,8 +13,8 @@ from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.model import estimate_cost
 from mini3d.cost.planner import search
 from mini3d.cost.memory import estimate_memory, layer_activation_bytes
-from mini3d.launch import launch
-from mini3d.train import make_spec
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec
 from tests.cp_workers import measured_ring
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=64)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mini3d.config import Plan
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests.cp_workers import run_cp_layouts
 from tests.test_3d import BF16, BASE, CFG, F64, SEED, STEPS, check_bf16, check_float32, reference
 
@@ -81,7 +81,7 @@ def test_train_cli_with_cp_matches_the_reference_run(tmp_path, capsys):
 
     from mini3d import cli
     from mini3d.config import PRESETS
-    from mini3d.train import make_spec
+    from mini3d.run.train import make_spec
 
     common = ["--seq-len", "128", "--global-batch", "4", "--micro-batches", "2", "--steps", "3",
               "--seed", "1", "--no-progress"]
@@ -113,7 +113,7 @@ def test_cp_checkpoints_save_and_resume_in_any_layout(tmp_path):
     and as cp=4 (float32 summation order only: 1e-5, as tests/test_checkpoint.py)."""
     import os
 
-    from mini3d.train import make_spec, reporter_records
+    from mini3d.run.train import make_spec, reporter_records
     from tests.threed_workers import run_specs
 
     root = str(tmp_path / "run")

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
-from mini3d import launch
-from mini3d.launch import LaunchError, choose_device
-from mini3d.train import peak_memory_bytes
+from mini3d.launch import launcher as launch
+from mini3d.launch.launcher import LaunchError, choose_device
+from mini3d.run.train import peak_memory_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -155,7 +155,7 @@ def test_gpu_check_reports_a_failed_mini3d_run(tmp_path, monkeypatch):
 
 
 def test_torch_cuda_only_in_launch_and_peak_memory():
-    """Device handling lives in one place: torch.cuda.* only in mini3d/devices.py."""
+    """Device handling lives in one place: torch.cuda.* only in mini3d/launch/devices.py."""
     offenders = []
     for root, _, files in os.walk(os.path.join(REPO, "mini3d")):
         for name in files:
@@ -169,9 +169,9 @@ def test_torch_cuda_only_in_launch_and_peak_memory():
                 if m:
                     func = m.group(1)
                 if re.search(r"torch\.cuda\b|\.cuda\(", line):
-                    if rel == os.path.join("mini3d", "devices.py"):
+                    if rel == os.path.join("mini3d", "launch", "devices.py"):
                         continue
-                    if rel == os.path.join("mini3d", "records.py") and func == "peak_memory_bytes":
+                    if rel == os.path.join("mini3d", "run", "records.py") and func == "peak_memory_bytes":
                         continue
                     offenders.append(f"{rel}:{i}: {line.strip()}")
     assert not offenders, "torch.cuda outside devices.py:\n" + "\n".join(offenders)

@@ -7,7 +7,7 @@ import pytest
 from mini3d.cli import main
 from mini3d.config import PRESETS, Plan
 from mini3d.diagnose.rendezvous import simulate
-from mini3d.dryrun import record_programs
+from mini3d.run.dryrun import record_programs
 from mini3d.diagnose.faults import Fault, fault_problems, oom_report, parse_fault, parse_size
 from mini3d.grid import Grid
 
@@ -114,7 +114,7 @@ def test_explain_hang_cli_exit_codes(tmp_path, capsys):
 
 
 def test_a_reused_run_dir_is_cleared_so_a_stale_abort_marker_cannot_stop_the_next_job(tmp_path):
-    from mini3d.launch import ABORT_MARKER, _clear_run_dir
+    from mini3d.launch.launcher import ABORT_MARKER, _clear_run_dir
 
     for name in (ABORT_MARKER, "launcher.json", "rank0.json", "rank1.stack", "notes.txt"):
         (tmp_path / name).write_text("{}")

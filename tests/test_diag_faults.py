@@ -14,7 +14,7 @@ import pytest
 from mini3d.cli import main
 from mini3d.diagnose.drill import drill_worker, expected_sums
 from mini3d.diagnose.explain import explain
-from mini3d.launch import HangDetected, LaunchTimeout, WorkerError, launch
+from mini3d.launch.launcher import HangDetected, LaunchTimeout, WorkerError, launch
 
 HANG_TIMEOUT = 3.0  # seconds an op may be pending before the watchdog calls it a hang
 SLACK = 30.0  # the brief: a faulty job ends within hang_timeout + 30 s (spawn time excluded)

@@ -12,7 +12,7 @@ import torch
 
 from mini3d.config import Plan
 from mini3d.dp.buckets import transient_grad_bytes
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests import dp_workers as W
 
 STAGES = (0, 1, 2, 3)

@@ -9,7 +9,7 @@ from mini3d.comm import CommLog
 from mini3d.config import Plan
 from mini3d.dp import make_dp, model_state_ledger
 from mini3d.grid import Axis
-from mini3d.model import GPT
+from mini3d.models.transformer import GPT
 from tests import dp_workers as W
 
 

@@ -4,7 +4,7 @@ ONE 8-process launch runs `train_worker` (one step, `collect=["events"]`) for fo
 same 8 ranks: tp2 pp2 dp2 ZeRO-1 with gradient clipping (1F1B), tp2 dp4 ZeRO-3 with clipping (ZeRO-3
 is refused with pp > 1), tp2 pp2 dp2 with sequence parallelism (GPipe), and tp2 pp2 dp2 interleaved
 1F1B. For every rank, the ops its event log shows for step 0 must equal, in issue order, what
-`mini3d.dryrun.record_rank` records by running the same rank's Trainer on a fake process group:
+`mini3d.run.dryrun.record_rank` records by running the same rank's Trainer on a fake process group:
 axis, op, per-axis sequence number, group, shape, dtype, peer and the pipeline action.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.dryrun import record_rank
-from mini3d.launch import launch
-from mini3d.train import make_spec
+from mini3d.run.dryrun import record_rank
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec
 
 CFG = ModelConfig(4, 32, 4, 256, 16, name="dry4")  # the byte tokenizer needs 256 rows
 CASES = [
@@ -30,7 +30,7 @@ FIELDS = ("axis", "op", "seq", "group", "shape", "dtype", "peer")
 
 
 def run_cases(specs):
-    from mini3d.train import train_worker
+    from mini3d.run.train import train_worker
 
     return [train_worker(spec)["events"] for spec in specs]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from examples import own_model
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from mini3d.pp.generic import BlockStage, stages_from_blocks
 
 

@@ -14,10 +14,10 @@ from mini3d.cli import main
 from mini3d.config import PRESETS, ModelConfig, Plan
 from mini3d.cost.model import flops_per_token
 from mini3d.cost.memory import estimate_memory, stage_param_count
-from mini3d.launch import launch
-from mini3d.model import GPT
+from mini3d.launch.launcher import launch
+from mini3d.models.transformer import GPT
 from mini3d.pp.partition import build_stages
-from mini3d.train import make_spec, train_worker
+from mini3d.run.train import make_spec, train_worker
 
 LLAMA = ModelConfig(n_layers=4, d_model=64, n_heads=4, vocab_size=256, max_seq_len=128, d_ff=96,
                     family="llama", n_kv_heads=2, tie_embeddings=True)
@@ -120,7 +120,7 @@ def test_train_from_hf_and_resume_an_import_in_another_layout(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "ckpt"), "--pp", "2", "--log-jsonl", str(log2),
                  "--save", str(tmp_path / "pp2")] + shape + flags) == 0
     # export-hf of a two-stage checkpoint (each stage file holds the tied matrix): HF loads it
-    from mini3d.checkpoint import latest_dir, read_states
+    from mini3d.checkpoint.store import latest_dir, read_states
 
     assert main(["export-hf", str(tmp_path / "pp2"), str(tmp_path / "out")]) == 0
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
@@ -129,7 +129,7 @@ def test_train_from_hf_and_resume_an_import_in_another_layout(tmp_path, capsys):
     first = [json.loads(line)["loss"] for line in open(log1)]
     resumed = [json.loads(line)["loss"] for line in open(log2)]
     assert first == pytest.approx(resumed, abs=1e-5)  # same weights, same batches: tp2 vs pp2
-    from mini3d.data import Batches, load_tokens
+    from mini3d.data.corpus import Batches, load_tokens
 
     x, y = Batches(load_tokens(), 32, 4, 0).global_batch_at(0)  # the batch of step 1 (seed 0)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")

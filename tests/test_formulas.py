@@ -114,7 +114,7 @@ CASES = [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 3, 1), ("interleaved
 def test_bubble_and_in_flight_have_one_owner(kind, p, m, v):
     from mini3d.cost.model import bubble_fraction
     from mini3d.course.viz.pipeline import bubble_formula_text
-    from mini3d.dryrun import bubble_line
+    from mini3d.run.dryrun import bubble_line
 
     b = bubble_formula(kind, p, m, v)
     assert bubble_fraction(kind, p, m, v) == pytest.approx(float(b), rel=1e-12)  # simulator = formula

@@ -73,7 +73,7 @@ def test_plan_problems_name_each_value():
 
 
 def test_n_params_matches_the_model():
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
 
     for cfg in (PRESETS["tiny"], ModelConfig(n_layers=3, d_model=48, n_heads=6, vocab_size=300, d_ff=100)):
         assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.n_params()

@@ -13,8 +13,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from mini3d.cli import main  # noqa: E402
-from mini3d.hf import read_hf_dir, to_hf_state  # noqa: E402
-from mini3d.model import GPT  # noqa: E402
+from mini3d.checkpoint.hf import read_hf_dir, to_hf_state  # noqa: E402
+from mini3d.models.transformer import GPT  # noqa: E402
 
 V, T = 97, 12
 
@@ -149,7 +149,7 @@ def test_every_real_preset_survives_the_config_round_trip():
     import dataclasses
 
     from mini3d.config import PRESETS
-    from mini3d.hf import config_from_hf, config_to_hf
+    from mini3d.checkpoint.hf import config_from_hf, config_to_hf
 
     for name in ("gpt2-124m", "gpt2-1.5b", "llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b",
                  "llama-3.1-405b"):

@@ -1,4 +1,4 @@
-"""Sampling with a key/value cache (mini3d.kv_cache) is sampling without one: the same tokens,
+"""Sampling with a key/value cache (mini3d.models.kv_cache) is sampling without one: the same tokens,
 token for token, and each step's logits equal to float32 rounding, for both families (gpt2's learned
 positions, llama's rotary with grouped-query attention), a tied head, the sdpa core, and runs that
 cross the window (max_seq_len), where the cache recomputes the last window."""
@@ -12,8 +12,8 @@ import torch
 
 from mini3d.cli import build_parser
 from mini3d.config import ModelConfig
-from mini3d.model import GPT, attention_core, set_attention
-from mini3d.sample import generate, sample_problems
+from mini3d.models.transformer import GPT, attention_core, set_attention
+from mini3d.run.sample import generate, sample_problems
 
 GPT2 = ModelConfig(n_layers=3, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16)
 LLAMA = dataclasses.replace(GPT2, family="llama", n_kv_heads=2, d_ff=48, tie_embeddings=True)
@@ -66,7 +66,7 @@ def test_sampled_and_sdpa_cached_equal_uncached():
 
 
 def test_cache_holds_the_kv_heads_not_the_repeated_ones():
-    from mini3d.kv_cache import KVDecoder
+    from mini3d.models.kv_cache import KVDecoder
 
     model = model_of(LLAMA)
     with KVDecoder(model) as dec:
@@ -105,7 +105,7 @@ def banded_core(window: int):
 def test_sliding_cache_is_sliding_window_attention(name):
     """`slide=True` past the window equals the whole sequence run at positions 0..n-1 with every
     position reading the last max_seq_len ones, token for token and logits to float32 rounding."""
-    from mini3d.kv_cache import KVDecoder
+    from mini3d.models.kv_cache import KVDecoder
 
     cfg = CASES[name]
     model = model_of(cfg)

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from mini3d.launch import LaunchTimeout, WorkerError, launch
+from mini3d.launch.launcher import LaunchTimeout, WorkerError, launch
 from tests import workers
 
 

@@ -52,7 +52,7 @@ print("ok", len(sys.argv) - 1)
 
 
 def test_engine_imports_nothing_of_the_course():
-    assert "mini3d.cli" in ENGINE and "mini3d.train" in ENGINE and len(ENGINE) > 40
+    assert "mini3d.cli" in ENGINE and "mini3d.run.train" in ENGINE and len(ENGINE) > 40
     out = subprocess.run([sys.executable, "-c", BLOCKED_IMPORT, *ENGINE], cwd=ROOT, capture_output=True,
                          text=True, timeout=100)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -147,3 +147,43 @@ def test_no_import_cycle_between_subpackages():
         graph.setdefault(unit(m), set()).update(unit(d) for d in deps if unit(d) != unit(m))
     assert "mini3d.cost" in graph["mini3d.diagnose"]
     assert find_cycle(graph) is None
+
+
+# The house's layers, bottom to top (docs/ARCHITECTURE.md draws them). A unit (a top-level module or
+# a subpackage) imports only units of its own layer or of layers below; every unit has a layer, so
+# a new package has to be placed before it can land.
+LAYERS = (
+    ("foundations", {"mini3d", "mini3d.exits", "mini3d.comm_log", "mini3d.comm", "mini3d.wgrad",
+                     "mini3d.recompute", "mini3d.optim", "mini3d.models", "mini3d.config", "mini3d.grid"}),
+    ("engine", {"mini3d.tp", "mini3d.cp", "mini3d.pp", "mini3d.dp", "mini3d.launch", "mini3d.data",
+                "mini3d.checkpoint"}),
+    ("analysis", {"mini3d.cost"}),
+    ("diagnostics", {"mini3d.diagnose"}),
+    ("run shell", {"mini3d.run", "mini3d.cli", "mini3d.__main__"}),
+    ("course", {"mini3d.course"}),
+)
+
+
+def layer_of(unit_name: str) -> int:
+    for i, (_, units) in enumerate(LAYERS):
+        if unit_name in units:
+            return i
+    raise AssertionError(f"{unit_name} has no layer in tests/test_layers.py LAYERS")
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps)
+            if layer_of(unit(d)) > layer_of(unit(m))]
+
+
+def test_no_upward_arrow():
+    """No exceptions: the run shell sits above the diagnostics it arms, the engine below both."""
+    graph = package_graph()
+    assert not upward_arrows(graph)
+    assert upward_arrows({"mini3d.tp.layers": {"mini3d.run.train"}}) == ["mini3d.tp.layers -> mini3d.run.train"]
+
+
+def test_the_top_level_is_small():
+    """About a dozen top-level modules; everything else lives in a package named for its idea."""
+    top = sorted(p.stem for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(top) <= 12, top

@@ -6,8 +6,8 @@ import torch
 from mini3d.cli import main
 from mini3d.config import PRESETS, Plan
 from mini3d.cost.memory import estimate_memory
-from mini3d.launch import launch
-from mini3d.train import make_spec, train_worker
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec, train_worker
 
 TINY = PRESETS["tiny"]
 LAYOUTS = [  # (plan, world) pairs whose shards divide evenly: no ZeRO padding to document
@@ -62,7 +62,7 @@ def test_memory_budget_gives_the_oom_report(capsys):
 def test_cuda_oom_is_explained_with_the_allocator_numbers(monkeypatch):
     """The CUDA path of the OOM report, with the allocator faked (no GPU here): the activations are
     what the allocator holds beyond the measured model states, the budget is the card's capacity."""
-    import mini3d.launch as launch
+    import mini3d.launch.launcher as launch
     from mini3d.diagnose.oom import cuda_oom
 
     monkeypatch.setattr(launch, "device_memory",
@@ -86,7 +86,7 @@ def _init_rss_growth(cfg_name: str) -> tuple[float, float, float]:
     import torch.distributed as dist
 
     from mini3d.grid import Grid, build_topology
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
     from mini3d.pp.partition import build_stages
     from mini3d.tp import apply_tp, materialize_reference
 

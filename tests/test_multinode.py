@@ -21,7 +21,7 @@ import pytest
 
 from mini3d import cli
 from mini3d.grid import Grid
-from mini3d.launch import free_port
+from mini3d.launch.launcher import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["train", "--tp", "2", "--dp", "2", "--hidden", "32", "--global-batch", "8", "--seq-len", "16",

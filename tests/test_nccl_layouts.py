@@ -11,7 +11,7 @@ from mini3d.cli import main
 from mini3d.comm import send, recv
 from mini3d.config import ModelConfig, Plan
 from mini3d.diagnose.p2p_order import pair_mismatch, program_deadlock
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests import p2p_workers
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, max_seq_len=32)

@@ -14,7 +14,7 @@ import torch
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.diagnose.overlap import compute_intervals, measured_overlap, model_overlap
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 
 
 def ev(axis, op, start, end, shape=(1024,), step=0):
@@ -62,7 +62,7 @@ def overlap_worker():
 
     from mini3d.dp import make_dp
     from mini3d.grid import Grid, build_topology
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
 
     topo = build_topology(Grid(dp=2), dist.get_rank())
     with topo.device:  # explicit: strict-device workers default to meta

@@ -4,9 +4,9 @@ programs under NCCL's rules (MINI3D_CHECK_P2P=1, set by conftest.py), and `devic
 import pytest
 import torch
 
-from mini3d import launch as launch_mod
+from mini3d.launch import launcher as launch_mod
 from mini3d.diagnose.p2p_order import P2POrderError, pair_mismatch
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests import p2p_workers
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import pytest
 
-from mini3d.launch import launch
-from mini3d.train import reporter_records
+from mini3d.launch.launcher import launch
+from mini3d.run.train import reporter_records
 from tests.threed_workers import run_specs
 
 COMMON = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--micro-batches", "2",

@@ -7,7 +7,7 @@ import torch
 
 from mini3d.config import ModelConfig
 from mini3d.grid import Grid, build_topology
-from mini3d.model import GPT
+from mini3d.models.transformer import GPT
 from mini3d.pp.partition import build_stages
 from mini3d.pp.runtime import PipelineRuntime
 from mini3d.pp.schedules import make_schedule

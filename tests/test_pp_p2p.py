@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests import pp_workers
 
 

@@ -5,8 +5,8 @@ import torch
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.cost.memory import head_microbatches, inflight_microbatches
-from mini3d.launch import launch
-from mini3d.model import GPT
+from mini3d.launch.launcher import launch
+from mini3d.models.transformer import GPT
 from mini3d.pp.rules import check
 from mini3d.pp.schedules import make_schedule
 from tests import pp_workers

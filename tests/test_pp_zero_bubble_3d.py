@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 from tests.test_3d import BASE, SEED, STEPS, F64, check_float32, reference
 from tests.threed_workers import run_layouts
 

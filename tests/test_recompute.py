@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig
-from mini3d.model import GPT, set_attention
+from mini3d.models.transformer import GPT, set_attention
 from mini3d.config import Plan
 from mini3d.cost.memory import layer_activation_bytes
 from mini3d.recompute import apply_recompute, measure_activations

@@ -17,7 +17,7 @@ import pytest
 
 from mini3d import cli
 from mini3d.optim import LRSchedule
-from mini3d.tokenizer import TokenizerError, get_tokenizer, train_bpe
+from mini3d.data.tokenizer import TokenizerError, get_tokenizer, train_bpe
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 123\n\tdef f(x): return x ** 2\n"
@@ -100,7 +100,7 @@ def test_interrupted_prepare_leaves_nothing_train_accepts_and_resumes_to_the_sam
     """Prepare is killed in the middle of writing its 4th shard file (the write is cut short and
     the process dies): no header, train refuses the directory (exit 2), the .part file is not a
     shard; prepare run again resumes and produces exactly the shards of an uninterrupted run."""
-    from mini3d import shards
+    from mini3d.data import shards
 
     src = corpus(tmp_path / "corpus.txt", 3_000_000)
     out, fresh = tmp_path / "shards", tmp_path / "fresh"
@@ -142,7 +142,7 @@ def test_interrupted_prepare_leaves_nothing_train_accepts_and_resumes_to_the_sam
 
 
 def test_prepare_with_a_tokenizer_file_copies_it_and_the_shards_decode_back(tmp_path):
-    from mini3d.shards import read_header, tokenizer_name
+    from mini3d.data.shards import read_header, tokenizer_name
 
     src = tmp_path / "t.txt"
     src.write_text(TEXT * 300)
@@ -201,7 +201,7 @@ def _train_on_big_shard(path: str) -> tuple[int, int]:
     import resource
 
     from mini3d.config import Plan, model_from_preset
-    from mini3d.train import make_spec, train_worker
+    from mini3d.run.train import make_spec, train_worker
 
     size = os.path.getsize(os.path.join(path, "train-00000.bin"))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -215,7 +215,7 @@ def test_rank_memory_does_not_grow_with_the_shard(tmp_path):
     """A 128 MiB shard (64Mi tokens, 130,000 x one batch of 8 x 64) trained on for 3 steps: the
     rank's peak RSS grows by far less than the shard, because only the windows of its micro-batches
     are paged in (a reader that loads the whole shard per window, tried by hand, grew by 4.5 GB)."""
-    from mini3d.launch import launch
+    from mini3d.launch.launcher import launch
 
     n = 1 << 26
     tokens = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint16)
@@ -235,7 +235,7 @@ def test_mfu_uses_the_known_peak_of_the_gpu(monkeypatch):
 
     from mini3d.config import PRESETS, Plan
     from mini3d.cost.model import model_flops
-    from mini3d.report import model_flops_utilisation, peak_flops_per_rank
+    from mini3d.run.report import model_flops_utilisation, peak_flops_per_rank
 
     assert peak_flops_per_rank(torch.device("cpu"), "bf16") is None  # no MFU on CPU
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3")

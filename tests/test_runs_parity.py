@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mini3d.config import Plan, model_from_preset
-from mini3d.launch import launch
-from mini3d.sample import generate, load_model
-from mini3d.train import make_spec, reporter_records
+from mini3d.launch.launcher import launch
+from mini3d.run.sample import generate, load_model
+from mini3d.run.train import make_spec, reporter_records
 from tests.threed_workers import run_specs
 
 CFG = model_from_preset("tiny", d_model=32, d_ff=128, name="tiny+custom")
@@ -93,7 +93,7 @@ def test_resume_mid_warmup_and_mid_cosine_continues_exactly(runs):
 
 @pytest.mark.timeout(320)
 def test_sample_from_checkpoints_of_two_layouts_is_identical(runs):
-    from mini3d.tokenizer import get_tokenizer
+    from mini3d.data.tokenizer import get_tokenizer
 
     texts = []
     for layout in ("tp2", "pp2", "one"):
@@ -112,10 +112,10 @@ def _decayed_once(cases) -> list:
     return the full weights (rank 0)."""
     import torch.distributed as dist
 
-    from mini3d.checkpoint import gather_full_state
+    from mini3d.checkpoint.store import gather_full_state
     from mini3d.grid import Grid, build_topology
-    from mini3d.launch import current_device
-    from mini3d.train import Trainer
+    from mini3d.launch.launcher import current_device
+    from mini3d.run.train import Trainer
 
     out = []
     for plan, emb in cases:
@@ -129,7 +129,7 @@ def _decayed_once(cases) -> list:
 
 @pytest.mark.timeout(200)
 def test_weight_decay_hits_the_matrices_only_in_every_zero_stage():
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
 
     small = dict(global_batch=4, seq_len=16, bucket_mb=0.01)  # several buckets, split across ranks
     cases = [(Plan(tp=2, dp=2, zero=1, **small), False), (Plan(dp=4, zero=3, **small), False),

@@ -2,15 +2,15 @@
 longer than --hang-timeout completes, and a save stuck past its bound is still ended (exit 3) with
 a report naming the saving rank. Each job is 2 ranks (dp=2: rank 0 writes, rank 1 waits for it in
 the save's barrier); the save is slowed down in the workers by MINI3D_TEST_PAUSE_IN_SAVE (seconds
-the writer sleeps after its file, mini3d.checkpoint.CheckpointWriter.write)."""
+the writer sleeps after its file, mini3d.checkpoint.store.CheckpointWriter.write)."""
 
 import os
 import time
 
 import pytest
 
-from mini3d.checkpoint import latest_dir, read_meta
-from mini3d.checkpoint_verify import verify_checkpoint
+from mini3d.checkpoint.store import latest_dir, read_meta
+from mini3d.checkpoint.verify import verify_checkpoint
 from mini3d.cli import main
 from mini3d.diagnose import save_clock as sc
 from mini3d.diagnose.explain import explain

@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 from mini3d import cli
-from mini3d.checkpoint import latest_dir, read_meta
-from mini3d.checkpoint_verify import verify_checkpoint
+from mini3d.checkpoint.store import latest_dir, read_meta
+from mini3d.checkpoint.verify import verify_checkpoint
 from tests.test_orphans import REPO, kill_all, marked
 
 SMALL = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--no-progress"]

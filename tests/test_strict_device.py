@@ -20,8 +20,8 @@ from mini3d import comm
 from mini3d.comm import CommLog, DeviceMismatch
 from mini3d.config import Plan, model_from_preset
 from mini3d.grid import Axis
-from mini3d.launch import launch
-from mini3d.train import make_spec, reporter_records
+from mini3d.launch.launcher import launch
+from mini3d.run.train import make_spec, reporter_records
 from tests.threed_workers import run_specs
 from tests.workers import default_device
 

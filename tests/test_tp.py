@@ -13,8 +13,8 @@ import torch
 
 from mini3d.config import ModelConfig, Plan, PRESETS
 from mini3d.grid import Axis, Grid, build_topology
-from mini3d.launch import launch
-from mini3d.model import GPT
+from mini3d.launch.launcher import launch
+from mini3d.models.transformer import GPT
 from mini3d.tp import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, apply_tp,
                        boundary_shape, comm_per_layer, shard_map)
 from mini3d.tp.layers import head_index

@@ -8,8 +8,8 @@ import pytest
 
 from mini3d import cli
 from mini3d.config import PRESETS, Plan
-from mini3d.data import load_tokens, unigram_entropy
-from mini3d.train import make_spec
+from mini3d.data.corpus import load_tokens, unigram_entropy
+from mini3d.run.train import make_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

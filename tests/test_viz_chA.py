@@ -151,8 +151,8 @@ def test_train_many_worker_live_zero_traffic_and_ledger():
     gradient volumes, ZeRO-3 halves parameters, gradients and optimizer state, and the losses agree
     (sharding does not change the maths; 1e-5 allows for float32 sums taken in another order)."""
     from mini3d.config import PRESETS, Plan
-    from mini3d.launch import launch
-    from mini3d.train import make_spec
+    from mini3d.launch.launcher import launch
+    from mini3d.run.train import make_spec
 
     cfg = PRESETS["tiny"]
     specs = [make_spec(cfg, Plan(dp=2, zero=z, global_batch=4, seq_len=32), steps=1, collect=["ledger"])

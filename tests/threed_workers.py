@@ -1,13 +1,13 @@
-"""Worker functions for tests/test_3d.py and tests/test_checkpoint.py (spawned by mini3d.launch).
+"""Worker functions for tests/test_3d.py and tests/test_checkpoint.py (spawned by mini3d.launch.launcher).
 
-`run_layouts(cases)` trains, inside ONE 8-process job, one `mini3d.train.Trainer` per case (each a
+`run_layouts(cases)` trains, inside ONE 8-process job, one `mini3d.run.train.Trainer` per case (each a
 different tp x pp x dp layout of the same 8 ranks, each with its own process groups) for a few AdamW
-steps on the batches `mini3d.data.Batches` draws, and returns, from every dp_rank-0 process:
+steps on the batches `mini3d.data.corpus.Batches` draws, and returns, from every dp_rank-0 process:
 
 * the loss of every step (what the trainer reports, averaged over dp like `mini3d train`);
 * the gradient of every step at full shape, keyed by reference name, captured just before the inner
   AdamW step (after the dp reduction and the tp sync) and gathered back over dp and tp;
-* the parameters after the last step, gathered with `mini3d.checkpoint.gather_full_state`.
+* the parameters after the last step, gathered with `mini3d.checkpoint.store.gather_full_state`.
 
 The test process computes the single-process reference and decides what is acceptable.
 """
@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from mini3d import comm
-from mini3d.checkpoint import _names, gather_full_state
+from mini3d.checkpoint.store import _names, gather_full_state
 from mini3d.config import ModelConfig, Plan
-from mini3d.data import Batches, load_tokens
+from mini3d.data.corpus import Batches, load_tokens
 from mini3d.grid import Grid, build_topology
-from mini3d.launch import current_device
+from mini3d.launch.launcher import current_device
 from mini3d.tp import unshard_like
-from mini3d.train import Trainer
+from mini3d.run.train import Trainer
 
 LR, WEIGHT_DECAY = 3e-3, 0.1
 
@@ -87,8 +87,8 @@ def run_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> lis
 
 
 def run_specs(specs: list[dict]) -> list[dict]:
-    """`mini3d.train.train_worker` on each spec in turn, in the same processes (one launch, several
+    """`mini3d.run.train.train_worker` on each spec in turn, in the same processes (one launch, several
     runs: e.g. a run and its resumption, or two layouts of the same world size)."""
-    from mini3d.train import train_worker
+    from mini3d.run.train import train_worker
 
     return [train_worker(spec) for spec in specs]

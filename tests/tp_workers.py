@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_tp.py (spawned by mini3d.launch, so they live in a module).
+"""Worker functions for tests/test_tp.py (spawned by mini3d.launch.launcher, so they live in a module).
 
 Each parity run builds, on every rank, the single-process reference GPT and a tensor-parallel copy of
 the same seed, trains both for a few AdamW steps on the same batches, and returns measurements
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.grid import Grid, build_topology
-from mini3d.model import GPT
+from mini3d.models.transformer import GPT
 from mini3d.tp import mappings as M
 from mini3d.tp import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
                        load_full_state_dict, sync_tp_grads)

@@ -155,7 +155,7 @@ def measure_allreduce(sizes=(2**10, 2**14, 2**17, 2**20, 2**22), repeats: int = 
     n = 2): the call's latency is the smaller median of the two smallest payloads (both are all
     latency), and `latency_s` that over the 2(n-1) = 2 ring steps it takes;
     bandwidth from the least-squares slope over all sizes (a plain line fit lets the large sizes' noise swing the intercept)."""
-    from ..launch import launch
+    from mini3d.launch.launcher import launch
 
     res = launch(allreduce_probe, 2, list(sizes), repeats, device="cpu", timeout=120)
     worst = [max(a[1], b[1]) for a, b in zip(*res)]
@@ -176,7 +176,7 @@ def measure_layer_overhead(peak_flops: float, half_width: float,
     dispatch) that dominates tiny CPU runs; the slope the memory-bound work per token the matmul
     FLOPs leave out (softmax over the s x s scores, GELU, LayerNorm, the batched per-head matmuls)."""
     from ..config import ModelConfig
-    from ..model import Block
+    from mini3d.models.transformer import Block
     from .model import Efficiency, flops_per_token
 
     cfg = ModelConfig(1, 64, 4, 256, 64)

@@ -58,7 +58,7 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
     import torch.distributed as dist
 
     from ..config import ModelConfig
-    from ..model import Block
+    from mini3d.models.transformer import Block
 
     torch.set_num_threads(1)
     dev = torch.device("cpu")  # explicit: a launched worker's default device may be meta
@@ -157,7 +157,7 @@ def _ping_pong(block, x, pair, rank: int, n: int) -> dict:
 
 def probe_unit_s(world: int, repeats: int = 20, timeout: float = 120.0) -> dict:
     """Launch `world` processes running the probe and summarise it (`summarise`)."""
-    from ..launch import launch
+    from mini3d.launch.launcher import launch
 
     return summarise(launch(probe_worker, world, repeats, device="cpu", timeout=timeout))
 

@@ -4,7 +4,7 @@
 `optimizer`, `activations` and `comm_buffers` bytes for one rank of pipeline stage `stage`
 (default: the stage that needs the most memory), its `total` and `fits(capacity_bytes)`.
 
-Parameters are counted exactly from the layout of `mini3d.model.GPT` (either family, through
+Parameters are counted exactly from the layout of `mini3d.models.transformer.GPT` (either family, through
 `ModelConfig.layer_param_count`): the embedding (token table, vocabulary padded to a multiple of tp
 and split over tp; gpt2's position table replicated) lives on the first stage, the head (final norm
 and a bias-free output matrix, vocabulary-parallel; a tied one shares the embedding unless it sits

@@ -120,7 +120,7 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-@torch.compiler.disable  # its p2p ring stays outside compiled graphs (see mini3d.compile)
+@torch.compiler.disable  # its p2p ring stays outside compiled graphs (see mini3d.run.compile)
 def ring_attention(q, k, v, axis, kind: str = "explicit", scale: float | None = None):
     """Ring attention of local (B, nh, T_local, hd) q, k, v over the cp `axis` (zig-zag layout).
     Grouped-query attention (k, v with nkv < nh heads): each key/value head is repeated for its
@@ -134,7 +134,7 @@ def ring_attention(q, k, v, axis, kind: str = "explicit", scale: float | None = 
 
 
 class RingCore:
-    """An attention core (the `Attention.core` slot of mini3d.model) that runs ring attention on one
+    """An attention core (the `Attention.core` slot of mini3d.models.transformer) that runs ring attention on one
     cp axis with block math `kind` ("explicit" or "sdpa")."""
 
     def __init__(self, axis, kind: str = "explicit"):

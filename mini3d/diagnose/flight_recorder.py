@@ -44,7 +44,7 @@ def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl",
     too (diagnose/save_clock.py), so that a slow save's barriers do not time out."""
     import torch
 
-    from ..launch import PG_TIMEOUT_ENV
+    from mini3d.launch.launcher import PG_TIMEOUT_ENV
 
     # the flight recorder's variables were renamed TORCH_FR_* in torch 2.7 (old names warn)
     new = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 7)

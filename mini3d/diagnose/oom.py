@@ -53,7 +53,7 @@ def check_budget(measured: dict, budget: int, rank: int, coords: dict, cfg, plan
 def cuda_oom(err, measured_states: dict, device, rank: int, coords: dict, cfg, plan,
              run_dir: str | None) -> OutOfMemory:
     """An `OutOfMemory` explaining a `torch.OutOfMemoryError` caught in a CUDA training step."""
-    from ..launch import device_memory, dump_memory_snapshot
+    from mini3d.launch.launcher import device_memory, dump_memory_snapshot
 
     stats = device_memory(device)
     allocated, capacity = stats["allocated"], stats["capacity"]

@@ -1,17 +1,17 @@
 """The launcher's p2p check, completed: each job's recorded point-to-point programs
-(`mini3d.p2p_record`) run by the rendezvous simulator under NCCL's rules, which also sees waits and
+(`mini3d.launch.p2p_record`) run by the rendezvous simulator under NCCL's rules, which also sees waits and
 the pair communicators' joins: a rank that blocks on a receive before posting the send its peer
 waits for, or a ring of first sends (each joining a pair communicator) at cp >= 3.
 
 Importing this module registers `program_deadlock` as a judge of every checked job
-(`mini3d.p2p_record.add_judge`). tests/conftest.py imports it, so every multi-process test gets
+(`mini3d.launch.p2p_record.add_judge`). tests/conftest.py imports it, so every multi-process test gets
 both checks, and so does `mini3d.diagnose.cli` (the CLI's `mini3d train`). The strict reading is
 used (`device_id=False`: pair communicators joined on first use).
 """
 
 from __future__ import annotations
 
-from ..p2p_record import P2POrderError, add_judge, pair_mismatch  # noqa: F401  (re-exported)
+from mini3d.launch.p2p_record import P2POrderError, add_judge, pair_mismatch  # noqa: F401  (re-exported)
 from .rendezvous import simulate
 
 def program_deadlock(records: list, device_id: bool = False) -> str | None:

@@ -1,7 +1,7 @@
 """Does a set of per-rank communication programs finish? Matching under NCCL's ordering rules.
 
 A program is one rank's ordered list of entries ("issue", id, op) and ("wait", id, op), as recorded
-from the real step (`mini3d.dryrun`; `id` pairs an op's two entries); a plain op tuple is a
+from the real step (`mini3d.run.dryrun`; `id` pairs an op's two entries); a plain op tuple is a
 blocking op (issue, then wait). An op is `(kind, key, label)` or `(kind, key, label, batch)`:
 `kind` is "coll" (key = (axis, group of world ranks)), "send" or "recv" (key = the peer's world
 rank); consecutive issues sharing a `batch` id (not None) are one `batch_isend_irecv` group.
@@ -22,7 +22,7 @@ do).
 * issuing a rank's first op toward a peer creates their pair communicator, a blocking join of both
   ranks at issue time (a batch joins all its pairs at once); a cycle of such joins (cp >= 3 ranks
   each sending to the next first) hangs. `device_id=True` says the process group was created with
-  `device_id` (eager initialisation, `mini3d.launch` on CUDA): no join blocks. (A group's
+  `device_id` (eager initialisation, `mini3d.launch.launcher` on CUDA): no join blocks. (A group's
   collective communicator is taken as existing: its lazy creation at a first collective is not
   modelled.)
 * a wait blocks the host until its op completes (the strictest reading: on NCCL the host blocks at

@@ -60,7 +60,7 @@ def agree_on_job(run_dir: str) -> str:
 
     import torch.distributed as dist
 
-    from ..launch import JOB_ENV, _clear_run_dir
+    from mini3d.launch.launcher import JOB_ENV, _clear_run_dir
 
     box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
     if dist.get_rank() == 0:
@@ -112,7 +112,7 @@ def _launcher_json(run_dir: str, world: int, job: str):
 def finish(run_dir: str, rank: int, world: int, code: int, error: str | None = None,
            tb: str | None = None):
     """Record this rank's exit, report (one rank) or wait for the report, and end the process."""
-    from ..launch import JOB_ENV
+    from mini3d.launch.launcher import JOB_ENV
     from .report import failure_report
 
     job = os.environ.get(JOB_ENV, "")

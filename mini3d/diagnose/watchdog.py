@@ -24,7 +24,7 @@ its Python stack in `rank{r}.stack`. `mini3d explain-hang RUN_DIR` reads all of 
 PyTorch's own flight recorder (NCCL's; gloo's too in recent torch) and NCCL's timeouts are
 configured by `nccl_env` (diagnose/flight_recorder.py), the one place that sets those variables;
 the process group's own timeout follows `hang_timeout` too (`PG_TIMEOUT_ENV`, read by
-mini3d.launch), a minute later, so that the mini3d dump comes first on every backend. Because the
+mini3d.launch.launcher), a minute later, so that the mini3d dump comes first on every backend. Because the
 ranks exit before torch's timeout would dump the recorder, each rank asks torch for it on its way out
 (`write_dump`: RUN_DIR/nccl_trace_rank_<r>, read by explain-hang too). A checkpoint save runs on its
 own clock, not the hang clock (`saving`, diagnose/save_clock.py).
@@ -43,7 +43,7 @@ import time
 from .flight_recorder import FLIGHT_RECORDER_PREFIX, nccl_env, write_dump
 from .history import describe_op
 from .save_clock import SaveClock, save_bound
-from ..launch import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
+from mini3d.launch.launcher import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
 
 RECENT_EVENTS = 256  # events per dump: enough to align sequence numbers across a group
 

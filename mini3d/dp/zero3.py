@@ -1,7 +1,7 @@
 """ZeRO stage 3: parameters sharded too, gathered one unit (layer) at a time.
 
 The model is cut into *units*: each direct child module that holds parameters, with ModuleDict /
-ModuleList containers opened up (for `mini3d.model.GPT`: the embedding, every block, the head). A
+ModuleList containers opened up (for `mini3d.models.transformer.GPT`: the embedding, every block, the head). A
 unit's parameters are cut, in reverse registration order like ddp.py's buckets, into *pieces* of at
 most `bucket_mb` (`buckets.split_into_buckets`); each piece lives in one padded flat buffer (a
 `FlatGroup`, see `buckets.py`) of which the rank keeps only its shard `lo:hi` (`piece.shard`) and a

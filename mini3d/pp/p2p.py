@@ -14,7 +14,7 @@ lists sends and receives so that `check()` proves them safe under blocking rende
 that any two neighbours' transfers toward each other pair up one for one in issue order (rank a's
 k-th is a send iff rank b's k-th is the matching receive), which NCCL's rules need as well: NCCL runs
 a pair's ops in issue order on one stream and a send may wait for its receive. Every launched run
-checks that pairing under MINI3D_CHECK_P2P=1 (`mini3d.p2p_record`). For the one pattern
+checks that pairing under MINI3D_CHECK_P2P=1 (`mini3d.launch.p2p_record`). For the one pattern
 where two neighbours must each send to the other at the same step, `exchange` fixes the order: the
 lower pp index sends first and then receives, the higher one receives first and then sends (ring
 attention, where every rank sends and receives at once, batches instead: `comm.batch_p2p`).

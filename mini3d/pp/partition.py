@@ -93,10 +93,10 @@ def build_stages(cfg, seed: int, pp_rank: int, p: int, v: int = 1, boundaries=No
     """{stage id: GPT module holding that stage's layers}, with the reference initialisation;
     on device "meta": shapes only, no values (`mini3d.tp.materialize_reference` gives them).
     `device` None means the CPU (said explicitly: never torch's default device, see
-    MINI3D_STRICT_DEVICE in mini3d/launch.py)."""
+    MINI3D_STRICT_DEVICE in mini3d/launch/launcher.py)."""
     import torch
 
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
 
     device = torch.device(device if device is not None else "cpu")
     out = {}

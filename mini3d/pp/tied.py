@@ -2,7 +2,7 @@
 
 A model with `tie_embeddings` uses one matrix twice: the token embedding (first stage) and the
 output head (last stage). With pp > 1 those are different ranks, so the last stage holds its own
-copy of the matrix, initialised equal (`mini3d.model.canonical_name`). After backward each copy has
+copy of the matrix, initialised equal (`mini3d.models.transformer.canonical_name`). After backward each copy has
 only its own use's gradient; the matrix's gradient is their sum, so both copies add the other's
 (one all-reduce over the `embedding` axis: pipeline ranks 0 and p-1 of each tp x dp position, see
 mini3d.grid) and then take the same optimizer step, staying equal.

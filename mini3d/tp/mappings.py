@@ -188,7 +188,7 @@ class ScatterToSequence(torch.autograd.Function):
 
 @torch.compiler.disable
 def _outside_graphs(function, *args):
-    """Run `function.apply(*args)` eagerly even inside a `torch.compile`d block (mini3d.compile):
+    """Run `function.apply(*args)` eagerly even inside a `torch.compile`d block (mini3d.run.compile):
     dynamo breaks the graph here, so the collective goes through `mini3d.comm` (and its event log)
     exactly as in eager mode. On a one-member axis every mapping is the identity and the wrappers
     return their input before reaching this, so a block on one tp rank compiles to one graph."""

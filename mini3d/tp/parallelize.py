@@ -1,4 +1,4 @@
-"""`apply_tp`: turn a reference `mini3d.model.GPT` (or one pipeline stage of it) into its tp_rank's
+"""`apply_tp`: turn a reference `mini3d.models.transformer.GPT` (or one pipeline stage of it) into its tp_rank's
 shard, in place, plus the helpers a trainer and the parity tests need around it.
 
 What each module becomes (Megatron-LM's layout; `f`/`g` are in mappings.py):
@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from ..model import tie_weights
+from mini3d.models.transformer import tie_weights
 from .cross_entropy import VocabParallelLoss
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_index
 
@@ -229,10 +229,10 @@ def shard_like(p, full: torch.Tensor, topo) -> torch.Tensor:
 @torch.no_grad()
 def materialize_reference(model, topo, seed: int, device) -> None:
     """Give a model built on the meta device (and sharded there by `apply_tp`) its reference initial
-    values on `device`: each parameter's tp slice of `mini3d.model.reference_init`, one full
+    values on `device`: each parameter's tp slice of `mini3d.models.transformer.reference_init`, one full
     parameter in host memory at a time (instead of the whole unsliced stage on every rank).
     The Parameter objects are replaced (meta tensors hold no storage to fill) and keep their marks."""
-    from ..model import reference_init
+    from mini3d.models.transformer import reference_init
 
     done: dict[int, tuple] = {}  # id(meta Parameter) -> (it, kept so ids stay unique; replacement)
     for mod_name, mod in model.named_modules():

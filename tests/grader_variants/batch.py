@@ -59,7 +59,7 @@ def run_jobs(jobs) -> dict:
 def run_batches(jobs, timeout: float = 600.0) -> dict:
     """{(exercise, answer, seed): per-rank records}, all from one launch of the largest world."""
     from mini3d.course import grading
-    from mini3d.launch import launch
+    from mini3d.launch.launcher import launch
 
     sized = [(name, who, seed, world_of(grading.find([name])[0], seed)) for name, who, seed in jobs]
     ranks = launch(run_jobs, max(w for *_, w in sized), sized, timeout=timeout,

@@ -104,7 +104,7 @@ def plan_of(case: dict) -> Plan:
 
 
 # Each refusal the matrix meets: (name, when it fires, text its exit-2 message must hold). Plan
-# validation (mini3d/config.py) and `mini3d train`'s run checks (mini3d/run_checks.py) own them;
+# validation (mini3d/config.py) and `mini3d train`'s run checks (mini3d/run/checks.py) own them;
 # `refusals` must explain every problem Plan reports for a matrix case (tests/test_matrix.py).
 RULES = (
     ("zero3-pp", lambda c: c["zero"] == 3 and c["pp"] > 1,

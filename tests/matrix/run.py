@@ -32,7 +32,7 @@ import pickle
 import shutil
 import tempfile
 
-from mini3d.launch import launch
+from mini3d.launch.launcher import launch
 
 from . import describe, flags, layers, parsed, world
 
@@ -94,7 +94,7 @@ def run_cases(specs: list) -> None:
     broken one (a hang too: the watchdog ends the launch after HANG_SECONDS)."""
     import torch.distributed as dist
 
-    from mini3d.train import train_worker
+    from mini3d.run.train import train_worker
 
     for i, spec in enumerate(specs):
         try:
@@ -124,7 +124,7 @@ def _explained(run_dir: str, e: Exception) -> str:
     """The error, and for a hang the first lines of `mini3d explain-hang` (the dumps go with the
     run directory)."""
     from mini3d import cli
-    from mini3d.jobs import HangDetected
+    from mini3d.launch.jobs import HangDetected
 
     if not isinstance(e, HangDetected):
         return str(e)[:300]

@@ -1,6 +1,6 @@
 """Checks of the exercises count_params (chapter 00) and memory (chapter 01).
 
-The ground truth is the real `mini3d.model.GPT` (its parameters counted) and the bytes per
+The ground truth is the real `mini3d.models.transformer.GPT` (its parameters counted) and the bytes per
 parameter of mixed-precision AdamW, sharded per ZeRO stage.
 """
 
@@ -20,13 +20,13 @@ def _random_cfg(rng) -> ModelConfig:
 
 
 def count_matches_model(ctx):
-    from mini3d.model import GPT
+    from mini3d.models.transformer import GPT
 
     for _ in range(3):
         cfg = _random_cfg(ctx.rng)
         truth = sum(p.numel() for p in GPT(cfg).parameters())
         got = ctx.impl.count_params(cfg)
-        expect(got == truth, f"count_params for {cfg}", f"{truth} (counted on mini3d.model.GPT)", got)
+        expect(got == truth, f"count_params for {cfg}", f"{truth} (counted on mini3d.models.transformer.GPT)", got)
 
 
 def count_70b(ctx):
@@ -79,7 +79,7 @@ def zero_stage(stage):
 
 EXERCISES = [
     Exercise("count_params", "00 why 70B does not fit", [
-        Check("matches_model", 3, count_matches_model, "equals the parameter count of mini3d.model.GPT"),
+        Check("matches_model", 3, count_matches_model, "equals the parameter count of mini3d.models.transformer.GPT"),
         Check("gpt_70b", 1, count_70b, "the 70B preset"),
         Check("min_gpus", 1, min_gpus, "GPUs needed just for model states"),
     ]),

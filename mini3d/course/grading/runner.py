@@ -20,7 +20,7 @@ _scenario_cache: dict = {}
 
 def _launch_part(part, ex: Exercise, impl_name: str, seed: int, world: int):
     """Per-rank results of one scenario function, or the CheckFailed that says why there are none."""
-    from mini3d.launch import LaunchTimeout, WorkerError, launch
+    from mini3d.launch.launcher import LaunchTimeout, WorkerError, launch
 
     try:
         # a learner's code is graded with torch's ordinary default device, whatever the caller's

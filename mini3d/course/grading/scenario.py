@@ -1,4 +1,4 @@
-"""The multi-process side of a distributed exercise, run on gloo by `mini3d.launch`.
+"""The multi-process side of a distributed exercise, run on gloo by `mini3d.launch.launcher`.
 
 `run_scenario(scenario, name, impl_name, seed)` runs in every rank: it builds a Topology, calls the
 learner's code on inputs drawn from `seed` (each rank can regenerate every rank's inputs, so each

@@ -1,4 +1,4 @@
-"""Tensor-parallel exercises (chapter 04): scenarios run on gloo by mini3d.launch, and their checks.
+"""Tensor-parallel exercises (chapter 04): scenarios run on gloo by mini3d.launch.launcher, and their checks.
 
 Each rank draws the full, unsharded weights and inputs from the grading seed, computes the
 single-process reference, slices its own shard, runs the learner's code and reports the differences.

@@ -1,6 +1,6 @@
 """Chapters 00-01 (why 70B does not fit, memory anatomy): measured memory next to the estimate.
 
-The live side is what `mini3d.train.train_worker` returns with `collect=["ledger", "activations"]`:
+The live side is what `mini3d.run.train.train_worker` returns with `collect=["ledger", "activations"]`:
 `ledger` holds the model-state bytes of one rank read from its live tensors (`mini3d.dp.ledger`),
 `activations` the bytes saved for backward per micro-batch, by module. `measured_breakdown` turns
 one rank's result into the estimator's categories; `estimated_breakdown` does the same for

@@ -25,8 +25,8 @@ from .theme import CATEGORY_COLORS, new_figure
 def sp_runs(cfg, tp: int = 2, global_batch: int = 4, seq_len: int = 32, steps: int = 2) -> dict:
     """{False: rank-0 result without SP, True: with SP} of one launch of `tp` processes."""
     from mini3d.config import Plan
-    from mini3d.launch import launch
-    from mini3d.train import make_spec
+    from mini3d.launch.launcher import launch
+    from mini3d.run.train import make_spec
 
     from .zero_traffic import train_many_worker
 

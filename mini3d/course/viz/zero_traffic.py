@@ -1,7 +1,7 @@
 """Chapter 03 (ZeRO): several live runs in one launch, and measured dp traffic next to the formula.
 
 Starting processes costs seconds (each one imports torch), so `train_many_worker(specs)` runs
-`mini3d.train.train_worker` once per spec, one after the other, inside the same processes: every
+`mini3d.run.train.train_worker` once per spec, one after the other, inside the same processes: every
 spec must have the same world size. It is a launch() target, so it lives here, importable.
 
 Communication (the ZeRO paper's accounting, Psi = the bytes of one full gradient; on the wire each
@@ -29,7 +29,7 @@ LOSS_MARKER_BYTES = 8  # train_worker's float64 loss all-reduce over dp, once pe
 
 def train_many_worker(specs: Sequence[dict]) -> list[dict]:
     """Run `train_worker(spec)` for each spec in order in this process; return the results."""
-    from mini3d.train import train_worker
+    from mini3d.run.train import train_worker
 
     return [train_worker(spec) for spec in specs]
 

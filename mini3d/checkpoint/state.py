@@ -1,0 +1,85 @@
+"""Between the sharded training state of one rank and the full, named state of a checkpoint.
+
+`gather_full_state` turns this rank's (tp-sliced, ZeRO-sharded) fp32 masters and AdamW moments
+into full tensors keyed by reference parameter name (only writer ranks keep the host copies);
+`restore_full_state` slices full, named tensors back into any layout. The file format, the atomic
+commit and the verification are in `mini3d/checkpoint/store.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter state
+
+
+def _names(chunks) -> dict:
+    """{parameter: reference name} over this rank's model chunks (names are the full model's; a
+    tied head's copy on the last stage is saved and restored as the embedding it equals)."""
+    from mini3d.models.transformer import canonical_name
+
+    return {p: canonical_name(n, chunk.cfg) for chunk in chunks for n, p in chunk.named_parameters()}
+
+
+def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict, dict, int]:
+    """(weights, moments, optimizer step) of this rank's chunks at full shape, keyed by reference
+    name. Weights come from the fp32 master copies (so bf16 runs resume exactly). Collective over
+    the dp and tp axes: every rank must call it, but only a rank with `keep` (a writer) builds the
+    full host copies; the others take part in each gather and drop its result at once."""
+    from mini3d import comm
+    from mini3d.tp import unshard_like
+
+    names = _names(chunks)
+    weights, moments, step = {}, {}, 0
+    sharded = optimizer.wrapper.stage >= 1
+    for (group, _, _), master in zip(optimizer.shards, optimizer.masters):
+        state = optimizer.inner.state.get(master, {})
+        if "step" in state:
+            step = int(state["step"])
+        tensors = {"weight": master.detach()}
+        tensors.update({k: state[k] for k in MOMENTS if k in state})
+        for key, shard in tensors.items():
+            full = shard
+            if sharded:
+                full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
+                comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
+            for p, local in group.views(full):
+                value = unshard_like(p, local.to(torch.promote_types(local.dtype, torch.float32)), topo)
+                if not keep:
+                    continue
+                value = value.cpu()
+                if key == "weight":
+                    weights[names[p]] = value
+                else:
+                    moments.setdefault(names[p], {})[key] = value
+    return weights, moments, step
+
+
+@torch.no_grad()
+def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, step: int):
+    """Load full, named weights and AdamW moments into this rank's (tp-sliced, dp-sharded) state."""
+    from mini3d.tp import shard_like
+
+    names = _names(chunks)
+    sharded = optimizer.wrapper.stage >= 1
+    fused = bool(optimizer.inner.defaults.get("fused"))  # fused AdamW keeps `step` on the device
+    for (group, pshard, _), master in zip(optimizer.shards, optimizer.masters):
+        def local_flat(source, key=None):
+            flat = torch.zeros(group.padded, dtype=master.dtype, device=master.device)
+            for p, view in group.views(flat):
+                full = source[names[p]] if key is None else source[names[p]][key]
+                view.copy_(shard_like(p, full.to(master.device), topo))
+            return flat[group.lo:group.hi] if sharded else flat
+
+        master.copy_(local_flat(weights))
+        if master.data_ptr() != pshard.data_ptr():
+            pshard.copy_(master)  # bf16 parameters from the restored fp32 masters
+        if moments and step > 0:
+            optimizer.inner.state[master] = {
+                "step": torch.tensor(float(step), device=master.device if fused else "cpu"),
+                **{k: local_flat(moments, k).clone() for k in MOMENTS}}
+    optimizer.wrapper.after_step()  # ZeRO-1/2: every rank re-gathers the parameters it updated
+
+
+__all__ = ["MOMENTS", "gather_full_state", "restore_full_state"]

@@ -1,0 +1,4 @@
+"""Starting processes: the local launcher (spawn, die with the launcher, first-failure report),
+device and backend choice, what a failed job reports, and each worker's recorded p2p program.
+
+Nothing here imports torch at package import: a worker imports `mini3d.launch.boot` first."""

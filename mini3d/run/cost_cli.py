@@ -1,0 +1,235 @@
+"""`mini3d estimate | plan | calibrate`: the memory estimator, cost model and planner from a shell.
+
+    mini3d estimate --model gpt-22b --tp 8 --global-batch 4 --dtype bf16 --sequence-parallel \
+        --recompute selective --gpu A100-80GB --json
+    mini3d plan --model gpt-70b --gpus 8 --global-batch 32 --gpu A100-80GB --top 5
+    mini3d calibrate --out cpu.json        # then: mini3d estimate --model tiny --gpu cpu.json
+
+Exit status: 0 answered (also for a layout that does not fit: the answer says so); 1 `plan` found
+no fitting layout; 2 bad input, with a message naming every offending value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from mini3d.config import ATTENTION, DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan
+from mini3d.cost.memory import GB, estimate_all_stages
+from mini3d.cost.hardware import PRESETS as GPUS
+from mini3d.cost.hardware import load_hardware, save_hardware
+
+
+class BadInput(ValueError):
+    pass
+
+
+def _model_args(p):
+    g = p.add_argument_group("model (a preset, or field by field; fields override a preset)")
+    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--vocab", type=int)
+    g.add_argument("--ffn", type=int, help="MLP width d_ff (default 4 * hidden)")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
+    from mini3d.run.model_args import add_family_args
+
+    add_family_args(g)
+
+
+def _hw_args(p):
+    p.add_argument("--gpu", default="A100-80GB", help=f"{' | '.join(GPUS)} | path.json")
+    p.add_argument("--gpus", type=int, help="number of GPUs (default tp*pp*dp)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default dp * micro-batches)")
+    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--attention", default="explicit", choices=ATTENTION,
+                   help="explicit keeps the s x s attention matrix; sdpa (fused) does not")
+    p.add_argument("--json", action="store_true", help="print the machine-readable answer")
+
+
+def _plan_args(p):
+    g = p.add_argument_group("plan")
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention)")
+    g.add_argument("--dp", type=int, help="default: gpus / (tp * cp * pp), or 1")
+    g.add_argument("--zero", type=int, default=0)
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    g.add_argument("--virtual-stages", type=int, default=1)
+    g.add_argument("--micro-batches", type=int, default=1)
+    g.add_argument("--recompute", default="none", choices=RECOMPUTE)
+    g.add_argument("--sequence-parallel", action="store_true")
+
+
+def model_from_args(args) -> ModelConfig:
+    fields = {"n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
+              "vocab_size": args.vocab, "d_ff": args.ffn}
+    given = {k: v for k, v in fields.items() if v is not None}
+    from mini3d.run.model_args import family_overrides
+
+    given.update(family_overrides(args))
+    if args.model:
+        if args.model not in PRESETS:
+            raise BadInput(f"--model {args.model!r} is not a preset (choose from {', '.join(PRESETS)})")
+        cfg = dataclasses.replace(PRESETS[args.model], **given)
+    else:
+        missing = [f"--{n}" for n, k in (("layers", "n_layers"), ("hidden", "d_model"),
+                                         ("heads", "n_heads")) if k not in given]
+        if missing:
+            raise BadInput(f"give --model NAME or the model field by field: missing {', '.join(missing)}")
+        cfg = ModelConfig(**given, max_seq_len=args.seq_len or 128)
+    if given and args.model:
+        cfg = dataclasses.replace(cfg, name=f"{args.model}(modified)")
+    problems = cfg.problems()
+    if problems:
+        raise BadInput("inconsistent model dimensions: " + "; ".join(problems))
+    return cfg
+
+
+def _hardware(args):
+    try:
+        return load_hardware(args.gpu)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--gpu {args.gpu!r}: {e}") from None
+
+
+def plan_from_args(args, cfg: ModelConfig) -> Plan:
+    dp, model_parallel = args.dp, args.tp * args.pp * args.cp
+    if dp is None:
+        if args.gpus and args.gpus % model_parallel:
+            raise BadInput(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {args.tp}*{args.pp}"
+                           f"*{args.cp} = {model_parallel}")
+        dp = args.gpus // model_parallel if args.gpus else 1
+    plan = Plan(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, schedule=args.schedule,
+                virtual_stages=args.virtual_stages, micro_batches=args.micro_batches,
+                recompute=args.recompute, dtype=args.dtype,
+                global_batch=args.global_batch or dp * args.micro_batches,
+                seq_len=args.seq_len or cfg.max_seq_len, sequence_parallel=args.sequence_parallel,
+                attention=args.attention, cp=args.cp)
+    problems = plan.problems(cfg, args.gpus)
+    if problems:
+        raise BadInput("inconsistent plan: " + "; ".join(problems))
+    return plan
+
+
+def cmd_estimate(args) -> int:
+    from mini3d.cost.model import estimate_cost
+    from mini3d.cost.planner import describe, why_not
+
+    cfg = model_from_args(args)
+    hw = _hardware(args)
+    plan = plan_from_args(args, cfg)
+    est = estimate_cost(cfg, plan, hw, args.gpus)
+    stages = estimate_all_stages(cfg, plan)
+    if args.json:
+        out = est.as_dict()
+        out["memory_per_stage_bytes"] = [dict(s.as_dict(), detail=None) for s in stages]
+        out["explanation"] = why_not(est)
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{cfg.name} ({cfg.family}, {cfg.n_params() / 1e9:.1f}B parameters) on "
+          f"{plan.world_size} x {hw.name}: {describe(plan)}")
+    for s in stages:
+        print("  " + s.summary())
+    print("  " + why_not(est))
+    print(f"  step {est.step_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, "
+          f"{est.tflops_per_gpu:.1f} TFLOP/s per GPU, MFU {est.mfu:.1%}, HFU {est.hfu:.1%}, "
+          f"bubble {est.bubble_fraction:.1%}")
+    print("  time: " + ", ".join(f"{k} {v:.3f} s" for k, v in est.breakdown.items()
+                                 if k != "efficiency"))
+    print("  bytes sent per rank per step: " + ", ".join(f"{k} {v / GB:.2f} GB"
+                                                          for k, v in est.comm_bytes.items()))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from mini3d.cost.planner import describe, search
+
+    cfg = model_from_args(args)
+    hw = _hardware(args)
+    if not args.gpus or args.gpus < 1:
+        raise BadInput(f"plan needs --gpus N >= 1 (got {args.gpus})")
+    seq = args.seq_len or cfg.max_seq_len
+    if seq > cfg.max_seq_len:
+        raise BadInput(f"--seq-len {seq} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    batch = args.global_batch or args.gpus
+    res = search(cfg, args.gpus, hw, batch, seq, args.dtype, top_k=args.top, attention=args.attention)
+    if args.json:
+        print(json.dumps(res.as_dict(), indent=2))
+    else:
+        print(f"{cfg.name} on {args.gpus} x {hw.name}, global batch {batch}, seq_len {seq}: "
+              f"{res.n_fit} of {res.n_considered} valid layouts fit")
+        for i, c in enumerate(res.candidates, 1):
+            print(f"  {i}. {describe(c.plan)}: {c.step_time_s:.3f} s, MFU {c.mfu:.1%}, "
+                  f"{c.memory.total / GB:.1f} GB")
+        print(res.explanation)
+        for note in res.notes:
+            print(note)
+    return 0 if res.fits else 1
+
+
+def cmd_calibrate(args) -> int:
+    from mini3d.cost.calibration import calibrate_machine
+
+    hw = calibrate_machine(quick=args.quick)
+    save_hardware(hw, args.out)
+    print(json.dumps(hw.to_dict(), indent=2) if args.json else
+          f"wrote {args.out}: matmul {hw.peak_flops / 1e9:.1f} GFLOP/s peak (half at width "
+          f"{hw.eff_half_width:.0f}), all-reduce {hw.nvlink_bw / 1e9:.2f} GB/s + "
+          f"{hw.latency_s * 1e6:.0f} us, memory {hw.memory_bw / 1e9:.1f} GB/s")
+    return 0
+
+
+def _check_counts(args):
+    """Counts that must be >= 1 when given (0 or a negative one would pass for the default)."""
+    for flag in ("seq_len", "top", "global_batch", "micro_batches", "virtual_stages"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 1:
+            raise BadInput(f"--{flag.replace('_', '-')} {value} must be >= 1")
+    out = getattr(args, "out", None)
+    if args.command == "calibrate" and out:
+        from mini3d.exits import file_target
+
+        for problem in file_target("--out", out):
+            raise BadInput(problem)
+
+
+def _guard(fn):
+    def run(args) -> int:
+        try:
+            _check_counts(args)
+            return fn(args)
+        except BadInput as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+def register(subparsers) -> None:
+    """Add `estimate`, `plan` and `calibrate` to an argparse subparsers object."""
+    p = subparsers.add_parser("estimate", help="memory, step time and MFU of one plan")
+    _model_args(p), _plan_args(p), _hw_args(p)
+    p.set_defaults(func=_guard(cmd_estimate))
+    p = subparsers.add_parser("plan", help="search the fastest layouts that fit")
+    _model_args(p), _hw_args(p)
+    p.add_argument("--top", type=int, default=5, help="how many layouts to show")
+    p.set_defaults(func=_guard(cmd_plan))
+    p = subparsers.add_parser("calibrate", help="measure this machine into a hardware JSON")
+    p.add_argument("--out", default="mini3d-hardware.json")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_guard(cmd_calibrate))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mini3d")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

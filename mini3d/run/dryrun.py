@@ -1,0 +1,216 @@
+"""`mini3d train --dry-run`: check a plan end to end without starting a single process.
+
+1. validate the plan (the caller exits 2 with the reasons when it is broken);
+2. print the rank map (`Grid.describe`, node boundaries with `--gpus-per-node`);
+3. record one step's communication from the real step: for every rank of a reduced grid (tp and
+   dp capped at 2, every pipeline rank), build that rank's real `Trainer` on torch's "fake" process
+   group (every collective and transfer returns at once, nothing is sent) and run
+   `Trainer.step` and `Trainer.mean_loss_over_dp`, as `train_worker` does. The traced comm layer
+   (`mini3d.comm`) records each op when it is issued and when it is waited for, so the program
+   holds whatever the real code issues: tp and sequence-parallel collectives, ZeRO gathers and
+   reduce-scatters, gradient clipping, the pipeline's transfers for the schedule, the loss
+   broadcast and the loss mean;
+4. run the recorded programs under NCCL's ordering rules (`mini3d.diagnose.rendezvous`: streams
+   per pair and per communicator in issue order, a send waiting for its receive, batches as units,
+   pair communicators joined on first use): if every rank's program ends, no rank of one step
+   waits forever under those rules (nor under gloo's, which are looser);
+5. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble.
+
+Every tp group and every dp replica runs the same program, so two members show every cross-group
+interaction that more would. A model above `RECORD_MAX_PARAMS` is recorded on a narrow copy
+(same layers, heads, plan and schedule; small hidden size, vocabulary and sequence): message sizes
+and the number of gradient buckets then differ from the real run, the order and the groups do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from mini3d.comm import COLLECTIVES, CommLog
+from mini3d.grid import Grid, build_topology
+
+CAP = 2  # tp and dp members kept for the recording (see the module docstring)
+RECORD_MAX_PARAMS = 20e6  # larger models are recorded on a narrow copy
+
+
+class RecordingLog(CommLog):
+    """A CommLog that also keeps, while `recording`, every op's issue and wait in program order."""
+
+    def __init__(self, rank: int):
+        super().__init__(rank, capacity=1 << 20)
+        self.recording = False
+        self.program: list[tuple] = []  # ("issue" | "wait", event id, Event)
+
+    def begin(self, *args, **kwargs):
+        eid, ev = super().begin(*args, **kwargs)
+        if self.recording:
+            self.program.append(("issue", eid, ev))
+        return eid, ev
+
+    def end(self, eid, ev):
+        super().end(eid, ev)
+        if self.recording:
+            self.program.append(("wait", eid, ev))
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world: int):
+    """This process as `rank` of `world` on torch's fake backend (the one torch's own tests use to
+    run collectives without peers; there is no public equivalent)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    if dist.is_initialized():
+        raise RuntimeError("the dry run records on its own process group: call it before "
+                           "init_process_group")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def record_rank(cfg, plan, rank: int, grad_clip: float = 0.0) -> list[tuple]:
+    """One optimizer step of `rank` (of the plan's own grid), run by the real Trainer on a fake
+    process group: its ordered ("issue" | "wait", event id, event dict) entries."""
+    from mini3d.cp import chunk_micro_batches
+    from mini3d.run.train import Trainer
+
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    with fake_process_group(rank, grid.world_size):
+        log = RecordingLog(rank)
+        topo = build_topology(grid, rank, "cpu", log=log)
+        trainer = Trainer(cfg, plan, topo, seed=0, lr=1e-3, grad_clip=grad_clip)
+        tokens = torch.zeros(plan.micro_batch_size, plan.seq_len, dtype=torch.long)
+        mbs = [(tokens, tokens)] * plan.micro_batches
+        mbs = chunk_micro_batches(mbs, plan.cp, topo.cp.index)  # as train_worker feeds the step
+        log.context = {"step": 0}
+        log.recording = True
+        loss = trainer.step(mbs, 0)
+        trainer.mean_loss_over_dp(loss)
+        log.recording = False
+        waited = {eid for what, eid, _ in log.program if what == "wait"}
+        late = [("wait", eid, ev) for what, eid, ev in log.program  # still pending: waited at exit
+                if what == "issue" and eid not in waited]
+    return [(what, eid, ev.as_dict()) for what, eid, ev in log.program + late]
+
+
+def as_op(ev: dict) -> tuple:
+    """An event as the rendezvous simulator's (kind, key, label[, batch])."""
+    label = " ".join(str(x) for x in (ev["op"], ev["context"].get("action", ""), f"#{ev['seq']}") if x)
+    if ev["op"] in COLLECTIVES:
+        return ("coll", (ev["axis"], tuple(ev["group"])), label)
+    return (ev["op"], ev["peer"], label, ev.get("batch"))
+
+
+def recording_setup(cfg, plan) -> tuple:
+    """(model, plan) the step is recorded with: tp and dp capped at CAP; above RECORD_MAX_PARAMS a
+    narrow copy of the model and short sequences (see the module docstring)."""
+    t, d = min(plan.tp, CAP), min(plan.dp, CAP)
+    small = plan.replace(tp=t, dp=d, global_batch=plan.micro_batch_size * plan.micro_batches * d)
+    if cfg.n_params() <= RECORD_MAX_PARAMS:
+        return cfg, small
+    seq = 4 * t * plan.cp  # 2*cp zig-zag chunks of 2t tokens: each cp rank's 4t split over tp
+    narrow = dataclasses.replace(cfg, d_model=4 * cfg.n_heads, d_ff=16 * cfg.n_heads,
+                                 vocab_size=64 * t, max_seq_len=seq, name=f"{cfg.name} (narrow)")
+    return narrow, small.replace(seq_len=seq)
+
+
+def record_programs(cfg, plan, grad_clip: float = 0.0) -> tuple[list[list[tuple]], Grid]:
+    """Every rank's recorded program (simulator form) on the recording grid, and that grid."""
+    cfg, plan = recording_setup(cfg, plan)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    progs = [[(what, eid, as_op(ev)) for what, eid, ev in record_rank(cfg, plan, r, grad_clip)]
+             for r in range(grid.world_size)]
+    return progs, grid
+
+
+def schedule_note(plan) -> str:
+    """The schedule's own rule check (`mini3d.pp.rules.check`), as one line."""
+    if plan.pp == 1:
+        return "pp=1: no pipeline transfers"
+    from mini3d.pp.rules import check
+    from mini3d.pp.schedules import make_schedule
+
+    result = check(make_schedule(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages))
+    return f"schedule {plan.schedule}: mini3d.pp.rules.check " + (
+        "passed" if result.ok else "FAILED: " + "; ".join(result.problems))
+
+
+def memory_lines(cfg, plan) -> list[str]:
+    from mini3d.cost.memory import CATEGORIES, estimate_memory
+
+    def size(n):
+        return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 2**20:,.1f} MiB"
+
+    lines = []
+    for s in range(plan.pp):
+        e = estimate_memory(cfg, plan, s)
+        parts = ", ".join(f"{c} {size(getattr(e, c))}" for c in CATEGORIES)
+        lines.append(f"memory per rank, stage {s} (estimate): {size(e.total)} ({parts}; "
+                     f"gradients at their peak {size(e.peak_grad_bytes)}, with the buckets in flight)")
+    return lines
+
+
+def bubble_line(plan) -> str:
+    from mini3d.pp.simulator import bubble_formula
+
+    p, m, v = plan.pp, plan.micro_batches, plan.virtual_stages
+    b = bubble_formula(plan.schedule, p, m, v)
+    if b is None:  # zbv: no closed form, the simulated bubble with t_F = 1, t_bwd = 2 per stage
+        from mini3d.pp.schedules import make_schedule
+        from mini3d.pp.simulator import simulate
+
+        b = simulate(make_schedule(plan.schedule, p, m, v), 1 / v, 2 / v).bubble_fraction
+        return f"pipeline bubble ({plan.schedule}, simulated): {float(b):.1%}"
+    if plan.schedule == "zb-h1":
+        return (f"pipeline bubble (zb-h1, t_F = t_B = t_W): (p-1)/(3m+p-1) = "
+                f"{b.numerator}/{b.denominator} = {float(b):.1%}")
+    return (f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {b.numerator}/{b.denominator}"
+            f" = {float(b):.1%}")
+
+
+def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
+    """(status, line): record the step's programs and run them under NCCL's ordering rules."""
+    from mini3d.diagnose.rendezvous import simulate
+
+    progs, grid = record_programs(cfg, plan, grad_clip)
+    hang = simulate(progs, grid)
+    if hang:
+        return 1, f"communication: {hang}"
+    n = sum(1 for p in progs for what, _, _ in p if what == "issue")
+    t, d = grid.sizes["tp"], grid.sizes["dp"]
+    rec, rplan = recording_setup(cfg, plan)
+    on = "" if rec is cfg else (f", run on a narrow copy (d_model={rec.d_model}, vocab_size="
+                                f"{rec.vocab_size}, seq_len={rplan.seq_len}: same order and groups, "
+                                f"smaller messages)")
+    cp = f"cp={plan.cp} " if plan.cp > 1 else ""
+    return 0, (f"communication: deadlock-free: the real step's {n} ops, recorded on a tp={t} "
+               f"{cp}pp={plan.pp} dp={d} slice{on} (every tp/dp member runs the same program), all "
+               f"complete under NCCL's ordering rules (each pair's and each group's ops in issue "
+               f"order, a send only once its receive is at the head of the peer's stream, pair "
+               f"communicators joined on first use)")
+
+
+def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:
+    """Print the map, the recorded step's verdict, memory and bubble for a validated plan; 0 or 1."""
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    cp = f"cp={plan.cp} " if plan.cp > 1 else ""
+    out(f"dry run: {cfg.name} ({cfg.n_params() / 1e6:,.1f} M parameters) on tp={plan.tp} "
+        f"{cp}pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks); plan is valid")
+    out(grid.describe(gpus_per_node))
+    out(schedule_note(plan))
+    status, line = communication_line(cfg, plan, grad_clip)
+    out(line)
+    for line in memory_lines(cfg, plan):
+        out(line)
+    out(bubble_line(plan))
+    out("nothing was started (dry run)")
+    return status
+
+
+__all__ = ["dry_run", "record_rank", "record_programs", "recording_setup", "RecordingLog",
+           "fake_process_group"]
