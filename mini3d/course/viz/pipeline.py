@@ -15,6 +15,9 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
+from mini3d.pp.schedules import bubble_text
+from mini3d.schedule_kinds import SCHEDULES, schedule_kind
+
 from .theme import ACTION_COLORS, new_figure
 
 _PRINTED = re.compile(r"^([A-Za-z_]+?)(\d+)\.(\d+)")
@@ -61,30 +64,21 @@ def bubble_from_timeline(timeline: Sequence[Sequence]) -> float:
     return idle / (len(timeline) * makespan)
 
 
-SCHEDULE_MENU = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
+SCHEDULE_MENU = SCHEDULES  # the registry's kinds, in its order
 
 
 def chunks_for(kind: str, v: int) -> int:
     """The chunks per rank the explorer uses for `kind`: the slider's v where the schedule takes
-    any (interleaved, looped BFS), 2 for zbv's V, else 1."""
-    return v if kind in ("interleaved", "looped-bfs") else 2 if kind == "zbv" else 1
-
-
-FORMS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v·m+p-1)",
-         "looped-bfs": "(p-1)/(v·m+p-1)",
-         "zb-h1": "(p-1)(t_F+t_B-t_W) / (m(t_F+t_B+t_W) + (p-1)(t_F+t_B-t_W))"}
+    any (interleaved, looped BFS), its own otherwise (2 for zbv's V, else 1): the registry's
+    `ScheduleKind.chunks`."""
+    return schedule_kind(kind).chunks(v)
 
 
 def bubble_formula_text(kind: str, p: int, m: int, v: int = 1) -> str:
-    """The closed form the chapter teaches, evaluated (by `mini3d.pp.bubble_formula`):
-    '(p-1)/(m+p-1) = 3/11 = 27.3%'. ZB-H1's with t_F = t_B = t_W = 1 (a backward of 2 units split
-    in halves); ZB-V has none (simulate it)."""
-    from mini3d.pp.simulator import bubble_formula
-
-    value = bubble_formula(kind, p, m, v)
-    if value is None:
-        return "no closed form (simulated)"
-    return f"{FORMS[kind]} = {value.numerator}/{value.denominator} = {float(value):.1%}"
+    """The closed form the chapter teaches, evaluated: '(p-1)/(m+p-1) = 3/11 = 27.3%'
+    (`mini3d.pp.schedules.bubble_text`, the kind's `form` at t_F = 1, t_bwd = 2; ZB-H1's with
+    t_F = t_B = t_W); ZB-V has none: its simulated bubble."""
+    return bubble_text(kind, p, m, v)
 
 
 def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = None,
