@@ -26,10 +26,10 @@ from fractions import Fraction
 
 
 class ScheduleKind:
-    """1F1B (PipeDream-Flush, Megatron's default) and the defaults every kind starts from."""
+    """What every kind answers; the defaults are 1F1B's (`OneFOneB`), the others override."""
 
-    name = "1f1b"
-    builder = "one_f_one_b"
+    name = ""
+    builder = ""  # a function of mini3d.pp.schedules (its BUILDERS), taking (p, m) or (p, m, v)
     placement = "loop"  # stage s on rank s % p; "v": see mini3d.pp.placement.stage_rank
     fixed_chunks: int | None = 1  # chunks per rank; None: the plan's virtual_stages (at least 1)
     needs_full_pipe = True  # m >= p when p > 1: the warm-up fills every rank before the first B
@@ -51,6 +51,7 @@ class ScheduleKind:
         return 2 if self.multi_chunk else 1
 
     def min_microbatches(self, p: int) -> int:
+        """The fewest micro-batches it runs on p ranks: p for 1F1B and ZB-H1, else 1."""
         return p if self.needs_full_pipe and p > 1 else 1
 
     def problems(self, p: int, m: int, v: int) -> list[str]:
@@ -88,6 +89,13 @@ class ScheduleKind:
 
     def __repr__(self) -> str:
         return f"<schedule kind {self.name}>"
+
+
+class OneFOneB(ScheduleKind):
+    """1F1B (PipeDream-Flush, Megatron's default): rank r runs p - r - 1 warm-up forwards, then
+    one forward and one backward in turn."""
+
+    name, builder = "1f1b", "one_f_one_b"
 
 
 class GPipe(ScheduleKind):
@@ -197,7 +205,7 @@ class ZBV(ZBH1):
         return None
 
 
-KINDS = {k.name: k for k in (GPipe(), ScheduleKind(), Interleaved(), LoopedBFS(), ZBH1(), ZBV())}
+KINDS = {k.name: k for k in (GPipe(), OneFOneB(), Interleaved(), LoopedBFS(), ZBH1(), ZBV())}
 SCHEDULES = tuple(KINDS)  # the names, in the order the CLI and the course list them
 MULTI_CHUNK = tuple(k.name for k in KINDS.values() if k.multi_chunk)
 
@@ -220,4 +228,5 @@ def schedule_problems(kind: str, p: int, m: int, v: int = 1) -> list[str]:
     return out or KINDS[kind].problems(p, m, v)
 
 
-__all__ = ["ScheduleKind", "KINDS", "SCHEDULES", "MULTI_CHUNK", "schedule_kind", "schedule_problems"]
+__all__ = ["ScheduleKind", "OneFOneB", "GPipe", "Interleaved", "LoopedBFS", "ZBH1", "ZBV", "KINDS",
+           "SCHEDULES", "MULTI_CHUNK", "schedule_kind", "schedule_problems"]

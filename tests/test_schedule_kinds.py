@@ -77,6 +77,7 @@ def test_the_names_are_the_registry_s():
     assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
     assert CONFIG_SCHEDULES is SCHEDULES and PP_KINDS is SCHEDULES and SCHEDULE_MENU is SCHEDULES
     assert CONFIG_MULTI == MULTI_CHUNK == ("interleaved", "looped-bfs", "zbv")
+    assert sorted(k.builder for k in KINDS.values()) == sorted(sched_mod.BUILDERS)  # one each
     with pytest.raises(ValueError, match="schedule='pipedream' is unknown"):
         schedule_kind("pipedream")
     assert schedule_problems("pipedream", 2, 4) == [
@@ -86,7 +87,7 @@ def test_the_names_are_the_registry_s():
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_each_kind_names_its_builder_chunks_and_placement(name):
     k = schedule_kind(name)
-    assert callable(getattr(sched_mod, k.builder))
+    assert sched_mod.BUILDERS[k.builder] is getattr(sched_mod, k.builder)
     for v in (1, 2, 3):
         chunks = k.chunks(v)
         if schedule_problems(name, 2, 4, chunks):

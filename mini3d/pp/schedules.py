@@ -24,6 +24,10 @@ chunk c of rank r at stage c p + r for even c and (c + 1) p - 1 - r for odd c ("
 first and the last stage), see `partition.stage_rank`. A transfer between two stages on
 the same rank (only when p == 1) needs no action: the runtime hands the tensor over locally.
 
+What a kind is (its chunks per rank, rules, placement, in-flight bounds, bubble) is an object of the
+registry, mini3d/schedule_kinds.py, which names its builder here (`BUILDERS`); every bound a builder
+promises comes from it and `rules.check` verifies it on the lists.
+
 The compute order comes from the published schedules (GPipe; 1F1B of PipeDream-Flush / Megatron;
 Megatron's interleaved 1F1B; looped BFS of Lamy-Poirier 2022; ZB-H1 and ZB-V of Qi et al. 2023). The transfers are then placed by `add_transfers`: it times the
 compute order with unit costs, lists every compute and transfer in one global time order, and gives
@@ -172,13 +176,16 @@ def zbv(p: int, m: int) -> Schedule:
     return add_transfers("zbv", p, m, 2, zbv_orders(p, m), bounds, placement_of("zbv"))
 
 
+BUILDERS = {f.__name__: f for f in (gpipe, one_f_one_b, interleaved_1f1b, looped_bfs, zb_h1, zbv)}
+
+
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule `kind` (one of KINDS) for p ranks, m micro-batches, v chunks per rank."""
     problems = schedule_problems(kind, p, m, v)
     if problems:
         raise ValueError("; ".join(problems))
     k = schedule_kind(kind)
-    build = globals()[k.builder]  # each kind names its builder, one of the functions above
+    build = BUILDERS[k.builder]  # each kind names its builder
     return build(p, m, v) if k.fixed_chunks is None else build(p, m)
 
 
