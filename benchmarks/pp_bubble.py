@@ -34,6 +34,7 @@ from mini3d.launch.launcher import launch
 from mini3d.pp.partition import build_stages
 from mini3d.pp.runtime import PipelineRuntime
 from mini3d.pp.schedules import make_schedule
+from mini3d.schedule_kinds import schedule_kind
 from mini3d.pp.simulator import bubble_formula, simulate
 
 CFG = ModelConfig(n_layers=4, d_model=256, n_heads=4, vocab_size=256, max_seq_len=64)
@@ -48,7 +49,7 @@ CFG = dataclasses.replace(CFG, d_model=WIDTH)
 
 
 def _schedule(kind, p, m):
-    return make_schedule(kind, p, m, 2 if kind == "zbv" else 1)
+    return make_schedule(kind, p, m, schedule_kind(kind).chunks(1))
 
 
 def _worker(kinds, m, steps):
@@ -180,7 +181,7 @@ def _analyse(kind, m, per_rank):
 
 def _formula(kind, p, m):
     """The closed form for equal stages (t_bwd = 2 t_fwd, t_w = t_fwd), or nan (zbv: none)."""
-    f = bubble_formula(kind, p, m, 2 if kind == "zbv" else 1)
+    f = bubble_formula(kind, p, m, schedule_kind(kind).chunks(1))
     return float("nan") if f is None else float(f)
 
 

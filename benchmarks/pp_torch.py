@@ -31,6 +31,7 @@ from mini3d.models.transformer import cross_entropy
 from mini3d.pp.partition import build_stages
 from mini3d.pp.runtime import PipelineRuntime
 from mini3d.pp.schedules import make_schedule
+from mini3d.schedule_kinds import schedule_kind
 
 from .common import ratio_row
 
@@ -53,7 +54,7 @@ def _theirs(stages: dict, kind: str, m: int, topo):
     """(modules, PyTorch schedule) over copies of this rank's mini3d stages {stage id: module}."""
     from torch.distributed import pipelining as pl
 
-    n = P * (2 if kind == "zbv" else 1)
+    n = P * schedule_kind(kind).chunks(1)
     modules = {s: _LogitsStage(copy.deepcopy(q)) for s, q in stages.items()}
     ps = [pl.PipelineStage(q, s, n, torch.device("cpu"), group=topo.pp.group)
           for s, q in sorted(modules.items())]
@@ -75,7 +76,7 @@ def _time(fn, module, axis) -> float:
 
 def _worker(kind: str, m: int, repeats: int, warmup: int):
     topo = build_topology(Grid(pp=P), dist.get_rank())
-    sched = make_schedule(kind, P, m, 2 if kind == "zbv" else 1)
+    sched = make_schedule(kind, P, m, schedule_kind(kind).chunks(1))
     stages = build_stages(CFG, 0, topo.pp.index, P, sched.v, placement=sched.placement)
     rt = PipelineRuntime(stages, sched, topo, act_shape=(B, T, CFG.d_model))
     mine = torch.nn.ModuleList(stages.values())

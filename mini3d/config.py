@@ -14,42 +14,13 @@ from dataclasses import dataclass
 
 from mini3d.models.config import (ACTIVATIONS, ALIASES, FAMILIES, PRESETS, ModelConfig, PlanError,
                                   _divisors, model_from_dict, model_from_preset)
+from mini3d.schedule_kinds import (MULTI_CHUNK, SCHEDULES, schedule_kind,  # noqa: F401 (re-exported)
+                                   schedule_problems)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")  # = mini3d.pp KINDS
-MULTI_CHUNK = ("interleaved", "looped-bfs", "zbv")  # kinds with v > 1 chunks per rank
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("float32", "bf16", "float64")  # float64: exact parity checks (tests/matrix.py)
 ATTENTION = ("explicit", "sdpa")
 COMPILE = ("none", "inductor", "aot_eager")  # Plan.compile: off, or the torch.compile backend
-
-
-def schedule_problems(kind: str, p: int, m: int, v: int = 1) -> list[str]:
-    """Why (kind, p, m, v) has no pipeline schedule (`mini3d.pp.make_schedule` refuses it with these
-    messages, `Plan.problems` reports them). Here, with the plan, because the configuration layer
-    imports nothing above it."""
-    out = [f"{n}={x} must be a positive integer" for n, x in (("pp", p), ("micro_batches", m),
-           ("virtual_stages", v)) if not isinstance(x, int) or x < 1]
-    if kind not in SCHEDULES:
-        out.append(f"schedule={kind!r} is unknown (choose {', '.join(SCHEDULES)})")
-    if out:
-        return out
-    if kind in ("1f1b", "zb-h1") and p > 1 and m < p:
-        out.append(f"{kind} needs micro_batches >= pp, got micro_batches={m} < pp={p} "
-                   f"(use --micro-batches {p} or more)")
-    if kind == "interleaved":
-        rounds = max(1, m // p)
-        if v < 2:
-            out.append(f"interleaved needs virtual_stages >= 2, got {v}")
-        if m % rounds:
-            fits = sorted({p * rounds, m - m % rounds, p})
-            out.append(f"interleaved needs micro_batches={m} to be a multiple of its rounds "
-                       f"max(1, micro_batches // pp={p}) = {rounds} (e.g. {fits})")
-    elif kind == "zbv" and v != 2:
-        out.append(f"zbv needs exactly virtual_stages=2 (two chunks per rank in a V), got {v}")
-    elif kind not in MULTI_CHUNK and v != 1:
-        out.append(f"virtual_stages={v} needs schedule interleaved, looped-bfs or zbv "
-                   f"(got schedule={kind!r})")
-    return out
 
 
 @dataclass(frozen=True)
@@ -174,10 +145,7 @@ class Plan:
         if self.schedule in SCHEDULES:  # the pipeline schedule's own rules, one source
             out += schedule_problems(self.schedule, self.pp, self.micro_batches,
                                      self.virtual_stages)
-        if self.schedule == "zbv" and self.pp > 1 and model.tie_embeddings:
-            out.append("schedule='zbv' puts the first and the last stage on pipeline rank 0, but "
-                       "tied embeddings are summed between pipeline ranks 0 and pp-1 "
-                       "(mini3d.pp.tied): use --schedule zb-h1, or a model with untied embeddings")
+            out += schedule_kind(self.schedule).model_problems(self.pp, model.tie_embeddings)
         if self.seq_len > model.max_seq_len:
             out.append(f"seq_len={self.seq_len} exceeds the model's max_seq_len={model.max_seq_len}")
         if self.sequence_parallel and (self.seq_len // self.cp) % self.tp:

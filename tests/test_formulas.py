@@ -3,8 +3,9 @@
     ring factors (steps, wire bytes)   mini3d.comm.ring_steps / ring_wire_bytes
     seconds of one collective          mini3d.cost.hardware.Hardware.collective_s
     tp collectives of one layer        mini3d.tp.comm_per_layer
-    closed-form bubble                 mini3d.pp.simulator.bubble_formula
-    micro-batches in flight            mini3d.pp.schedules.in_flight_bound
+    closed-form bubble                 mini3d.schedule_kinds (ScheduleKind.bubble, .form)
+    micro-batches in flight            mini3d.schedule_kinds (ScheduleKind.in_flight, .head_in_flight)
+    bubble of a timeline               mini3d.pp.simulator.bubble_of (idle_gaps)
     layer partition                    mini3d.pp.partition.partition_layers
     vocabulary padding                 mini3d.tp.layers.padded_size
     model-state bytes per ZeRO stage   mini3d.cost.memory.model_state_bytes (STATE_BYTES)
@@ -19,6 +20,7 @@ removed copies stay removed.
 from __future__ import annotations
 
 import ast
+from fractions import Fraction
 import dataclasses
 from pathlib import Path
 
@@ -132,6 +134,26 @@ def test_bubble_and_in_flight_have_one_owner(kind, p, m, v):
     assert result.peak_in_flight == list(sched.in_flight_bound)  # the bound is reached
 
 
+@pytest.mark.parametrize("kind,p,m,v", CASES + [("zb-h1", 4, 6, 1), ("zbv", 3, 5, 2), ("looped-bfs", 2, 3, 2)])
+def test_timeline_bubble_and_head_in_flight_have_one_owner(kind, p, m, v):
+    """The course's bubble of a drawn (or measured) timeline is the simulator's, exactly on a
+    simulated one; the estimator's head micro-batches and its zbv text are the registry's."""
+    from mini3d.cost.memory import head_microbatches
+    from mini3d.course.viz.pipeline import bubble_from_timeline, bubble_formula_text, idle_gaps
+    from mini3d.pp.simulator import simulate
+    from mini3d.run.dryrun import bubble_line
+    from mini3d.schedule_kinds import schedule_kind
+
+    sim = simulate(make_schedule(kind, p, m, v), Fraction(1, v), Fraction(2, v))
+    assert bubble_from_timeline(sim.timeline) == pytest.approx(float(sim.bubble_fraction), rel=1e-12)
+    idle = sum(e - s for row in idle_gaps(sim.timeline) for s, e in row)
+    assert idle == pytest.approx(float(p * sim.makespan - sum(sim.busy)), rel=1e-12)
+    plan = Plan(pp=p, micro_batches=m, virtual_stages=v, schedule=kind, global_batch=m)
+    assert head_microbatches(plan) == schedule_kind(kind).head_in_flight(p, m)
+    text = bubble_formula_text(kind, p, m, v)
+    assert text in bubble_line(plan) and f"{float(sim.bubble_fraction):.1%}" in text
+
+
 def test_layer_partition_has_one_owner():
     cfg = dataclasses.replace(PRESETS["tiny"], n_layers=7)
     plan = Plan(pp=3, global_batch=3, micro_batches=3)
@@ -143,8 +165,10 @@ def test_layer_partition_has_one_owner():
 
 def test_removed_copies_stay_removed():
     """The old second copies of shared formulas are not defined anywhere in the package (ZERO_PSI
-    was chapter 03's table of ZeRO traffic at one micro-batch)."""
-    gone = {"padded_vocab", "chunk_layers", "closed_form_bubble", "_layers_per_chunk", "ZERO_PSI"}
+    was chapter 03's table of ZeRO traffic at one micro-batch; FORMS the course's bubble texts,
+    gpipe_timeline its closed-form GPipe timeline, zbv_peak ZB-V's in-flight count on its order)."""
+    gone = {"padded_vocab", "chunk_layers", "closed_form_bubble", "_layers_per_chunk", "ZERO_PSI",
+            "FORMS", "gpipe_timeline", "zbv_peak"}
     root = Path(__file__).resolve().parents[1] / "mini3d"
     found = []
     for path in root.rglob("*.py"):

@@ -11,6 +11,8 @@ from fractions import Fraction
 import pytest
 
 from mini3d.grid import Grid
+from mini3d.pp.schedules import make_schedule
+from mini3d.pp.simulator import simulate
 from mini3d.course.viz import comm, grid3d, memory, pipeline, tp, widgets
 from mini3d.course.viz.adapters import pp_simulate_fn
 from mini3d.course.viz.theme import CATEGORIES, GIB, TEMPLATE_NAME, as_breakdown
@@ -33,11 +35,16 @@ def _titles_have_units(fig, axes="xy"):
 # ----------------------------------------------------------------- fakes (closed forms)
 
 
+def gpipe_timeline(p, m, t_fwd=1.0, t_bwd=2.0):
+    """GPipe's timeline from mini3d's simulator (the course draws what mini3d.pp computes)."""
+    return simulate(make_schedule("gpipe", p, m), t_fwd, t_bwd).timeline
+
+
 def fake_simulate(kind, p, m, v=1, bwd_ratio=2.0):
     """GPipe timeline; bubble from the closed forms; refuses 1f1b with m < p like mini3d.pp."""
     if kind == "1f1b" and m < p:
         raise ValueError(f"1f1b needs micro_batches >= pp, got micro_batches={m} < pp={p}")
-    tl = pipeline.gpipe_timeline(p, m, 1.0, bwd_ratio)
+    tl = gpipe_timeline(p, m, 1.0, bwd_ratio)
     vv = v if kind == "interleaved" else 1
     return {"timeline": tl, "bubble_fraction": (p - 1) / (vv * m + p - 1)}
 
@@ -107,8 +114,8 @@ def test_zero_and_recompute_figures():
 
 def test_gantt_one_bar_per_action_and_bubble_annotation():
     p, m = 4, 6
-    tl = pipeline.gpipe_timeline(p, m, 1.0, 2.0)
-    # The closed-form GPipe timeline has exactly the textbook bubble.
+    tl = gpipe_timeline(p, m, 1.0, 2.0)
+    # The simulated GPipe timeline has exactly the textbook bubble.
     assert pipeline.bubble_from_timeline(tl) == pytest.approx(float(Fraction(p - 1, m + p - 1)))
     fig = pipeline.gantt_figure(tl, bubble_fraction=0.1234, formula="(p-1)/(m+p-1) = 3/9")
     _titles_have_units(fig, "x")

@@ -13,7 +13,7 @@ import pytest
 
 from mini3d.course.viz import failures, memory, pipeline, widgets
 from mini3d.course.viz.theme import AXIS_COLORS, GIB
-from tests.test_viz import fake_estimate, fake_simulate
+from tests.test_viz import fake_estimate, fake_simulate, gpipe_timeline
 
 
 def _lightness(hex_color: str) -> float:
@@ -34,7 +34,7 @@ def test_capacity_label_is_in_the_legend_and_totals_have_headroom():
 
 
 def test_gantt_title_bubble_and_legend_sit_in_separate_bands():
-    fig = pipeline.gantt_figure(pipeline.gpipe_timeline(4, 4), formula="(p-1)/(m+p-1) = 3/7")
+    fig = pipeline.gantt_figure(gpipe_timeline(4, 4), formula="(p-1)/(m+p-1) = 3/7")
     (note,) = fig.layout.annotations
     assert fig.layout.legend.y == 1.0 and fig.layout.legend.yanchor == "bottom"
     assert note.y == 1 and note.yanchor == "bottom" and note.yshift >= 30  # above the legend's row

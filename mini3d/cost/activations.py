@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig, Plan
 from ..pp.schedules import in_flight_bound
+from ..schedule_kinds import schedule_kind
 from ..tp.layers import padded_size
 
 ELEMENT_BYTES = {"float32": 4, "bf16": 2, "float64": 8}
@@ -107,30 +108,20 @@ def _llama_terms(cfg: ModelConfig, fused_attention: bool) -> tuple[int, int, int
 
 
 def inflight_microbatches(plan: Plan, stage: int) -> float:
-    """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole-stage units.
-
-    GPipe runs every forward first: m; looped BFS likewise (m v chunks of 1/v). 1F1B:
-    min(m, pp - stage). Interleaved 1F1B (Megatron's order): rank r runs 2*(pp-r-1) + (v-1)*g
-    warm-up chunk forwards (g = pp when pp divides m, else PyTorch's round m // max(1, m // pp)),
-    plus the one in flight, each chunk being 1/v of the stage, capped at m*v chunks. Rank 0 holds
-    (1 + (pp-1)/(pp*v)) * pp micro-batches' worth of its layers (Korthikanti et al. 2022, sec.
-    4.2.3). ZB-H1: a micro-batch lives until its W, which rank r runs r micro-batches late:
-    min(m, pp) on every rank, 1F1B's peak. ZB-V: the peak of its order, at most 2 pp half chunks.
-    All from `mini3d.pp.schedules.in_flight_bound`, what the schedules promise and check() proves."""
+    """Micro-batches whose activations pipeline rank `stage` holds at its peak, in whole-stage units:
+    the schedule kind's `in_flight` chunks (`mini3d.pp.schedules.in_flight_bound`, what the
+    schedules promise and check() proves), each 1/v of the stage. E.g. 1F1B: min(m, pp - stage);
+    interleaved 1F1B's rank 0 holds (1 + (pp-1)/(pp*v)) * pp micro-batches' worth of its layers
+    (Korthikanti et al. 2022, sec. 4.2.3) when pp divides m."""
     v = plan.virtual_stages
     return in_flight_bound(plan.schedule, plan.pp, plan.micro_batches, v, stage) / v
 
 
 def head_microbatches(plan: Plan) -> int:
-    """Micro-batches whose head activations (log-softmax etc.) the last stage holds at once: all m
-    when every forward runs first (GPipe, looped BFS), min(m, pp) for ZB-H1 (the last rank runs its
-    W pp - 1 micro-batches late and the graph, head included, stays until W), else 1 (ZB-V runs
-    the last chunk's F, B and W back to back on rank 0)."""
-    if plan.schedule in ("gpipe", "looped-bfs"):
-        return plan.micro_batches
-    if plan.schedule == "zb-h1":
-        return min(plan.micro_batches, plan.pp)
-    return 1
+    """Micro-batches whose head activations (log-softmax etc.) the last stage holds at once: the
+    schedule kind's `head_in_flight` (all m when every forward runs first, min(m, pp) for ZB-H1,
+    whose last rank runs its W pp - 1 micro-batches late, else 1)."""
+    return schedule_kind(plan.schedule).head_in_flight(plan.pp, plan.micro_batches)
 
 
 def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
 from ..dp.buckets import largest_bucket_numel, transient_grad_bytes
-from ..pp.partition import partition_layers, stage_rank
-from ..pp.schedules import placement_of
+from ..pp.partition import local_specs, stage_rank
+from ..schedule_kinds import schedule_kind
 from ..tp.layers import padded_size
 from .activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatches,  # noqa: F401
                           inflight_microbatches, layer_activation_bytes, local_seq_len,
@@ -95,17 +95,22 @@ class MemoryEstimate:
 
 # ----------------------------------------------------------------------------- parameters
 
+def stage_chunks(cfg: ModelConfig, plan: Plan, stage: int) -> list:
+    """The model chunks (`mini3d.pp.partition.StageSpec`) pipeline rank `stage` holds, placed as
+    the plan's schedule kind places them: the partition the pipeline builds."""
+    where = schedule_kind(plan.schedule).placement
+    return local_specs(stage, cfg.n_layers, plan.pp, plan.virtual_stages, placement=where)
+
+
 def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
     """Every layer pipeline rank `stage` holds (all of its virtual chunks)."""
-    chunks = partition_layers(cfg.n_layers, plan.pp, plan.virtual_stages)
-    where = placement_of(plan.schedule)
-    return [i for c, ids in enumerate(chunks) if stage_rank(c, plan.pp, where) == stage
-            for i in ids]
+    return [i for spec in stage_chunks(cfg, plan, stage) for i in spec.layers]
 
 
 def head_rank(plan: Plan) -> int:
     """The pipeline rank that holds the last model chunk (head and loss): pp - 1, or 0 for zbv."""
-    return stage_rank(plan.pp * plan.virtual_stages - 1, plan.pp, placement_of(plan.schedule))
+    where = schedule_kind(plan.schedule).placement
+    return stage_rank(plan.pp * plan.virtual_stages - 1, plan.pp, where)
 
 
 def layer_params(cfg: ModelConfig, tp: int) -> int:
@@ -114,15 +119,18 @@ def layer_params(cfg: ModelConfig, tp: int) -> int:
 
 
 def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
-    """Exact parameters on one tp rank of pipeline stage `stage` (before ZeRO sharding). A tied
-    head shares the embedding when one rank holds both; with pp > 1 the last stage keeps a copy."""
-    h, t = cfg.d_model, plan.tp
-    n = len(stage_layers(cfg, plan, stage)) * layer_params(cfg, t)
-    table = padded_size(cfg.vocab_size, t) * h // t
-    if stage == 0:
+    """Exact parameters on one tp rank of pipeline stage `stage` (before ZeRO sharding): its
+    chunks' blocks, the embedding where a chunk is `first`, the head where one is `last` (the
+    partition's StageSpec says). A tied head shares the embedding when one rank holds both; with
+    pp > 1 the last stage keeps a copy."""
+    chunks = stage_chunks(cfg, plan, stage)
+    first, last = any(c.first for c in chunks), any(c.last for c in chunks)
+    n = sum(len(c.layers) for c in chunks) * layer_params(cfg, plan.tp)
+    table = padded_size(cfg.vocab_size, plan.tp) * cfg.d_model // plan.tp
+    if first:
         n += table + cfg.position_params()
-    if stage == head_rank(plan):
-        n += cfg.norm_params() + (0 if cfg.tie_embeddings and head_rank(plan) == 0 else table)
+    if last:
+        n += cfg.norm_params() + (0 if cfg.tie_embeddings and first else table)
     return n
 
 

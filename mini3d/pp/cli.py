@@ -17,7 +17,8 @@ import sys
 from fractions import Fraction
 
 from .rules import check
-from .schedules import KINDS, MULTI_CHUNK, make_schedule, schedule_problems
+from ..schedule_kinds import KINDS as KINDS_BY_NAME
+from .schedules import KINDS, make_schedule, schedule_problems
 from .simulator import bubble_formula, simulate
 
 
@@ -41,7 +42,8 @@ MAX_CELLS = 50_000  # pp x micro-batches x v: the grid, check and simulation tak
 
 
 def run(args) -> int:
-    v = args.virtual_stages or (2 if args.schedule in MULTI_CHUNK else 1)
+    kind = KINDS_BY_NAME.get(args.schedule)  # unknown: schedule_problems names it below
+    v = args.virtual_stages or (kind.default_v if kind else 1)
     problems = schedule_problems(args.schedule, args.pp, args.micro_batches, v)
     if not problems and args.pp * args.micro_batches * v > MAX_CELLS:
         problems.append(f"pp x micro-batches x virtual-stages = {args.pp} x {args.micro_batches} x "

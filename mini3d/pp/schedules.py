@@ -24,6 +24,10 @@ chunk c of rank r at stage c p + r for even c and (c + 1) p - 1 - r for odd c ("
 first and the last stage), see `partition.stage_rank`. A transfer between two stages on
 the same rank (only when p == 1) needs no action: the runtime hands the tensor over locally.
 
+What a kind is (its chunks per rank, rules, placement, in-flight bounds, bubble) is an object of the
+registry, mini3d/schedule_kinds.py, which names its builder here (`BUILDERS`); every bound a builder
+promises comes from it and `rules.check` verifies it on the lists.
+
 The compute order comes from the published schedules (GPipe; 1F1B of PipeDream-Flush / Megatron;
 Megatron's interleaved 1F1B; looped BFS of Lamy-Poirier 2022; ZB-H1 and ZB-V of Qi et al. 2023). The transfers are then placed by `add_transfers`: it times the
 compute order with unit costs, lists every compute and transfer in one global time order, and gives
@@ -36,15 +40,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import MULTI_CHUNK, SCHEDULES as KINDS, schedule_problems  # the rules live with Plan
+from ..schedule_kinds import MULTI_CHUNK, SCHEDULES as KINDS, schedule_kind, schedule_problems
 from .partition import stage_rank
 from .actions import COMPUTE, TRANSFERS, Action, B, F, W
-from .zero_bubble import zb_h1_orders, zbv_orders, zbv_peak
+from .zero_bubble import zb_h1_orders, zbv_orders
 
 
 def placement_of(kind: str) -> str:
-    """How `kind` places stages on ranks: "v" for zbv, else "loop" (see partition.stage_rank)."""
-    return "v" if kind == "zbv" else "loop"
+    """How `kind` places stages on ranks ("loop" or "v", see partition.stage_rank): the registry's
+    `ScheduleKind.placement`."""
+    return schedule_kind(kind).placement
 
 
 @dataclass(frozen=True)
@@ -88,24 +93,10 @@ class Schedule:
 
 def in_flight_bound(kind: str, p: int, m: int, v: int, rank: int) -> int:
     """The most micro-batch chunks (forward done, last backward action not yet) `rank` holds at
-    once under `kind`: GPipe m; looped BFS m v; 1F1B min(m, p - rank); interleaved 1F1B its
-    warm-up 2 (p - rank - 1) + (v - 1) g plus the one in flight, at most m v (g = m // max(1,
-    m // p), p when p divides m); ZB-H1 min(m, p) (W runs rank micro-batches late); ZB-V the peak
-    of its handcrafted order (at most 2p chunks of half a stage, `zero_bubble.zbv_peak`). Each
+    once under `kind`: the registry's `ScheduleKind.in_flight` (mini3d/schedule_kinds.py). Each
     builder promises it (`Schedule.in_flight_bound`, verified by `rules.check`), and the memory
     estimator counts activations with it."""
-    if kind == "gpipe":
-        return m
-    if kind == "looped-bfs":
-        return m * v
-    if kind == "interleaved":
-        g = m // max(1, m // p)
-        return min(2 * (p - rank - 1) + (v - 1) * g + 1, m * v)
-    if kind == "zb-h1":
-        return min(p, m)
-    if kind == "zbv":
-        return zbv_peak(p, m, rank)
-    return min(p - rank, m)
+    return schedule_kind(kind).in_flight(p, m, v, rank)
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -182,7 +173,10 @@ def zb_h1(p: int, m: int) -> Schedule:
 def zbv(p: int, m: int) -> Schedule:
     """ZB-V, two chunks per rank in a V (stages r and 2p-1-r on rank r): see `zero_bubble.py`."""
     bounds = tuple(in_flight_bound("zbv", p, m, 2, r) for r in range(p))
-    return add_transfers("zbv", p, m, 2, zbv_orders(p, m), bounds, placement="v")
+    return add_transfers("zbv", p, m, 2, zbv_orders(p, m), bounds, placement_of("zbv"))
+
+
+BUILDERS = {f.__name__: f for f in (gpipe, one_f_one_b, interleaved_1f1b, looped_bfs, zb_h1, zbv)}
 
 
 def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -190,17 +184,24 @@ def make_schedule(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     problems = schedule_problems(kind, p, m, v)
     if problems:
         raise ValueError("; ".join(problems))
-    if kind == "gpipe":
-        return gpipe(p, m)
-    if kind == "1f1b":
-        return one_f_one_b(p, m)
-    if kind == "looped-bfs":
-        return looped_bfs(p, m, v)
-    if kind == "zb-h1":
-        return zb_h1(p, m)
-    if kind == "zbv":
-        return zbv(p, m)
-    return interleaved_1f1b(p, m, v)
+    k = schedule_kind(kind)
+    build = BUILDERS[k.builder]  # each kind names its builder
+    return build(p, m, v) if k.fixed_chunks is None else build(p, m)
+
+
+def bubble_text(kind: str, p: int, m: int, v: int = 1) -> str:
+    """The bubble at unit costs (t_F = 1, t_bwd = 2 per stage, split into B = W = 1), as the dry run
+    and the course print it: '(p-1)/(m+p-1) = 3/11 = 27.3%', or, for a kind with no closed form,
+    the simulated fraction of the schedule itself."""
+    from .simulator import simulate
+
+    k = schedule_kind(kind)
+    value = k.bubble(p, m, v)
+    if value is None:
+        b = simulate(make_schedule(kind, p, m, v), 1, 2).bubble_fraction
+        return f"no closed form, simulated at t_F = 1, t_bwd = 2: {float(b):.1%}"
+    costs = " (t_F = t_B = t_W)" if k.split else ""
+    return f"{k.form} = {value.numerator}/{value.denominator} = {float(value):.1%}{costs}"
 
 
 def _unit_costs(orders) -> dict:
@@ -264,4 +265,4 @@ def format_grid(schedule: Schedule, transfers: bool = False) -> str:
 
 __all__ = ["Action", "Schedule", "KINDS", "F", "B", "W", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "looped_bfs", "zb_h1", "zbv", "placement_of", "MULTI_CHUNK", "COMPUTE", "TRANSFERS", "make_schedule", "schedule_problems", "add_transfers",
-           "format_grid", "in_flight_bound"]
+           "format_grid", "in_flight_bound", "bubble_text"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from ..schedule_kinds import schedule_kind
 from .placement import stage_rank
 
 
@@ -117,31 +118,44 @@ def simulate(schedule, t_fwd, t_bwd, t_p2p=0.0, t_w=None) -> SimResult:
     timeline = [[(s, e, a) for (s, e), a in zip(times[r], orders[r])] for r in range(p)]
     makespan = max((e for row in times for _, e in row), default=0)
     busy = [sum((e - s for s, e in row), 0) for row in times]
-    idle = p * makespan - sum(busy, 0)
-    bubble = idle / (p * makespan) if makespan else 0
-    return SimResult(timeline, makespan, bubble, busy)
+    return SimResult(timeline, makespan, bubble_of(times, makespan), busy)
+
+
+def idle_gaps(busy, makespan=None, eps=0) -> list[list[tuple]]:
+    """Per rank, the (start, end) intervals between 0 and the makespan in which it computes nothing.
+    `busy[r]` holds rank r's compute intervals (start, end), in any order, overlaps allowed (a
+    measured timeline's); gaps of at most `eps` are not counted."""
+    if makespan is None:
+        makespan = max((e for row in busy for _, e in row), default=0)
+    gaps = []
+    for row in busy:
+        out, t = [], 0
+        for s, e in sorted(row):
+            if s > t + eps:
+                out.append((t, s))
+            t = max(t, e)
+        if makespan > t + eps:
+            out.append((t, makespan))
+        gaps.append(out)
+    return gaps
+
+
+def bubble_of(busy, makespan=None, eps=0):
+    """The bubble fraction of a timeline: its idle share of p x makespan (`idle_gaps`; exact for
+    Fraction times). What `simulate` reports, and what the course measures on a real run."""
+    if makespan is None:
+        makespan = max((e for row in busy for _, e in row), default=0)
+    if not makespan:
+        return 0
+    idle = sum((e - s for row in idle_gaps(busy, makespan, eps) for s, e in row), 0)
+    return idle / (len(busy) * makespan)
 
 
 def bubble_formula(kind: str, p: int, m: int, v: int = 1, t_fwd=1, t_bwd=2, t_w=None):
-    """Closed-form bubble fraction, or None where there is none (zbv: simulate it).
-
-    GPipe, 1F1B: (p-1)/(m+p-1). Interleaved and looped BFS (m >= p): (p-1)/(v m+p-1).
-    ZB-H1 (Qi et al. 2023), costs per whole stage: each rank idles (p-1)(t_F + t_B - t_W) where
-    t_B = t_bwd - t_W is the input-gradient part, against m (t_F + t_bwd) of work; it holds while
-    t_W <= t_F + t_B (a deferred W never outlasts the gap it fills). The other forms need no costs."""
-    if kind in ("interleaved", "looped-bfs"):
-        return Fraction(p - 1, v * m + p - 1)
-    if kind in ("gpipe", "1f1b"):
-        return Fraction(p - 1, m + p - 1)
-    if kind == "zb-h1":
-        tw = t_bwd * Fraction(1, 2) if t_w is None else t_w
-        idle = (p - 1) * (t_fwd + (t_bwd - tw) - tw)
-        idle = Fraction(idle) if isinstance(idle, int) else idle  # exact for int costs
-        return idle / (m * (t_fwd + t_bwd) + idle)
-    if kind == "zbv":
-        return None
-    raise ValueError(f"schedule={kind!r} is unknown (choose gpipe, 1f1b, interleaved, "
-                     f"looped-bfs, zb-h1, zbv)")
+    """Closed-form bubble fraction, or None where there is none (zbv: simulate it): the registry's
+    `ScheduleKind.bubble` (mini3d/schedule_kinds.py). GPipe, 1F1B: (p-1)/(m+p-1); interleaved and
+    looped BFS: (p-1)/(v m+p-1); ZB-H1: (p-1)(t_F+t_B-t_W) / (m(t_F+t_bwd) + (p-1)(t_F+t_B-t_W))."""
+    return schedule_kind(kind).bubble(p, m, v, t_fwd, t_bwd, t_w)
 
 
-__all__ = ["simulate", "SimResult", "bubble_formula", "time_compute", "Stuck"]
+__all__ = ["simulate", "SimResult", "bubble_formula", "bubble_of", "idle_gaps", "time_compute", "Stuck"]

@@ -98,15 +98,4 @@ def _zbv_order(p: int, m: int, r: int) -> list:
     return [a for a in _zbv_rank(p, max(m, 2 * p - 1), r) if a.mb < m]
 
 
-def zbv_peak(p: int, m: int, r: int) -> int:
-    """Most chunk activations rank r holds at once under ZB-V (F done, W not yet): counted on the
-    order, there being no closed form for small m; 2p (p micro-batches of the rank's layers, 1F1B's
-    peak) once m >= 2p."""
-    live = peak = 0
-    for a in _zbv_order(p, m, r):
-        live += {"F": 1, "W": -1}.get(a.op, 0)
-        peak = max(peak, live)
-    return peak
-
-
-__all__ = ["zb_h1_orders", "zbv_orders", "zbv_peak"]
+__all__ = ["zb_h1_orders", "zbv_orders"]

@@ -156,21 +156,11 @@ def memory_lines(cfg, plan) -> list[str]:
 
 
 def bubble_line(plan) -> str:
-    from mini3d.pp.simulator import bubble_formula
+    """The bubble at unit costs (`mini3d.pp.schedules.bubble_text`: the closed form, or simulated)."""
+    from mini3d.pp.schedules import bubble_text
 
-    p, m, v = plan.pp, plan.micro_batches, plan.virtual_stages
-    b = bubble_formula(plan.schedule, p, m, v)
-    if b is None:  # zbv: no closed form, the simulated bubble with t_F = 1, t_bwd = 2 per stage
-        from mini3d.pp.schedules import make_schedule
-        from mini3d.pp.simulator import simulate
-
-        b = simulate(make_schedule(plan.schedule, p, m, v), 1 / v, 2 / v).bubble_fraction
-        return f"pipeline bubble ({plan.schedule}, simulated): {float(b):.1%}"
-    if plan.schedule == "zb-h1":
-        return (f"pipeline bubble (zb-h1, t_F = t_B = t_W): (p-1)/(3m+p-1) = "
-                f"{b.numerator}/{b.denominator} = {float(b):.1%}")
-    return (f"pipeline bubble: (p-1)/({'v*m' if v > 1 else 'm'}+p-1) = {b.numerator}/{b.denominator}"
-            f" = {float(b):.1%}")
+    text = bubble_text(plan.schedule, plan.pp, plan.micro_batches, plan.virtual_stages)
+    return f"pipeline bubble ({plan.schedule}): {text}"
 
 
 def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:

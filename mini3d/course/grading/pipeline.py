@@ -7,8 +7,13 @@ The ground truth is the 1F1B order written out by hand and the closed-form pipel
 from __future__ import annotations
 
 from mini3d.pp.simulator import bubble_formula
+from mini3d.schedule_kinds import schedule_kind
 
 from .core import Check, CheckFailed, Exercise, expect
+
+
+def _ref_gpipe(pp, r, m):
+    return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
 
 
 def _ref_1f1b(pp, r, m):
@@ -100,13 +105,13 @@ def _close(a, b):
     return abs(a - b) <= 1e-9 * max(1.0, abs(b))
 
 
-def _formula(ctx, kind):
+def _formula(ctx, kind, ref):
+    """`kind`'s makespan and bubble on the learner's simulator, fed `ref(pp, r, m)`'s orders."""
     for _ in range(3):
         pp, m = ctx.rng.randint(2, 6), ctx.rng.randint(1, 9)
-        m = max(m, pp) if kind == "1f1b" else m
+        m = max(m, schedule_kind(kind).min_microbatches(pp))
         tf, tb = ctx.rng.randint(1, 5) * 0.5, ctx.rng.randint(1, 5) * 0.5
-        sched = ([[f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)] for _ in range(pp)]
-                 if kind == "gpipe" else [_ref_1f1b(pp, r, m) for r in range(pp)])
+        sched = [ref(pp, r, m) for r in range(pp)]
         got = _sim(ctx, sched, tf, tb)
         span = (m + pp - 1) * (tf + tb)
         expect(_close(got["makespan"], span), f"{kind} pp={pp} m={m} t_f={tf} t_b={tb}: makespan",
@@ -117,11 +122,11 @@ def _formula(ctx, kind):
 
 
 def gpipe_formula(ctx):
-    _formula(ctx, "gpipe")
+    _formula(ctx, "gpipe", _ref_gpipe)
 
 
 def one_f_one_b_formula(ctx):
-    _formula(ctx, "1f1b")
+    _formula(ctx, "1f1b", _ref_1f1b)
 
 
 def waits_for_neighbours(ctx):

@@ -11,10 +11,11 @@ from __future__ import annotations
 import ast
 import inspect
 
-from mini3d.config import ModelConfig
+from mini3d.config import ModelConfig, Plan
 from .core import Check, CheckFailed, Exercise, expect
 
 _TRUTH: dict = {}
+DEFAULT_SCHEDULE = Plan().schedule  # 1F1B: the exercise's space is the planner's plans with it
 
 
 def _case(rng) -> dict:
@@ -39,7 +40,7 @@ def _truth(case: dict) -> list[tuple]:
     if key not in _TRUTH:
         c = case
         plans = [p for p in candidate_plans(c["cfg"], c["n_gpus"], c["global_batch"], c["seq_len"])
-                 if p.schedule == "1f1b"]
+                 if p.schedule == DEFAULT_SCHEDULE]
         _TRUTH[key] = [(p, estimate_memory(c["cfg"], p).total,
                         estimate_cost(c["cfg"], p, c["hw"], c["n_gpus"]).step_time_s) for p in plans]
     return _TRUTH[key]

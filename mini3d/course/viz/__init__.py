@@ -17,7 +17,7 @@
 from .comm import comm_volume_figure, ring_allreduce_figure, ring_allreduce_time, scaling_efficiency_figure
 from .grid3d import rank_cube_figure, rank_points
 from .memory import memory_breakdown_figure, recompute_figure, zero_memory_figure
-from .pipeline import bubble_formula_text, bubble_from_timeline, gantt_figure, gpipe_timeline
+from .pipeline import bubble_formula_text, bubble_from_timeline, gantt_figure
 from .theme import TEMPLATE_NAME, new_figure
 from .tp import megatron_attention, megatron_mlp, tp_shard_figure
 from .widgets import memory_calculator, planner_explorer, schedule_explorer, zero_explorer
@@ -25,5 +25,5 @@ from .widgets import memory_calculator, planner_explorer, schedule_explorer, zer
 __all__ = ["comm_volume_figure", "ring_allreduce_figure", "ring_allreduce_time", "scaling_efficiency_figure",
            "rank_cube_figure", "rank_points", "memory_breakdown_figure", "recompute_figure",
            "zero_memory_figure", "bubble_formula_text", "bubble_from_timeline", "gantt_figure",
-           "gpipe_timeline", "TEMPLATE_NAME", "new_figure", "megatron_attention", "megatron_mlp",
+           "TEMPLATE_NAME", "new_figure", "megatron_attention", "megatron_mlp",
            "tp_shard_figure", "memory_calculator", "planner_explorer", "schedule_explorer", "zero_explorer"]

@@ -15,6 +15,10 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
+from mini3d.pp.schedules import bubble_text
+from mini3d.pp.simulator import bubble_of, idle_gaps as sim_idle_gaps
+from mini3d.schedule_kinds import SCHEDULES, schedule_kind
+
 from .theme import ACTION_COLORS, new_figure
 
 _PRINTED = re.compile(r"^([A-Za-z_]+?)(\d+)\.(\d+)")
@@ -35,56 +39,42 @@ def parse_action(a) -> tuple[str, int, int]:
     return str(a.op), int(a.stage), int(a.mb)
 
 
+def _compute_intervals(timeline: Sequence[Sequence]) -> list[list[tuple[float, float]]]:
+    return [[(float(s), float(e)) for s, e, a in row if parse_action(a)[0] in COMPUTE_OPS]
+            for row in timeline]
+
+
+def _makespan(timeline: Sequence[Sequence]) -> float:
+    return max((float(e) for row in timeline for _, e, _ in row), default=0.0)
+
+
 def idle_gaps(timeline: Sequence[Sequence]) -> list[list[tuple[float, float]]]:
-    """Per rank, the (start, end) intervals with no compute between 0 and the makespan."""
-    makespan = max((float(e) for row in timeline for _, e, _ in row), default=0.0)
-    gaps = []
-    for row in timeline:
-        busy = sorted((float(s), float(e)) for s, e, a in row if parse_action(a)[0] in COMPUTE_OPS)
-        out, t = [], 0.0
-        for s, e in busy:
-            if s > t + 1e-12:
-                out.append((t, s))
-            t = max(t, e)
-        if makespan > t + 1e-12:
-            out.append((t, makespan))
-        gaps.append(out)
-    return gaps
+    """Per rank, the (start, end) intervals with no compute between 0 and the makespan (transfers
+    count as idle): `mini3d.pp.simulator.idle_gaps` of the timeline's compute bars."""
+    return sim_idle_gaps(_compute_intervals(timeline), _makespan(timeline), eps=1e-12)
 
 
 def bubble_from_timeline(timeline: Sequence[Sequence]) -> float:
-    """Idle share of p * makespan: the quantity the simulator reports as `bubble_fraction`."""
-    makespan = max((float(e) for row in timeline for _, e, _ in row), default=0.0)
-    if not makespan:
-        return 0.0
-    idle = sum(e - s for row in idle_gaps(timeline) for s, e in row)
-    return idle / (len(timeline) * makespan)
+    """Idle share of p * makespan: `mini3d.pp.simulator.bubble_of`, what the simulator reports as
+    `bubble_fraction`, here on any timeline (a measured one included)."""
+    return float(bubble_of(_compute_intervals(timeline), _makespan(timeline), eps=1e-12))
 
 
-SCHEDULE_MENU = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h1", "zbv")
+SCHEDULE_MENU = SCHEDULES  # the registry's kinds, in its order
 
 
 def chunks_for(kind: str, v: int) -> int:
     """The chunks per rank the explorer uses for `kind`: the slider's v where the schedule takes
-    any (interleaved, looped BFS), 2 for zbv's V, else 1."""
-    return v if kind in ("interleaved", "looped-bfs") else 2 if kind == "zbv" else 1
-
-
-FORMS = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(v·m+p-1)",
-         "looped-bfs": "(p-1)/(v·m+p-1)",
-         "zb-h1": "(p-1)(t_F+t_B-t_W) / (m(t_F+t_B+t_W) + (p-1)(t_F+t_B-t_W))"}
+    any (interleaved, looped BFS), its own otherwise (2 for zbv's V, else 1): the registry's
+    `ScheduleKind.chunks`."""
+    return schedule_kind(kind).chunks(v)
 
 
 def bubble_formula_text(kind: str, p: int, m: int, v: int = 1) -> str:
-    """The closed form the chapter teaches, evaluated (by `mini3d.pp.bubble_formula`):
-    '(p-1)/(m+p-1) = 3/11 = 27.3%'. ZB-H1's with t_F = t_B = t_W = 1 (a backward of 2 units split
-    in halves); ZB-V has none (simulate it)."""
-    from mini3d.pp.simulator import bubble_formula
-
-    value = bubble_formula(kind, p, m, v)
-    if value is None:
-        return "no closed form (simulated)"
-    return f"{FORMS[kind]} = {value.numerator}/{value.denominator} = {float(value):.1%}"
+    """The closed form the chapter teaches, evaluated: '(p-1)/(m+p-1) = 3/11 = 27.3%'
+    (`mini3d.pp.schedules.bubble_text`, the kind's `form` at t_F = 1, t_bwd = 2; ZB-H1's with
+    t_F = t_B = t_W); ZB-V has none: its simulated bubble."""
+    return bubble_text(kind, p, m, v)
 
 
 def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = None,
@@ -185,21 +175,6 @@ class _nullctx:
         return False
 
 
-def gpipe_timeline(p: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0) -> list[list[tuple]]:
-    """Closed-form GPipe timeline (all forwards, then all backwards), for when `mini3d.pp` is absent.
-
-    Forward of micro-batch i on rank r starts at (i + r) t_fwd; backwards run in reverse rank order
-    after the last forward, so the bubble equals (p-1)/(m+p-1) exactly."""
-    t0 = (m + p - 1) * t_fwd  # every forward is done
-    timeline = []
-    for r in range(p):
-        row = [(float((i + r) * t_fwd), float((i + r + 1) * t_fwd), f"F{r}.{i}") for i in range(m)]
-        row += [(float(t0 + (i + p - 1 - r) * t_bwd), float(t0 + (i + p - r) * t_bwd), f"B{r}.{i}")
-                for i in range(m)]
-        timeline.append(row)
-    return timeline
-
-
 __all__ = ["gantt_figure", "gantt_traces", "trace_colors", "CHUNK_SHADES", "fill_gantt", "idle_gaps",
-           "bubble_from_timeline", "bubble_formula_text", "parse_action", "gpipe_timeline",
+           "bubble_from_timeline", "bubble_formula_text", "parse_action",
            "chunks_for", "SCHEDULE_MENU", "COMPUTE_OPS"]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import ipywidgets as W
 
+from mini3d.schedule_kinds import schedule_kind
+
 from .memory import memory_breakdown_figure
 from .pipeline import SCHEDULE_MENU, bubble_formula_text, chunks_for, fill_gantt, gantt_figure
 from .theme import CAPACITY_COLOR, GIB, as_breakdown, new_figure, to_gib
@@ -122,7 +124,7 @@ def schedule_explorer(simulate_fn, kind: str = "1f1b", p: int = 4, m: int = 4, v
 
     def update():
         vals = {k: c.value for k, c in controls.items()}
-        controls["v"].disabled = vals["kind"] not in ("interleaved", "looped-bfs")  # others ignore it
+        controls["v"].disabled = schedule_kind(vals["kind"]).fixed_chunks is not None  # its own v
         view = _guard(status, lambda: schedule_view(simulate_fn, **vals))
         if view is None:
             return
