@@ -20,6 +20,7 @@ class PlanError(ValueError):
 
 FAMILIES = ("gpt2", "llama")
 ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), "llama": ("silu",)}
+ROUTERS = ("softmax", "softmax-norm", "sigmoid")  # the kinds of mini3d.models.moe.ROUTERS
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,29 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on the embedding output and each residual branch (0 = none)
     rope_scaling: tuple = ()  # Llama 3.1's rotary rescaling: (factor, low_freq_factor,
     #                           high_freq_factor, original context); () for none
+    # ---- mixture of experts (mini3d.models.moe; h-moe's block) ----
+    n_experts: int = 0
+    """routed experts per MoE layer (0 = a dense model)"""
+    top_k: int = 2
+    """experts each token is routed to"""
+    moe_ffn: int = 0
+    """width of one expert's MLP (0 = d_ff)"""
+    n_shared_experts: int = 0
+    """always-on shared experts: one MLP of width moe_ffn * n_shared_experts"""
+    moe_every: int = 1
+    """layer i (i >= dense_layers) is a MoE layer when i % moe_every == 0 (DeepSeek's rule)"""
+    dense_layers: int = 0
+    """the first dense_layers layers keep a dense MLP"""
+    router: str = "softmax"
+    """softmax (top-k of softmax), softmax-norm (renormalised top-k) or sigmoid (aux-loss-free bias)"""
+    aux_loss_coef: float = 0.0
+    """weight of the switch-style load-balancing loss in the training loss"""
+    z_loss_coef: float = 0.0
+    """weight of the router z-loss (mean squared logsumexp of the router logits)"""
+    capacity_factor: float = 0.0
+    """tokens per expert capped at ceil(C * tokens * top_k / n_experts), overflow dropped (0 = dropless)"""
+    router_bias_rate: float = 0.0
+    """speed of the aux-loss-free bias update (sigmoid router): bias += rate * sign(mean load - load)"""
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -87,21 +111,54 @@ class ModelConfig:
         """The learned position table (gpt2); rotary positions have none."""
         return self.max_seq_len * self.d_model if self.family == "gpt2" else 0
 
-    def layer_param_count(self, tp: int = 1) -> int:
+    def is_moe_layer(self, layer: int) -> bool:
+        """Block `layer` holds a mixture of experts instead of the dense MLP."""
+        return self.n_experts > 0 and layer >= self.dense_layers and layer % self.moe_every == 0
+
+    @property
+    def moe_width(self) -> int:
+        """One expert's MLP width (moe_ffn, else d_ff)."""
+        return self.moe_ffn or self.d_ff
+
+    def moe_params(self, tp: int = 1, active: bool = False) -> dict:
+        """Parameters of one MoE layer's parts: the router (E x d, replicated), the routed experts
+        (all E, or the top_k a token uses when `active`) and the shared-expert MLP; expert matrices
+        are counted split over tp (the estimator's assumption; the engine refuses tp with experts)."""
+        h, f, n = self.d_model, self.moe_width, self.top_k if active else self.n_experts
+        per_expert = (3 if self.family == "llama" else 2) * h * f
+        fs = f * self.n_shared_experts
+        shared = (3 if self.family == "llama" else 2) * h * fs // tp
+        shared += ((fs // tp + h) if self.biases else 0) if fs else 0
+        return {"router": self.n_experts * h, "experts": n * per_expert // tp, "shared": shared}
+
+    def layer_param_count(self, tp: int = 1, layer: int | None = None, active: bool = False) -> int:
         """Parameters of one block on one of `tp` ranks: column-parallel matrices (qkv, MLP up and
         gate) split with their biases, row-parallel ones (attention / MLP out-projections) split
-        with their biases replicated, the two norms replicated."""
+        with their biases replicated, the two norms replicated. A MoE `layer` (`is_moe_layer`)
+        holds `moe_params` in place of the dense MLP (`active`: the experts one token uses)."""
         h, f, w = self.d_model, self.d_ff, self.layer_weights()
         col_bias = (h + 2 * self.kv_dim + f) if self.biases else 0
         row_bias = 2 * h if self.biases else 0
-        return (w["qkv"] + w["proj"] + w["mlp"] + col_bias) // tp + row_bias + 2 * self.norm_params()
+        dense = (w["qkv"] + w["proj"] + w["mlp"] + col_bias) // tp + row_bias + 2 * self.norm_params()
+        if layer is None or not self.is_moe_layer(layer):
+            return dense
+        mlp = (w["mlp"] + (f if self.biases else 0)) // tp + (h if self.biases else 0)
+        return dense - mlp + sum(self.moe_params(tp, active).values())
 
     def n_params(self) -> int:
         """Exact parameter count of `mini3d.models.transformer.GPT` for this shape (a tied head counted once)."""
+        return self._count(active=False)
+
+    def active_params(self) -> int:
+        """Parameters one token computes with: embeddings, head, attention, dense layers, and per MoE
+        layer the router, top_k routed experts and the shared experts (= n_params when dense)."""
+        return self._count(active=True)
+
+    def _count(self, active: bool) -> int:
         V, h = self.vocab_size, self.d_model
         head = 0 if self.tie_embeddings else V * h
-        return (V * h + self.position_params() + self.n_layers * self.layer_param_count()
-                + self.norm_params() + head)
+        layers = sum(self.layer_param_count(1, i, active) for i in range(self.n_layers))
+        return V * h + self.position_params() + layers + self.norm_params() + head
 
     def problems(self) -> list[str]:
         out = []
@@ -130,6 +187,22 @@ class ModelConfig:
                        f"high_freq_factor, original context) of a llama-family model")
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"dropout={self.dropout} must be in [0, 1)")
+        return out + self._moe_problems()
+
+    def _moe_problems(self) -> list[str]:
+        if self.n_experts == 0:
+            return []
+        out = [f"{k}={getattr(self, k)} must be >= {lo}" for k, lo in
+               (("n_experts", 1), ("top_k", 1), ("moe_ffn", 0), ("n_shared_experts", 0),
+                ("moe_every", 1), ("dense_layers", 0), ("aux_loss_coef", 0), ("z_loss_coef", 0),
+                ("capacity_factor", 0), ("router_bias_rate", 0)) if getattr(self, k) < lo]
+        if self.top_k > self.n_experts:
+            out.append(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.router not in ROUTERS:
+            out.append(f"router={self.router!r} is unknown (choose {', '.join(ROUTERS)})")
+        if self.router_bias_rate and self.router != "sigmoid":
+            out.append(f"router_bias_rate={self.router_bias_rate} needs router='sigmoid' "
+                       f"(got {self.router!r})")
         return out
 
 
@@ -148,6 +221,13 @@ def _divisors(n: int) -> list[int]:
 # length of estimates); the 3.1 / 3.2 models rescale their rotary frequencies for 128K contexts.
 _GPT2 = dict(family="gpt2", activation="gelu_tanh", tie_embeddings=True)
 _LLAMA3 = dict(family="llama", n_kv_heads=8, rope_base=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192))
+
+
+def _MOE(experts: int, top_k: int, rope_base: float) -> dict:
+    return dict(family="llama", n_kv_heads=8, rope_base=rope_base, n_experts=experts, top_k=top_k,
+                router="softmax-norm")
+
+
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(4, 64, 4, 256, 128, name="tiny"),
     "small": ModelConfig(6, 256, 8, 256, 256, name="small"),
@@ -166,6 +246,20 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3.1-70b": ModelConfig(80, 8192, 64, 128256, 8192, 28672, name="llama-3.1-70b", **_LLAMA3),
     "llama-3.1-405b": ModelConfig(126, 16384, 128, 128256, 8192, 53248, name="llama-3.1-405b",
                                   **_LLAMA3),
+    # Mixture-of-experts models with their published config.json shapes (Mixtral of Experts,
+    # Jiang et al. 2024; the Qwen3 technical report, 2025): softmax-norm routing (Mixtral's top-k
+    # softmax equals the renormalised top-k of the full softmax; Qwen3's norm_topk_prob).
+    "mixtral-8x7b": ModelConfig(32, 4096, 32, 32000, 32768, 14336, name="mixtral-8x7b",
+                                **_MOE(8, 2, 1e6)),
+    "mixtral-8x22b": ModelConfig(56, 6144, 48, 32768, 65536, 16384, name="mixtral-8x22b",
+                                 **_MOE(8, 2, 1e6)),
+    # TODO(h-fam merge): family="qwen3" with head_dim=128 (q/k RMSNorm): until then the attention
+    # below has head_dim = d_model / n_heads = 64, which undercounts both models by ~1.5%.
+    "qwen3-30b-a3b": ModelConfig(48, 2048, 32, 151936, 40960, 6144, name="qwen3-30b-a3b",
+                                 moe_ffn=768, norm_eps=1e-6, **{**_MOE(128, 8, 1e6), "n_kv_heads": 4}),
+    "qwen3-235b-a22b": ModelConfig(94, 4096, 64, 151936, 40960, 12288, name="qwen3-235b-a22b",
+                                   moe_ffn=1536, norm_eps=1e-6,
+                                   **{**_MOE(128, 8, 1e6), "n_kv_heads": 4}),
 }
 # Old names, kept working: each is the same object as the preset it names.
 ALIASES = {"gpt2-small": "gpt2-124m", "gpt2-medium": "gpt2-355m", "gpt2-large": "gpt2-774m",
