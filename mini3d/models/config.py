@@ -125,9 +125,9 @@ class ModelConfig:
         (all E, or the top_k a token uses when `active`) and the shared-expert MLP; expert matrices
         are counted split over tp (the estimator's assumption; the engine refuses tp with experts)."""
         h, f, n = self.d_model, self.moe_width, self.top_k if active else self.n_experts
-        per_expert = (3 if self.family == "llama" else 2) * h * f
+        matrices = self.layer_weights()["mlp"] // (h * self.d_ff)  # 3 with SwiGLU, else 2
         fs = f * self.n_shared_experts
-        shared = (3 if self.family == "llama" else 2) * h * fs // tp
+        per_expert, shared = matrices * h * f, matrices * h * fs // tp
         shared += ((fs // tp + h) if self.biases else 0) if fs else 0
         return {"router": self.n_experts * h, "experts": n * per_expert // tp, "shared": shared}
 

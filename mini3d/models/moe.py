@@ -137,7 +137,8 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, act):
         super().__init__()
         E, f, d = cfg.n_experts, cfg.moe_width, cfg.d_model
-        self.w_gate = nn.Parameter(torch.empty(E, f, d)) if cfg.family == "llama" else None
+        gated = cfg.family != "gpt2"  # the llama-like families' SwiGLU
+        self.w_gate = nn.Parameter(torch.empty(E, f, d)) if gated else None
         self.w_up = nn.Parameter(torch.empty(E, f, d))
         self.w_down = nn.Parameter(torch.empty(E, d, f))
         self.act = act
