@@ -56,17 +56,22 @@ def dropout(cfg: ModelConfig) -> nn.Module:
 class Attention(nn.Module):
     """Causal self-attention with n_heads query heads and n_kv_heads key/value heads (equal for
     gpt2); query head i reads key/value head i // (n_heads / n_kv_heads). `n_local_heads` and
-    `n_local_kv_heads` shrink once tensor parallelism splits the heads."""
+    `n_local_kv_heads` shrink once tensor parallelism splits the heads. Variants (see ModelConfig):
+    `qkv_bias` (qwen2) biases q, k and v; `qk_norm` (qwen3) RMS-normalises each query and key head
+    over its head_dim features (one weight shared by every head) before the rotation; heads
+    `explicit_head_dim` wide make q and the projection's input n_heads * head_dim wide."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_local_heads, self.n_local_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.head_dim
-        self.rope_base = cfg.rope_base if cfg.family == "llama" else None
+        self.rope_base = cfg.rope_base if cfg.llama_like else None
         self.rope_scaling = cfg.rope_scaling
         # rows: [q heads | k heads | v heads]
-        self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * cfg.kv_dim, bias=cfg.biases)
-        self.proj = Linear(cfg.d_model, cfg.d_model, bias=cfg.biases)
+        self.qkv = Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.biases or cfg.qkv_bias)
+        self.proj = Linear(cfg.q_dim, cfg.d_model, bias=cfg.biases)
+        norm = (lambda: nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)) if cfg.qk_norm else (lambda: None)
+        self.q_norm, self.k_norm = norm(), norm()
         self.drop = dropout(cfg)
         self.core = attention_core
 
@@ -79,6 +84,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = q.view(B, T, nq, hd).transpose(1, 2)  # (B, nq, T, hd)
         k, v = (t.view(B, T, nkv, hd).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hd)
+        if self.q_norm is not None:  # over each head's hd features
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_base is not None:
             q, k = (rotary(t, self.rope_base, self.rope_scaling, positions) for t in (q, k))
         y = self.core(q, k, v)  # (B, nq, T, hd)

@@ -18,8 +18,10 @@ class PlanError(ValueError):
         super().__init__("invalid plan: " + "; ".join(self.problems))
 
 
-FAMILIES = ("gpt2", "llama")
-ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), "llama": ("silu",)}
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3")  # RMSNorm, rotary positions, SwiGLU, grouped-query attention
+ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), **{f: ("silu",) for f in LLAMA_LIKE}}
+FAMILY_FEATURES = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}  # what each qwen adds to llama
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,10 @@ class ModelConfig:
     `family="gpt2"`: LayerNorm, learned positions, biases everywhere, a GELU MLP (exact erf by
     default, GPT-2's tanh approximation with activation="gelu_tanh"). `family="llama"`: RMSNorm,
     rotary positions (base `rope_base`), a SwiGLU MLP (three matrices), grouped-query attention
-    (`n_kv_heads` key/value heads), no biases. Either family may tie the output head to the token
+    (`n_kv_heads` key/value heads), no biases. `family="qwen2"` is llama with biases on the q, k
+    and v projections (`qkv_bias`), `family="qwen3"` llama with an RMSNorm over each query and key
+    head before the rotation (`qk_norm`) and usually a head width of its own (`explicit_head_dim`,
+    so n_heads * head_dim may differ from d_model). Any family may tie the output head to the token
     embedding. The defaults (and the course's `tiny` / `small` presets) keep exact GELU and an
     untied head: the numbers the course and its parity tests were built on; the `gpt2-*` presets
     and Hugging Face imports are the real GPT-2 (tanh GELU, tied)."""
@@ -41,7 +46,7 @@ class ModelConfig:
     max_seq_len: int = 128  # longest sequence (gpt2: length of the learned position table)
     d_ff: int = 0  # MLP width; 0 means 4 * d_model
     name: str = "custom"  # preset name, for reports
-    family: str = "gpt2"  # gpt2 or llama (see the class docstring)
+    family: str = "gpt2"  # gpt2, llama, qwen2 or qwen3 (see the class docstring)
     n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 means n_heads
     rope_base: float = 10000.0  # rotary position base theta (llama)
     tie_embeddings: bool = False  # the output head is the token embedding matrix
@@ -50,6 +55,13 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on the embedding output and each residual branch (0 = none)
     rope_scaling: tuple = ()  # Llama 3.1's rotary rescaling: (factor, low_freq_factor,
     #                           high_freq_factor, original context); () for none
+    # ---- attention variants of the qwen families (h-fam)
+    explicit_head_dim: int = 0
+    """width of one attention head; 0 means d_model / n_heads (qwen3's is 128 at every size)"""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotation (on for the qwen3 family)"""
+    qkv_bias: bool = False
+    """biases on the q, k and v projections only (on for the qwen2 family)"""
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -58,11 +70,23 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # (JSON gives a list)
         if not self.activation:
-            object.__setattr__(self, "activation", "silu" if self.family == "llama" else "gelu")
+            object.__setattr__(self, "activation", "silu" if self.llama_like else "gelu")
+        if self.family in FAMILY_FEATURES:  # the feature that makes the family
+            object.__setattr__(self, FAMILY_FEATURES[self.family], True)
+
+    @property
+    def llama_like(self) -> bool:
+        """RMSNorm, rotary positions, SwiGLU, grouped-query attention: llama and the qwens."""
+        return self.family in LLAMA_LIKE
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.explicit_head_dim or self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of Q (and of the attention projection's input): n_heads * head_dim."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -75,9 +99,9 @@ class ModelConfig:
 
     def layer_weights(self) -> dict:
         """Elements of each weight matrix of one block (the matmuls: 2 FLOPs per element per token)."""
-        h, f = self.d_model, self.d_ff
-        return {"qkv": h * (h + 2 * self.kv_dim), "proj": h * h,
-                "mlp": (3 if self.family == "llama" else 2) * h * f}
+        h, f, q = self.d_model, self.d_ff, self.q_dim
+        return {"qkv": h * (q + 2 * self.kv_dim), "proj": q * h,
+                "mlp": (3 if self.llama_like else 2) * h * f}
 
     def norm_params(self) -> int:
         """Parameters of one normalisation layer: LayerNorm weight + bias, RMSNorm weight."""
@@ -90,11 +114,14 @@ class ModelConfig:
     def layer_param_count(self, tp: int = 1) -> int:
         """Parameters of one block on one of `tp` ranks: column-parallel matrices (qkv, MLP up and
         gate) split with their biases, row-parallel ones (attention / MLP out-projections) split
-        with their biases replicated, the two norms replicated."""
+        with their biases replicated, the two norms (and qk_norm's two head-wide ones) replicated."""
         h, f, w = self.d_model, self.d_ff, self.layer_weights()
-        col_bias = (h + 2 * self.kv_dim + f) if self.biases else 0
+        qkv_bias = (self.q_dim + 2 * self.kv_dim) if self.biases or self.qkv_bias else 0
+        col_bias = qkv_bias + (f if self.biases else 0)
         row_bias = 2 * h if self.biases else 0
-        return (w["qkv"] + w["proj"] + w["mlp"] + col_bias) // tp + row_bias + 2 * self.norm_params()
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        return ((w["qkv"] + w["proj"] + w["mlp"] + col_bias) // tp + row_bias
+                + 2 * self.norm_params() + qk_norms)
 
     def n_params(self) -> int:
         """Exact parameter count of `mini3d.models.transformer.GPT` for this shape (a tied head counted once)."""
@@ -108,7 +135,9 @@ class ModelConfig:
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len", "d_ff", "n_kv_heads"):
             if getattr(self, name) < 1:
                 out.append(f"{name}={getattr(self, name)} must be >= 1")
-        if self.n_heads >= 1 and self.d_model % self.n_heads:
+        if self.explicit_head_dim < 0:
+            out.append(f"explicit_head_dim={self.explicit_head_dim} must be >= 0 (0: d_model / n_heads)")
+        if self.n_heads >= 1 and self.d_model % self.n_heads and not self.explicit_head_dim:
             out.append(f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
                        f"(choose n_heads in {_divisors(self.d_model)[:12]})")
         if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
@@ -123,9 +152,13 @@ class ModelConfig:
             if self.family == "gpt2" and self.n_kv_heads != self.n_heads:
                 out.append(f"n_kv_heads={self.n_kv_heads} != n_heads={self.n_heads}: grouped-query "
                            f"attention is a llama-family feature (use --family llama)")
-            if self.family == "llama" and self.n_heads >= 1 and self.head_dim % 2:
+            if self.llama_like and self.n_heads >= 1 and self.head_dim % 2:
                 out.append(f"head_dim={self.head_dim} must be even for rotary positions")
-        if self.rope_scaling and (len(self.rope_scaling) != 4 or self.family != "llama"):
+            if self.family == "gpt2" and (self.qk_norm or self.explicit_head_dim):
+                out.append(f"qk_norm={self.qk_norm}, explicit_head_dim={self.explicit_head_dim}: "
+                           f"q/k norms and a head width of its own are llama-like features "
+                           f"(use --family qwen3 or llama)")
+        if self.rope_scaling and (len(self.rope_scaling) != 4 or not self.llama_like):
             out.append(f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
                        f"high_freq_factor, original context) of a llama-family model")
         if not 0.0 <= self.dropout < 1.0:
@@ -146,8 +179,12 @@ def _divisors(n: int) -> list[int]:
 # of Models, 2024, table 3; 128256-token vocabulary, rope base 500000, 8 key/value heads).
 # Llama's max_seq_len is 8192, the context of its main pre-training stage (the default sequence
 # length of estimates); the 3.1 / 3.2 models rescale their rotary frequencies for 128K contexts.
+# Qwen2.5-7B and Qwen3-8B: their model cards' config.json (rope base 1e6, RMSNorm eps 1e-6, untied
+# heads; Qwen3's heads are 128 wide); max_seq_len 32768, the context of their last pre-training
+# stage (Qwen2.5 and Qwen3 technical reports).
 _GPT2 = dict(family="gpt2", activation="gelu_tanh", tie_embeddings=True)
 _LLAMA3 = dict(family="llama", n_kv_heads=8, rope_base=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192))
+_QWEN = dict(rope_base=1e6, norm_eps=1e-6)
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(4, 64, 4, 256, 128, name="tiny"),
     "small": ModelConfig(6, 256, 8, 256, 256, name="small"),
@@ -166,6 +203,10 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-3.1-70b": ModelConfig(80, 8192, 64, 128256, 8192, 28672, name="llama-3.1-70b", **_LLAMA3),
     "llama-3.1-405b": ModelConfig(126, 16384, 128, 128256, 8192, 53248, name="llama-3.1-405b",
                                   **_LLAMA3),
+    "qwen2.5-7b": ModelConfig(28, 3584, 28, 152064, 32768, 18944, name="qwen2.5-7b", **_QWEN,
+                              family="qwen2", n_kv_heads=4),
+    "qwen3-8b": ModelConfig(36, 4096, 32, 151936, 32768, 12288, name="qwen3-8b", **_QWEN,
+                            family="qwen3", n_kv_heads=8, explicit_head_dim=128),
 }
 # Old names, kept working: each is the same object as the preset it names.
 ALIASES = {"gpt2-small": "gpt2-124m", "gpt2-medium": "gpt2-355m", "gpt2-large": "gpt2-774m",
@@ -185,5 +226,5 @@ def model_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
-__all__ = ["ModelConfig", "PlanError", "PRESETS", "ALIASES", "FAMILIES", "ACTIVATIONS",
+__all__ = ["ModelConfig", "PlanError", "PRESETS", "ALIASES", "FAMILIES", "LLAMA_LIKE", "ACTIVATIONS",
            "model_from_preset", "model_from_dict"]

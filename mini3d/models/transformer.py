@@ -2,16 +2,17 @@
 
 `ModelConfig.family` picks the parts (see mini3d.models.config.ModelConfig):
 
-    part            gpt2                                  llama
+    part            gpt2                                  llama (qwen2, qwen3: llama and ...)
     norm            LayerNorm (weight, bias)              RMSNorm (weight)
     positions       learned table (embed.wpe)             rotary, applied to q and k (base rope_base)
     attention       n_heads q, k and v heads              n_heads q heads, n_kv_heads k/v heads (GQA)
+                                                          (qwen3: RMSNorm per q/k head, attn.q_norm)
     MLP             proj(gelu(fc x)), exact or tanh       proj(silu(gate x) * fc x)  (SwiGLU)
-    biases          every linear layer but the head       none
-    head            untied, or tied to embed.wte (either family: `tie_embeddings`)
+    biases          every linear layer but the head       none (qwen2: attn.qkv's)
+    head            untied, or tied to embed.wte (any family: `tie_embeddings`)
 
 Parameter names are the same for both families (`blocks.3.mlp.fc.weight`); `mini3d.checkpoint.hf` maps them
-to and from Hugging Face's GPT2LMHeadModel / LlamaForCausalLM names.
+to and from Hugging Face's names (GPT2LMHeadModel, LlamaForCausalLM, Qwen2/Qwen3ForCausalLM).
 
 Initialisation is a pure function of (seed, parameter name): each parameter is drawn from its own
 generator, seeded from the seed and the parameter's name in the *full* model. So a pipeline stage
@@ -50,8 +51,9 @@ def canonical_name(name: str, cfg: ModelConfig) -> str:
 def reference_init(name: str, shape: tuple, seed: int, cfg: ModelConfig) -> torch.Tensor:
     """The float32 value the reference model gives parameter `name` (its name in the full model)."""
     name = canonical_name(name, cfg)
-    if name.endswith(".bias") or name.startswith("ln") or ".ln" in name:
-        if (name.startswith("ln") or ".ln" in name) and name.endswith(".weight"):
+    is_norm = name.startswith("ln") or ".ln" in name or "_norm." in name  # (attn.q_norm: qwen3)
+    if name.endswith(".bias") or is_norm:
+        if is_norm and name.endswith(".weight"):
             return torch.ones(shape, device="cpu")
         return torch.zeros(shape, device="cpu")
     g = torch.Generator(device="cpu").manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
@@ -63,7 +65,7 @@ def reference_init(name: str, shape: tuple, seed: int, cfg: ModelConfig) -> torc
 
 def norm(cfg: ModelConfig) -> nn.Module:
     """The family's normalisation layer over d_model."""
-    if cfg.family == "llama":
+    if cfg.llama_like:
         return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
 
@@ -78,7 +80,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.fc = Linear(cfg.d_model, cfg.d_ff, bias=cfg.biases)
-        self.gate = Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.family == "llama" else None
+        self.gate = Linear(cfg.d_model, cfg.d_ff, bias=False) if cfg.llama_like else None
         self.proj = Linear(cfg.d_ff, cfg.d_model, bias=cfg.biases)
         self.act = ACTIVATIONS[cfg.activation]
         self.drop = dropout(cfg)
