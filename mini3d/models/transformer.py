@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from mini3d.models.attention import (CORES, Attention, attention_core, dropout, rotary,  # noqa: F401
                                      rotary_frequencies, sdpa_core, set_attention)  # (re-exported)
 from mini3d.models.config import ModelConfig
+from mini3d.models.moe import MoE, router_loss
 from mini3d.wgrad import Linear
 
 
@@ -92,12 +93,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.ln1 = norm(cfg)
         self.attn = Attention(cfg)
         self.ln2 = norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], MLP) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     def forward(self, x, positions=None):
         x = x + self.attn(self.ln1(x), positions)
@@ -170,7 +171,7 @@ class GPT(nn.Module):
         layers = range(cfg.n_layers) if layers is None else layers
         self.layer_ids = list(layers)
         self.embed = Embedding(cfg) if first else None
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in self.layer_ids})
         self.head = Head(cfg) if last else None
         tie_weights(self)
         if init:  # init=False: shapes only (e.g. on the meta device; see materialize_reference)
@@ -187,6 +188,7 @@ class GPT(nn.Module):
             x = self.embed(x, positions)
         for block in self.blocks.values():
             x = block(x, positions)
-        if self.head is not None:
-            return self.head(x, targets)
+        if self.head is not None:  # + the routers' balancing losses (mini3d.models.moe)
+            out = self.head(x, targets)
+            return out if targets is None else out + router_loss(self)
         return x
