@@ -137,8 +137,7 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, act):
         super().__init__()
         E, f, d = cfg.n_experts, cfg.moe_width, cfg.d_model
-        gated = cfg.family != "gpt2"  # the llama-like families' SwiGLU
-        self.w_gate = nn.Parameter(torch.empty(E, f, d)) if gated else None
+        self.w_gate = nn.Parameter(torch.empty(E, f, d)) if cfg.llama_like else None
         self.w_up = nn.Parameter(torch.empty(E, f, d))
         self.w_down = nn.Parameter(torch.empty(E, d, f))
         self.act = act

@@ -6,19 +6,49 @@ from __future__ import annotations
 
 import argparse
 
-from mini3d.config import FAMILIES
+from mini3d.config import FAMILIES, PlanError
+from mini3d.models.config import FAMILY_FEATURES
 
 
 def add_family_args(g):
     """--family --kv-heads --rope-base --tie-embeddings: the model family's fields (shared by
     every command that describes a model: train, estimate, plan)."""
-    g.add_argument("--family", choices=FAMILIES, help="gpt2 (LayerNorm, GELU, learned positions) "
-                   "or llama (RMSNorm, SwiGLU, rotary positions, grouped-query attention)")
+    g.add_argument("--family", choices=FAMILIES, help="gpt2 (LayerNorm, GELU, learned positions), "
+                   "llama (RMSNorm, SwiGLU, rotary positions, grouped-query attention), qwen2 "
+                   "(llama + q/k/v biases) or qwen3 (llama + q/k RMSNorm, explicit head dim)")
     g.add_argument("--kv-heads", type=int, help="key/value heads (llama; default: --heads)")
     g.add_argument("--rope-base", type=float, help="rotary position base theta (llama)")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="share the token embedding with the output head")
+    add_attention_variant_args(g)
     add_moe_args(g)
+
+
+# ---- h-fam: the qwen attention variants (until the flag builder generates them from the fields)
+VARIANT_FLAGS = (("head_dim", "explicit_head_dim"), ("qk_norm", "qk_norm"), ("qkv_bias", "qkv_bias"))
+
+
+def add_attention_variant_args(g):
+    """--head-dim --qk-norm --qkv-bias (ModelConfig.explicit_head_dim, qk_norm, qkv_bias)."""
+    g.add_argument("--head-dim", type=int, help="width of one attention head (default "
+                   "hidden / heads; qwen3's is 128)")
+    g.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="RMSNorm over each query and key head before the rotation (qwen3)")
+    g.add_argument("--qkv-bias", action=argparse.BooleanOptionalAction, default=None,
+                   help="biases on the q, k and v projections (qwen2)")
+
+
+def variant_overrides(args, family) -> dict:
+    """The fields the variant flags set (only those given); a family's own feature turned off
+    (`--family qwen2 --no-qkv-bias`) is a PlanError: that model is the llama family."""
+    over = {field: getattr(args, attr) for attr, field in VARIANT_FLAGS
+            if getattr(args, attr, None) is not None}
+    feature = FAMILY_FEATURES.get(family)
+    if feature is not None and over.get(feature) is False:
+        raise PlanError([f"--family {family} --no-{feature.replace('_', '-')}: {family} is the "
+                         f"llama family with {feature} on (use --family llama)"])
+    return over
+# ---- end h-fam
 
 
 def family_overrides(args) -> dict:
@@ -30,6 +60,7 @@ def family_overrides(args) -> dict:
     if "family" in over:  # the family's own activation, and full attention unless --kv-heads
         over["activation"] = ""
         over.setdefault("n_kv_heads", 0)
+    over.update(variant_overrides(args, over.get("family")))
     return over
 
 
