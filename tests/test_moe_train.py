@@ -57,3 +57,37 @@ def test_splits_without_expert_parallelism_are_refused(flags, named, capsys):
     assert cli.main(["train", "--experts", "4", "--top-k", "2", "--steps", "1", *flags]) == 2
     err = capsys.readouterr().err
     assert named in err and "n_experts=4" in err and "expert parallelism" in err
+
+
+@pytest.mark.timeout(300)
+def test_expert_bias_is_saved_and_resumed(tmp_path):
+    """The aux-loss-free biases live outside the optimizer: a checkpoint holds them, and a run
+    resumed from it continues bitwise (losses and final biases), as does `sample`'s model."""
+    import os
+
+    from mini3d.run.sample import load_model
+    from mini3d.run.train import make_spec, reporter_records
+    from tests.threed_workers import run_specs
+
+    plan = Plan(global_batch=4, seq_len=16)
+    # the byte tokenizer's vocabulary; a rate small against the scores' spread (0.05 flips every
+    # choice each step, and two steps bring the biases back to zero)
+    cfg = ModelConfig(**{**SIGMOID.__dict__, "vocab_size": 256, "router_bias_rate": 1e-3})
+    spec = lambda **kw: make_spec(cfg, plan, steps=4, seed=2, lr=1e-2, **kw)
+    full = str(tmp_path / "full")
+    first = launch(run_specs, 1, [spec(save=full, save_every=2),
+                                  spec(resume=os.path.join(full, "step-000002"),
+                                       save=str(tmp_path / "again"))],
+                   device="cpu", timeout=200)[0]
+    whole, resumed = (reporter_records([r]) for r in first)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
+    step2 = torch.load(os.path.join(full, "step-000002", "stage0.pt"), weights_only=False)["model"]
+    bias = {n: t for n, t in step2.items() if n.endswith("expert_bias")}
+    assert sorted(bias) == ["blocks.1.mlp.expert_bias", "blocks.2.mlp.expert_bias"]
+    assert all(t.abs().sum() > 0 for t in bias.values())  # moved by two steps of updates
+    ends = [torch.load(os.path.join(d, "step-000004", "stage0.pt"), weights_only=False)["model"]
+            for d in (full, str(tmp_path / "again"))]
+    for n in bias:  # four updates in both: the resumed run started from the saved biases
+        assert torch.equal(ends[0][n], ends[1][n]) and not torch.equal(ends[0][n], bias[n])
+    model, _ = load_model(os.path.join(full, "step-000002"))
+    torch.testing.assert_close(model.blocks["1"].mlp.expert_bias, bias["blocks.1.mlp.expert_bias"])
