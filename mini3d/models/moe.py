@@ -33,6 +33,7 @@ layers and micro-batches, all-reduced over the data-parallel ranks) is what `--l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -165,7 +166,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = Experts(cfg, act)
         width = cfg.moe_width * cfg.n_shared_experts
-        self.shared = mlp_class(_replace(cfg, d_ff=width)) if width else None
+        self.shared = mlp_class(dataclasses.replace(cfg, d_ff=width)) if width else None
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         self.stats = None
 
@@ -194,20 +195,15 @@ class MoE(nn.Module):
         return y.view(B, T, d)
 
 
-def _replace(cfg: ModelConfig, **changes) -> ModelConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)
-
-
 def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
 def router_loss(module: nn.Module):
     """aux_loss_coef x the pooled switch loss + z_loss_coef x the mean z-loss over the module's
-    MoE layers, from their latest forward (0.0 without MoE layers or coefficients). In training
-    it also adds each layer's counts to the step's load (`step_load`)."""
+    MoE layers, from their latest forward (0.0 without MoE layers or coefficients); part of every
+    loss GPT.forward returns, validation losses included (as transformers' Mixtral adds it). In
+    training it also adds each layer's counts to the step's load (`step_load`)."""
     layers = [m for m in moe_layers(module) if m.stats is not None]
     if not layers:
         return 0.0
