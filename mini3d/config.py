@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mini3d.models.config import (ACTIVATIONS, ALIASES, FAMILIES, PRESETS, ModelConfig, PlanError,
-                                  _divisors, model_from_dict, model_from_preset)
+from mini3d.models.config import (ACTIVATIONS, FAMILIES, ModelConfig, PlanError, _divisors,
+                                  model_from_dict)
+from mini3d.models.presets import ALIASES, PRESETS, model_from_preset
 from mini3d.schedule_kinds import (MULTI_CHUNK, SCHEDULES, schedule_kind,  # noqa: F401 (re-exported)
                                    schedule_problems)
 

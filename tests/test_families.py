@@ -1,6 +1,7 @@
 """Model families in the analysis: exact parameter counts (published ones for the real presets),
 the estimator's parameters and activations against the live ledgers for the llama family, FLOPs,
-the family flags on the command line, and `train --init-from-hf` / `--resume` of an import."""
+the family flags on the command line, `train --init-from-hf` / `--resume` of an import, and the
+qwen2 (q/k/v biases) and qwen3 (q/k norms, explicit head width) families under tp=2."""
 
 from __future__ import annotations
 
@@ -32,6 +33,64 @@ def test_presets_have_the_published_parameter_counts_and_aliases():
         assert PRESETS[name].n_params() == n, name
     assert PRESETS["gpt2-small"] is PRESETS["gpt2-124m"] and PRESETS["gpt2-xl"] is PRESETS["gpt2-1.5b"]
     assert PRESETS["gpt-70b"].family == "gpt2"  # the course's GPT-style teaching shape stays
+
+
+QWEN2 = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32, d_ff=48,
+                    family="qwen2", n_kv_heads=2, rope_base=1e6)
+QWEN3 = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32, d_ff=48,
+                    family="qwen3", n_kv_heads=2, rope_base=1e6, explicit_head_dim=12)  # q: 48 wide
+# the model cards' totals and non-embedding counts (Qwen2.5-7B: 7.61B / 6.53B; Qwen3-8B: 8.2B /
+# 6.95B, both untied), given to three significant figures: 0.5% covers that rounding
+QWEN_PUBLISHED = {"qwen2.5-7b": (7.61e9, 6.53e9), "qwen3-8b": (8.2e9, 6.95e9)}
+
+
+def test_qwen_presets_have_their_published_shapes_and_counts():
+    for name, (total, body) in QWEN_PUBLISHED.items():
+        cfg = PRESETS[name]
+        embeddings = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+        assert abs(cfg.n_params() / total - 1) < 0.005, (name, cfg.n_params())
+        assert abs((cfg.n_params() - embeddings) / body - 1) < 0.005, (name, cfg.n_params())
+    q3, q2 = PRESETS["qwen3-8b"], PRESETS["qwen2.5-7b"]
+    assert (q3.qk_norm, q3.qkv_bias, q3.head_dim, q3.q_dim, q3.kv_dim) == (True, False, 128, 4096, 1024)
+    assert (q2.qk_norm, q2.qkv_bias, q2.head_dim, q2.kv_dim) == (False, True, 128, 512)
+    assert PRESETS["qwen3-8b"].n_params() == 8_190_735_360  # exact: 36 x 192,946,432 + 2 x V x h + h
+    assert not q3.problems() and not q2.problems()
+
+
+@pytest.mark.parametrize("cfg", [QWEN2, QWEN3, dataclasses.replace(QWEN3, tie_embeddings=True),
+                                 dataclasses.replace(QWEN2, family="llama", qk_norm=True,
+                                                     explicit_head_dim=6)],
+                         ids=["qwen2", "qwen3-head-dim-12", "qwen3-tied", "llama-bias-qk-norm-head-dim-6"])
+def test_qwen_param_counts_equal_the_modules(cfg):
+    assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.n_params()
+    for stage in (0, 1):
+        module = build_stages(cfg, 0, stage, 2)[stage]
+        assert stage_param_count(cfg, Plan(pp=2, micro_batches=2), stage) == \
+            sum(p.numel() for p in module.parameters())
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cfg", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
+def test_qwen_families_under_tp2_equal_the_reference(cfg):
+    """tp=2, with and without sequence parallelism, in float64 against the one-process model:
+    qwen2's q/k/v biases split with their heads' rows; qwen3's per-head norm weights are
+    replicated while each rank normalises only its heads, so their gradients are summed over tp
+    (by `f` on the weight, or under sequence parallelism by the replicated-gradient sum). Bounds:
+    test_3d's F64 (summation order only), explained there."""
+    from tests.test_3d import F64, F64_BASE, SEED, STEPS, check_float32, reference
+    from tests.threed_workers import run_layouts
+
+    cases = [("tp2", Plan(tp=2, micro_batches=2, **F64_BASE)),
+             ("tp2-sp", Plan(tp=2, micro_batches=2, sequence_parallel=True, **F64_BASE))]
+    results = launch(run_layouts, 2, [{"name": n, "plan": dataclasses.asdict(p)} for n, p in cases],
+                     dataclasses.asdict(cfg), STEPS, SEED, device="cpu", timeout=200)
+    ref = reference(STEPS, cfg=cfg, dtype=torch.float64)
+    norm_grads = [n for n in ref[1][0] if "_norm" in n or "qkv.bias" in n]
+    assert len(norm_grads) == (2 if cfg.qk_norm else 1) * cfg.n_layers and all(ref[1][0][n].abs().max() > 0 for n in norm_grads)
+    for name, plan in cases:
+        for r in (r for per_rank in results for r in per_rank if r["name"] == name):
+            assert r["losses"] == pytest.approx(ref[0], abs=F64["loss"]), name
+        check_float32(name, plan, results, ref, cfg=cfg, bounds=F64)
 
 
 @pytest.mark.parametrize("cfg", [LLAMA, dataclasses.replace(LLAMA, tie_embeddings=False, n_kv_heads=1),

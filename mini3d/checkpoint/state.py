@@ -22,6 +22,13 @@ def _names(chunks) -> dict:
     return {p: canonical_name(n, chunk.cfg) for chunk in chunks for n, p in chunk.named_parameters()}
 
 
+def _buffers(chunks) -> dict:
+    """{name: buffer}: the persistent state outside the optimizer, replicated on every rank (a MoE
+    layer's aux-loss-free `expert_bias`), saved and restored next to the weights."""
+    return {f"{m}.{k}" if m else k: b for chunk in chunks for m, mod in chunk.named_modules()
+            for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set}
+
+
 def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict, dict, int]:
     """(weights, moments, optimizer step) of this rank's chunks at full shape, keyed by reference
     name. Weights come from the fp32 master copies (so bf16 runs resume exactly). Collective over
@@ -53,6 +60,8 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
                     weights[names[p]] = value
                 else:
                     moments.setdefault(names[p], {})[key] = value
+    if keep:
+        weights.update({n: b.detach().cpu().clone() for n, b in _buffers(chunks).items()})
     return weights, moments, step
 
 
@@ -62,6 +71,9 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
     from mini3d.tp import shard_like
 
     names = _names(chunks)
+    for n, b in _buffers(chunks).items():
+        if n in weights:  # (checkpoints of models without such state hold none)
+            b.copy_(weights[n].to(b.device, b.dtype))
     sharded = optimizer.wrapper.stage >= 1
     fused = bool(optimizer.inner.defaults.get("fused"))  # fused AdamW keeps `step` on the device
     for (group, pshard, _), master in zip(optimizer.shards, optimizer.masters):

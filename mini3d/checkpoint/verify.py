@@ -19,7 +19,8 @@ from mini3d.checkpoint.store import META_SHA, meta_digest, read_meta, stage_file
 def shape_mismatch(meta: dict, cfg_dict: dict) -> list[str]:
     """Model fields that differ between a checkpoint and the requested model, each naming both values."""
     fields = ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len", "d_ff")
-    family = ("family", "n_kv_heads", "tie_embeddings", "activation", "rope_base", "norm_eps")
+    family = ("family", "n_kv_heads", "tie_embeddings", "activation", "rope_base", "norm_eps",
+              "explicit_head_dim", "qk_norm", "qkv_bias")
     saved = meta["model"]
     return [f"{k}: checkpoint has {saved.get(k)}, the flags ask for {cfg_dict.get(k)}"
             for k in fields + family

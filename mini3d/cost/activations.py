@@ -75,7 +75,7 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     if fused_attention is None:
         fused_attention = plan.attention == "sdpa"
     sbh = s * b * h * e
-    if cfg.family == "llama":
+    if cfg.llama_like:
         rep, qkv, mlp = _llama_terms(cfg, fused_attention)
     else:
         rep, qkv, mlp = 4, 3 * h, 2 * f
@@ -130,7 +130,7 @@ def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     s, b, h, t = local_seq_len(plan), plan.micro_batch_size, cfg.d_model, plan.tp
     e = ELEMENT_BYTES[plan.dtype]
     ln = s * b * h * e / (t if plan.sequence_parallel else 1)
-    if cfg.family == "llama":
+    if cfg.llama_like:
         ln *= 2  # RMSNorm keeps its input and the normalised x (see _llama_terms)
     return ln + s * b * h * e + s * b * padded_size(cfg.vocab_size, t) // t * 4
 

@@ -113,9 +113,12 @@ def head_rank(plan: Plan) -> int:
     return stage_rank(plan.pp * plan.virtual_stages - 1, plan.pp, where)
 
 
-def layer_params(cfg: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer block on one tp rank (`ModelConfig.layer_param_count`)."""
-    return cfg.layer_param_count(tp)
+def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None) -> int:
+    """Parameters of one transformer block on one tp rank (`ModelConfig.layer_param_count`; a MoE
+    `layer` counts all its experts, or its largest block when `layer` is None for a MoE model)."""
+    if layer is None and cfg.n_experts:
+        return max(cfg.layer_param_count(tp, i) for i in range(cfg.n_layers))
+    return cfg.layer_param_count(tp, layer)
 
 
 def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
@@ -125,7 +128,7 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     pp > 1 the last stage keeps a copy."""
     chunks = stage_chunks(cfg, plan, stage)
     first, last = any(c.first for c in chunks), any(c.last for c in chunks)
-    n = sum(len(c.layers) for c in chunks) * layer_params(cfg, plan.tp)
+    n = sum(layer_params(cfg, plan.tp, i) for c in chunks for i in c.layers)
     table = padded_size(cfg.vocab_size, plan.tp) * cfg.d_model // plan.tp
     if first:
         n += table + cfg.position_params()
@@ -155,7 +158,10 @@ def largest_param_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     largest matrix (qkv, the attention projection or an MLP matrix), the token table (first stage,
     and the head's on the last unless tied on one rank) or gpt2's position table."""
     h, t, w = cfg.d_model, plan.tp, cfg.layer_weights()
-    sizes = [max(w["qkv"], w["proj"], h * cfg.d_ff) // t] if stage_layers(cfg, plan, stage) else []
+    layers = stage_layers(cfg, plan, stage)
+    sizes = [max(w["qkv"], w["proj"], h * cfg.d_ff) // t] if layers else []
+    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E, F, d)
+        sizes += [cfg.n_experts * cfg.moe_width * h // t]
     table = padded_size(cfg.vocab_size, t) * h // t
     if stage == 0:
         sizes += [table, cfg.position_params()]

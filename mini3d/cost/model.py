@@ -138,6 +138,7 @@ class CostEstimate:
         mem.update(total=self.memory.total, stage=self.memory.stage,
                    peak_grad_bytes=self.memory.peak_grad_bytes)  # grads + dp buckets in flight
         return {"model": self.model.name, "params": self.model.n_params(),
+                "active_params": self.model.active_params(),  # what one token uses (MoE)
                 "family": self.model.family, "plan": self.plan.to_dict(), "hardware": self.hardware,
                 "n_gpus": self.n_gpus, "memory_per_rank_bytes": mem,
                 "capacity_bytes": self.capacity_bytes, "fits": self.fits,

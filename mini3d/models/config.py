@@ -1,7 +1,7 @@
-"""The model's shape as data: `ModelConfig` (one dataclass for the gpt2 and llama families, exact
-parameter counts), the presets with their published dimensions, and `PlanError`, the error every
-validation raises with each offending value named. `mini3d.config` re-exports all of it next to
-`Plan`; this module imports nothing of mini3d.
+"""The model's shape as data: `ModelConfig` (one dataclass for every family, exact parameter
+counts) and `PlanError`, the error every validation raises with each offending value named. The
+presets with their published dimensions are mini3d.models.presets. `mini3d.config` re-exports all
+of it next to `Plan`; this module imports nothing of mini3d.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ class PlanError(ValueError):
         super().__init__("invalid plan: " + "; ".join(self.problems))
 
 
-FAMILIES = ("gpt2", "llama")
-ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), "llama": ("silu",)}
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "qwen2", "qwen3")  # RMSNorm, rotary positions, SwiGLU, grouped-query attention
+ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), **{f: ("silu",) for f in LLAMA_LIKE}}
+FAMILY_FEATURES = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}  # what each qwen adds to llama
+ROUTERS = ("softmax", "softmax-norm", "sigmoid")  # the kinds of mini3d.models.moe.ROUTERS
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,10 @@ class ModelConfig:
     `family="gpt2"`: LayerNorm, learned positions, biases everywhere, a GELU MLP (exact erf by
     default, GPT-2's tanh approximation with activation="gelu_tanh"). `family="llama"`: RMSNorm,
     rotary positions (base `rope_base`), a SwiGLU MLP (three matrices), grouped-query attention
-    (`n_kv_heads` key/value heads), no biases. Either family may tie the output head to the token
+    (`n_kv_heads` key/value heads), no biases. `family="qwen2"` is llama with biases on the q, k
+    and v projections (`qkv_bias`), `family="qwen3"` llama with an RMSNorm over each query and key
+    head before the rotation (`qk_norm`) and usually a head width of its own (`explicit_head_dim`,
+    so n_heads * head_dim may differ from d_model). Any family may tie the output head to the token
     embedding. The defaults (and the course's `tiny` / `small` presets) keep exact GELU and an
     untied head: the numbers the course and its parity tests were built on; the `gpt2-*` presets
     and Hugging Face imports are the real GPT-2 (tanh GELU, tied)."""
@@ -41,7 +47,7 @@ class ModelConfig:
     max_seq_len: int = 128  # longest sequence (gpt2: length of the learned position table)
     d_ff: int = 0  # MLP width; 0 means 4 * d_model
     name: str = "custom"  # preset name, for reports
-    family: str = "gpt2"  # gpt2 or llama (see the class docstring)
+    family: str = "gpt2"  # gpt2, llama, qwen2 or qwen3 (see the class docstring)
     n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 means n_heads
     rope_base: float = 10000.0  # rotary position base theta (llama)
     tie_embeddings: bool = False  # the output head is the token embedding matrix
@@ -50,6 +56,36 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on the embedding output and each residual branch (0 = none)
     rope_scaling: tuple = ()  # Llama 3.1's rotary rescaling: (factor, low_freq_factor,
     #                           high_freq_factor, original context); () for none
+    # ---- attention variants of the qwen families (h-fam)
+    explicit_head_dim: int = 0
+    """width of one attention head; 0 means d_model / n_heads (qwen3's is 128 at every size)"""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotation (on for the qwen3 family)"""
+    qkv_bias: bool = False
+    """biases on the q, k and v projections only (on for the qwen2 family)"""
+    # ---- mixture of experts (mini3d.models.moe; h-moe's block) ----
+    n_experts: int = 0
+    """routed experts per MoE layer (0 = a dense model)"""
+    top_k: int = 2
+    """experts each token is routed to"""
+    moe_ffn: int = 0
+    """width of one expert's MLP (0 = d_ff)"""
+    n_shared_experts: int = 0
+    """always-on shared experts: one MLP of width moe_ffn * n_shared_experts"""
+    moe_every: int = 1
+    """layer i (i >= dense_layers) is a MoE layer when i % moe_every == 0 (DeepSeek's rule)"""
+    dense_layers: int = 0
+    """the first dense_layers layers keep a dense MLP"""
+    router: str = "softmax"
+    """softmax (top-k of softmax), softmax-norm (renormalised top-k) or sigmoid (aux-loss-free bias)"""
+    aux_loss_coef: float = 0.0
+    """weight of the switch-style load-balancing loss in the training loss"""
+    z_loss_coef: float = 0.0
+    """weight of the router z-loss (mean squared logsumexp of the router logits)"""
+    capacity_factor: float = 0.0
+    """tokens per expert capped at ceil(C * tokens * top_k / n_experts), overflow dropped (0 = dropless)"""
+    router_bias_rate: float = 0.0
+    """speed of the aux-loss-free bias update (sigmoid router): bias += rate * sign(mean load - load)"""
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -58,11 +94,23 @@ class ModelConfig:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # (JSON gives a list)
         if not self.activation:
-            object.__setattr__(self, "activation", "silu" if self.family == "llama" else "gelu")
+            object.__setattr__(self, "activation", "silu" if self.llama_like else "gelu")
+        if self.family in FAMILY_FEATURES:  # the feature that makes the family
+            object.__setattr__(self, FAMILY_FEATURES[self.family], True)
+
+    @property
+    def llama_like(self) -> bool:
+        """RMSNorm, rotary positions, SwiGLU, grouped-query attention: llama and the qwens."""
+        return self.family in LLAMA_LIKE
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.explicit_head_dim or self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of Q (and of the attention projection's input): n_heads * head_dim."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -75,9 +123,9 @@ class ModelConfig:
 
     def layer_weights(self) -> dict:
         """Elements of each weight matrix of one block (the matmuls: 2 FLOPs per element per token)."""
-        h, f = self.d_model, self.d_ff
-        return {"qkv": h * (h + 2 * self.kv_dim), "proj": h * h,
-                "mlp": (3 if self.family == "llama" else 2) * h * f}
+        h, f, q = self.d_model, self.d_ff, self.q_dim
+        return {"qkv": h * (q + 2 * self.kv_dim), "proj": q * h,
+                "mlp": (3 if self.llama_like else 2) * h * f}
 
     def norm_params(self) -> int:
         """Parameters of one normalisation layer: LayerNorm weight + bias, RMSNorm weight."""
@@ -87,28 +135,67 @@ class ModelConfig:
         """The learned position table (gpt2); rotary positions have none."""
         return self.max_seq_len * self.d_model if self.family == "gpt2" else 0
 
-    def layer_param_count(self, tp: int = 1) -> int:
+    def is_moe_layer(self, layer: int) -> bool:
+        """Block `layer` holds a mixture of experts instead of the dense MLP."""
+        return self.n_experts > 0 and layer >= self.dense_layers and layer % self.moe_every == 0
+
+    @property
+    def moe_width(self) -> int:
+        """One expert's MLP width (moe_ffn, else d_ff)."""
+        return self.moe_ffn or self.d_ff
+
+    def moe_params(self, tp: int = 1, active: bool = False) -> dict:
+        """Parameters of one MoE layer's parts: the router (E x d, replicated), the routed experts
+        (all E, or the top_k a token uses when `active`) and the shared-expert MLP; expert matrices
+        are counted split over tp (the estimator's assumption; the engine refuses tp with experts)."""
+        h, f, n = self.d_model, self.moe_width, self.top_k if active else self.n_experts
+        per_expert = (3 if self.llama_like else 2) * h * f
+        fs = f * self.n_shared_experts
+        shared = (3 if self.llama_like else 2) * h * fs // tp
+        shared += ((fs // tp + h) if self.biases else 0) if fs else 0
+        return {"router": self.n_experts * h, "experts": n * per_expert // tp, "shared": shared}
+
+    def layer_param_count(self, tp: int = 1, layer: int | None = None, active: bool = False) -> int:
         """Parameters of one block on one of `tp` ranks: column-parallel matrices (qkv, MLP up and
         gate) split with their biases, row-parallel ones (attention / MLP out-projections) split
-        with their biases replicated, the two norms replicated."""
+        with their biases replicated, the two norms (and qk_norm's two head-wide ones) replicated.
+        A MoE `layer` (`is_moe_layer`) holds `moe_params` in place of the dense MLP (`active`: the
+        experts one token uses)."""
         h, f, w = self.d_model, self.d_ff, self.layer_weights()
-        col_bias = (h + 2 * self.kv_dim + f) if self.biases else 0
+        qkv_bias = (self.q_dim + 2 * self.kv_dim) if self.biases or self.qkv_bias else 0
+        col_bias = qkv_bias + (f if self.biases else 0)
         row_bias = 2 * h if self.biases else 0
-        return (w["qkv"] + w["proj"] + w["mlp"] + col_bias) // tp + row_bias + 2 * self.norm_params()
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        dense = ((w["qkv"] + w["proj"] + w["mlp"] + col_bias) // tp + row_bias
+                 + 2 * self.norm_params() + qk_norms)
+        if layer is None or not self.is_moe_layer(layer):
+            return dense
+        mlp = (w["mlp"] + (f if self.biases else 0)) // tp + (h if self.biases else 0)
+        return dense - mlp + sum(self.moe_params(tp, active).values())
 
     def n_params(self) -> int:
         """Exact parameter count of `mini3d.models.transformer.GPT` for this shape (a tied head counted once)."""
+        return self._count(active=False)
+
+    def active_params(self) -> int:
+        """Parameters one token computes with: embeddings, head, attention, dense layers, and per MoE
+        layer the router, top_k routed experts and the shared experts (= n_params when dense)."""
+        return self._count(active=True)
+
+    def _count(self, active: bool) -> int:
         V, h = self.vocab_size, self.d_model
         head = 0 if self.tie_embeddings else V * h
-        return (V * h + self.position_params() + self.n_layers * self.layer_param_count()
-                + self.norm_params() + head)
+        layers = sum(self.layer_param_count(1, i, active) for i in range(self.n_layers))
+        return V * h + self.position_params() + layers + self.norm_params() + head
 
     def problems(self) -> list[str]:
         out = []
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len", "d_ff", "n_kv_heads"):
             if getattr(self, name) < 1:
                 out.append(f"{name}={getattr(self, name)} must be >= 1")
-        if self.n_heads >= 1 and self.d_model % self.n_heads:
+        if self.explicit_head_dim < 0:
+            out.append(f"explicit_head_dim={self.explicit_head_dim} must be >= 0 (0: d_model / n_heads)")
+        if self.n_heads >= 1 and self.d_model % self.n_heads and not self.explicit_head_dim:
             out.append(f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
                        f"(choose n_heads in {_divisors(self.d_model)[:12]})")
         if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
@@ -123,13 +210,33 @@ class ModelConfig:
             if self.family == "gpt2" and self.n_kv_heads != self.n_heads:
                 out.append(f"n_kv_heads={self.n_kv_heads} != n_heads={self.n_heads}: grouped-query "
                            f"attention is a llama-family feature (use --family llama)")
-            if self.family == "llama" and self.n_heads >= 1 and self.head_dim % 2:
+            if self.llama_like and self.n_heads >= 1 and self.head_dim % 2:
                 out.append(f"head_dim={self.head_dim} must be even for rotary positions")
-        if self.rope_scaling and (len(self.rope_scaling) != 4 or self.family != "llama"):
+            if self.family == "gpt2" and (self.qk_norm or self.explicit_head_dim):
+                out.append(f"qk_norm={self.qk_norm}, explicit_head_dim={self.explicit_head_dim}: "
+                           f"q/k norms and a head width of its own are llama-like features "
+                           f"(use --family qwen3 or llama)")
+        if self.rope_scaling and (len(self.rope_scaling) != 4 or not self.llama_like):
             out.append(f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
                        f"high_freq_factor, original context) of a llama-family model")
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"dropout={self.dropout} must be in [0, 1)")
+        return out + self._moe_problems()
+
+    def _moe_problems(self) -> list[str]:
+        if self.n_experts == 0:
+            return []
+        out = [f"{k}={getattr(self, k)} must be >= {lo}" for k, lo in
+               (("n_experts", 1), ("top_k", 1), ("moe_ffn", 0), ("n_shared_experts", 0),
+                ("moe_every", 1), ("dense_layers", 0), ("aux_loss_coef", 0), ("z_loss_coef", 0),
+                ("capacity_factor", 0), ("router_bias_rate", 0)) if getattr(self, k) < lo]
+        if self.top_k > self.n_experts:
+            out.append(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.router not in ROUTERS:
+            out.append(f"router={self.router!r} is unknown (choose {', '.join(ROUTERS)})")
+        if self.router_bias_rate and self.router != "sigmoid":
+            out.append(f"router_bias_rate={self.router_bias_rate} needs router='sigmoid' "
+                       f"(got {self.router!r})")
         return out
 
 
@@ -137,53 +244,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# Presets: `tiny` and `small` train on a laptop CPU in minutes (exact GELU, untied head: the
-# course's numbers); `gpt-1.3b` .. `gpt-175b` are GPT-style shapes (the 22B and 175B rows are those
-# of Korthikanti et al. 2022, which calibrate the cost model; `gpt-70b` widens the MLP to ~70e9
-# parameters: a teaching shape, not a real model, kept because the course's lessons and exercises
-# use its full multi-head attention, e.g. tp=16); the rest are real models with their
-# published dimensions: GPT-2 (Radford et al. 2019; tanh GELU, tied head) and Llama 3 (Llama 3 Herd
-# of Models, 2024, table 3; 128256-token vocabulary, rope base 500000, 8 key/value heads).
-# Llama's max_seq_len is 8192, the context of its main pre-training stage (the default sequence
-# length of estimates); the 3.1 / 3.2 models rescale their rotary frequencies for 128K contexts.
-_GPT2 = dict(family="gpt2", activation="gelu_tanh", tie_embeddings=True)
-_LLAMA3 = dict(family="llama", n_kv_heads=8, rope_base=500000.0, rope_scaling=(8.0, 1.0, 4.0, 8192))
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(4, 64, 4, 256, 128, name="tiny"),
-    "small": ModelConfig(6, 256, 8, 256, 256, name="small"),
-    "gpt2-124m": ModelConfig(12, 768, 12, 50257, 1024, name="gpt2-124m", **_GPT2),
-    "gpt2-355m": ModelConfig(24, 1024, 16, 50257, 1024, name="gpt2-355m", **_GPT2),
-    "gpt2-774m": ModelConfig(36, 1280, 20, 50257, 1024, name="gpt2-774m", **_GPT2),
-    "gpt2-1.5b": ModelConfig(48, 1600, 25, 50257, 1024, name="gpt2-1.5b", **_GPT2),
-    "gpt-1.3b": ModelConfig(24, 2048, 16, 50257, 2048, name="gpt-1.3b"),
-    "gpt-7b": ModelConfig(32, 4096, 32, 32000, 4096, name="gpt-7b"),
-    "gpt-22b": ModelConfig(48, 6144, 64, 51200, 2048, name="gpt-22b"),
-    "gpt-70b": ModelConfig(80, 8192, 64, 32000, 4096, d_ff=36864, name="gpt-70b"),
-    "gpt-175b": ModelConfig(96, 12288, 96, 51200, 2048, name="gpt-175b"),
-    "llama-3.2-1b": ModelConfig(16, 2048, 32, 128256, 8192, 8192, name="llama-3.2-1b",
-                                tie_embeddings=True, **{**_LLAMA3, "rope_scaling": (32.0, 1.0, 4.0, 8192)}),
-    "llama-3.1-8b": ModelConfig(32, 4096, 32, 128256, 8192, 14336, name="llama-3.1-8b", **_LLAMA3),
-    "llama-3.1-70b": ModelConfig(80, 8192, 64, 128256, 8192, 28672, name="llama-3.1-70b", **_LLAMA3),
-    "llama-3.1-405b": ModelConfig(126, 16384, 128, 128256, 8192, 53248, name="llama-3.1-405b",
-                                  **_LLAMA3),
-}
-# Old names, kept working: each is the same object as the preset it names.
-ALIASES = {"gpt2-small": "gpt2-124m", "gpt2-medium": "gpt2-355m", "gpt2-large": "gpt2-774m",
-           "gpt2-xl": "gpt2-1.5b"}
-PRESETS.update({old: PRESETS[new] for old, new in ALIASES.items()})
-
-
-def model_from_preset(preset: str, **overrides) -> ModelConfig:
-    """A preset, with any ModelConfig fields overridden."""
-    if preset not in PRESETS:
-        raise PlanError([f"model={preset!r} is not a preset (choose from {', '.join(PRESETS)})"])
-    return dataclasses.replace(PRESETS[preset], **overrides) if overrides else PRESETS[preset]
-
-
 def model_from_dict(d: dict) -> ModelConfig:
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
-__all__ = ["ModelConfig", "PlanError", "PRESETS", "ALIASES", "FAMILIES", "ACTIVATIONS",
-           "model_from_preset", "model_from_dict"]
+__all__ = ["ModelConfig", "PlanError", "FAMILIES", "LLAMA_LIKE", "ACTIVATIONS", "FAMILY_FEATURES",
+           "ROUTERS", "model_from_dict"]

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import sys
 
-from mini3d.config import ATTENTION, DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan
+from mini3d.config import ATTENTION, DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan, PlanError
 from mini3d.cost.memory import GB, estimate_all_stages
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.hardware import load_hardware, save_hardware
@@ -70,7 +70,10 @@ def model_from_args(args) -> ModelConfig:
     given = {k: v for k, v in fields.items() if v is not None}
     from mini3d.run.model_args import family_overrides
 
-    given.update(family_overrides(args))
+    try:
+        given.update(family_overrides(args))
+    except PlanError as e:  # a family flag that contradicts another
+        raise BadInput("; ".join(e.problems)) from None
     if args.model:
         if args.model not in PRESETS:
             raise BadInput(f"--model {args.model!r} is not a preset (choose from {', '.join(PRESETS)})")

@@ -20,7 +20,9 @@ MODEL_FLAGS = (("--layers", "layers", "n_layers"), ("--hidden", "hidden", "d_mod
                ("--ffn", "ffn", "d_ff"), ("--vocab", "vocab", "vocab_size"),
                ("--max-seq-len", "max_seq_len", "max_seq_len"), ("--family", "family", "family"),
                ("--rope-base", "rope_base", "rope_base"),
-               ("--tie-embeddings", "tie_embeddings", "tie_embeddings"))
+               ("--tie-embeddings", "tie_embeddings", "tie_embeddings"),
+               ("--head-dim", "head_dim", "explicit_head_dim"), ("--qk-norm", "qk_norm", "qk_norm"),
+               ("--qkv-bias", "qkv_bias", "qkv_bias"))
 IGNORED = ("name", "dropout")  # a report label, and a training option no weight depends on
 
 
@@ -55,7 +57,7 @@ def _given(args) -> list[tuple[str, object, str]]:
     for flag, attr, field in MODEL_FLAGS:
         value = getattr(args, attr, None)
         if value is not None:
-            out.append(("--no-tie-embeddings" if value is False else flag, value, field))
+            out.append(("--no-" + flag[2:] if value is False else flag, value, field))
     return out
 
 

@@ -147,7 +147,7 @@ def cmd_sample(args) -> int:
         tok = get_tokenizer(meta.get("tokenizer", "bytes"))
     except TokenizerError as e:
         return bad_input([f"checkpoint {ckpt!r}: {e}"], "sample")
-    if args.kv_slide and model.cfg.family != "llama":
+    if args.kv_slide and not model.cfg.llama_like:
         return bad_input([f"--kv-slide needs rotary positions (the llama family); checkpoint "
                           f"{ckpt!r} is {model.cfg.family} (learned positions end at max_seq_len)"],
                          "sample")

@@ -41,14 +41,15 @@ def chunk_index(n: int, tp: int, tp_rank: int) -> torch.Tensor:
     return torch.arange(tp_rank * per, (tp_rank + 1) * per, device="cpu")
 
 
-def head_index(d_model: int, tp: int, tp_rank: int, kv_dim: int | None = None) -> torch.Tensor:
+def head_index(q_dim: int, tp: int, tp_rank: int, kv_dim: int | None = None) -> torch.Tensor:
     """Rows of the fused qkv weight (rows [q heads | k heads | v heads]) owned by tp_rank: its heads'
     rows of q, then of k, then of v. Heads are dealt in contiguous groups of n_heads / tp (query
-    heads) and n_kv_heads / tp (key/value heads, `kv_dim` = n_kv_heads * head_dim wide; default
-    d_model), so each rank's query heads read only its own key/value heads."""
-    kv_dim = d_model if kv_dim is None else kv_dim
-    q, kv = chunk_index(d_model, tp, tp_rank), chunk_index(kv_dim, tp, tp_rank)
-    return torch.cat([q, kv + d_model, kv + d_model + kv_dim])
+    heads, `q_dim` = n_heads * head_dim wide: d_model unless the head width is explicit) and
+    n_kv_heads / tp (key/value heads, `kv_dim` = n_kv_heads * head_dim wide; default q_dim), so
+    each rank's query heads read only its own key/value heads."""
+    kv_dim = q_dim if kv_dim is None else kv_dim
+    q, kv = chunk_index(q_dim, tp, tp_rank), chunk_index(kv_dim, tp, tp_rank)
+    return torch.cat([q, kv + q_dim, kv + q_dim + kv_dim])
 
 
 def _shard(full: torch.Tensor, dim: int, index: list[torch.Tensor], tp_rank: int,
@@ -127,6 +128,25 @@ class RowParallelLinear(nn.Module):
                f"sp={self.sequence_parallel}"
 
 
+class HeadNormTP(nn.Module):
+    """A per-head RMSNorm (qwen3's q_norm / k_norm, one (head_dim,) weight for every head) on a
+    rank that holds n_heads / tp of the heads. The weight is replicated, but each rank's gradient
+    of it covers only its own heads, so it enters through `f` (copy_to_tp): identity forward,
+    gradient summed over tp backward. Under sequence parallelism the trainer already sums every
+    replicated parameter's gradient over tp (`sum_replicated_grads`), so the weight is used as is.
+    The parameter keeps its name (`attn.q_norm.weight`)."""
+
+    def __init__(self, full: nn.RMSNorm, axis, sequence_parallel: bool = False):
+        super().__init__()
+        self.axis, self.sequence_parallel = axis, sequence_parallel
+        self.weight, self.eps = full.weight, full.eps
+        self.normalized_shape = tuple(full.normalized_shape)
+
+    def forward(self, x):
+        w = self.weight if self.sequence_parallel else mappings.copy_to_tp(self.weight, self.axis)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose (padded) vocabulary rows are split over tp.
 
@@ -157,5 +177,5 @@ class VocabParallelEmbedding(nn.Module):
                f"[{self.vocab_start}, {self.vocab_end}), sp={self.sequence_parallel}"
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "padded_size",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "HeadNormTP", "VocabParallelEmbedding", "padded_size",
            "chunk_index", "head_index"]

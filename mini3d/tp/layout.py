@@ -31,18 +31,18 @@ def shard_map(cfg: ModelConfig, tp: int) -> list[dict]:
 
     Vocabulary rows at or past `vocab_size` are padding (zero, never used); they appear in the
     ranges of the last ranks and are reported as `padding_rows`."""
-    h, f, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    h, f, V, q = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.q_dim
     Vp = padded_size(V, tp)
     hpr = cfg.n_heads // tp
     specs = [
         ("embed.wte.weight", (V, h), 0, "vocab-parallel rows", lambda r: chunk_index(V, tp, r)),
-        ("blocks.*.attn.qkv.weight", (h + 2 * cfg.kv_dim, h), 0,
-         "column-parallel by heads (q|k|v rows)", lambda r: head_index(h, tp, r, cfg.kv_dim)),
-        ("blocks.*.attn.proj.weight", (h, h), 1, "row-parallel (input columns of its heads)",
-         lambda r: chunk_index(h, tp, r)),
+        ("blocks.*.attn.qkv.weight", (q + 2 * cfg.kv_dim, h), 0,
+         "column-parallel by heads (q|k|v rows)", lambda r: head_index(q, tp, r, cfg.kv_dim)),
+        ("blocks.*.attn.proj.weight", (h, q), 1, "row-parallel (input columns of its heads)",
+         lambda r: chunk_index(q, tp, r)),
         ("blocks.*.mlp.fc.weight", (f, h), 0, "column-parallel", lambda r: chunk_index(f, tp, r)),
     ] + ([("blocks.*.mlp.gate.weight", (f, h), 0, "column-parallel (SwiGLU gate, like fc)",
-           lambda r: chunk_index(f, tp, r))] if cfg.family == "llama" else []) + [
+           lambda r: chunk_index(f, tp, r))] if cfg.llama_like else []) + [
         ("blocks.*.mlp.proj.weight", (h, f), 1, "row-parallel", lambda r: chunk_index(f, tp, r)),
     ] + ([] if cfg.tie_embeddings else [  # a tied head is the embedding's matrix
         ("head.out.weight", (V, h), 0, "column-parallel over the vocabulary",

@@ -5,7 +5,10 @@ What each module becomes (Megatron-LM's layout; `f`/`g` are in mappings.py):
 
     embed.wte      VocabParallelEmbedding      rows of the padded vocabulary; g after the lookup
     attn.qkv       ColumnParallelLinear        split BY HEADS: each rank's q, k and v head rows
-                                               (grouped-query: its q heads' own k/v heads)
+                                               (grouped-query: its q heads' own k/v heads; qwen2's
+                                               q/k/v biases split with their rows)
+    attn.q_norm    HeadNormTP                  qwen3's per-head norms: weight replicated, its
+    attn.k_norm                                gradient summed over tp (each rank: its heads)
     attn.proj      RowParallelLinear           columns of those heads; g after it
     mlp.fc         ColumnParallelLinear        contiguous chunk of d_ff (and llama's mlp.gate)
     mlp.proj       RowParallelLinear           the matching columns; g after it
@@ -34,7 +37,8 @@ import torch.nn as nn
 from .. import comm
 from mini3d.models.transformer import tie_weights
 from .cross_entropy import VocabParallelLoss
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, head_index
+from .layers import (ColumnParallelLinear, HeadNormTP, RowParallelLinear, VocabParallelEmbedding,
+                     head_index)
 
 
 class ParallelEmbedding(nn.Module):
@@ -62,10 +66,14 @@ class ParallelEmbedding(nn.Module):
 def _parallelize_block(block, axis, cfg, sp: bool):
     tp = axis.size
     attn, mlp = block.attn, block.mlp
-    heads = [head_index(cfg.d_model, tp, r, cfg.kv_dim) for r in range(tp)]
+    heads = [head_index(cfg.q_dim, tp, r, cfg.kv_dim) for r in range(tp)]
     attn.qkv = ColumnParallelLinear(attn.qkv, axis, index=heads, sequence_parallel=sp)
     attn.proj = RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
+    if attn.q_norm is not None:
+        attn.q_norm, attn.k_norm = (HeadNormTP(n, axis, sp) for n in (attn.q_norm, attn.k_norm))
     attn.n_local_heads, attn.n_local_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads // tp
+    if not hasattr(mlp, "fc"):  # a MoE layer stays whole (tp > 1 with experts is refused)
+        return
     mlp.fc = ColumnParallelLinear(mlp.fc, axis, sequence_parallel=sp)
     if mlp.gate is not None:  # SwiGLU: the gate splits like fc, so silu(gate) * fc stays local
         mlp.gate = ColumnParallelLinear(mlp.gate, axis, sequence_parallel=sp)
@@ -251,6 +259,9 @@ def materialize_reference(model, topo, seed: int, device) -> None:
             new.__dict__.update(p.__dict__)  # tp_dim, tp_index, tp_full_size
             mod._parameters[key], done[id(p)] = new, (p, new)
             del full  # before the next parameter's value is drawn: one full parameter at a time
+        for key, b in list(mod._buffers.items()):  # a MoE layer's expert biases: zero at the start
+            if b is not None and b.is_meta:
+                mod._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     tie_weights(model)  # a tied head was visited twice above: share one Parameter again
 
 
