@@ -12,6 +12,7 @@ Runs, on local CPU processes with gloo, each benchmark module's `run(quick)`:
     overlap_bench measured hidden fraction of dp sync and pp p2p vs the cost model's assumption
     compile_bench --compile (inductor) vs eager, one process and tp2, and the compile warm-up
     sample_bench  `mini3d sample` tokens/s with the KV cache vs without (tiny, one process)
+    moe_bench     a one-process MoE step vs a plain PyTorch loop over experts (same weights)
 
 prints one table and writes it, with the machine description, to benchmarks/RESULTS.md (the
 sections other scripts own there, e.g. profile_3d's, are kept). A module that fails becomes a row
@@ -30,7 +31,7 @@ import traceback
 from .common import machine_description, markdown_table, replace_section
 
 MODULES = ("one_process", "dp_bench", "tp_bench", "pp_torch", "pp_bubble", "train_runs",
-           "cost_local", "overlap_bench", "compile_bench", "sample_bench")
+           "cost_local", "overlap_bench", "compile_bench", "sample_bench", "moe_bench")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
 GPU_NOTE = """## GPU path

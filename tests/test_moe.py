@@ -215,3 +215,59 @@ def test_presets_match_model_cards(name):
     total, active = CARDS[name]
     assert _close(cfg.n_params() / 1e9, total), (cfg.n_params(), total)
     assert _close(cfg.active_params() / 1e9, active), (cfg.active_params(), active)
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_estimate_json_reports_params_and_active_params(name, capsys):
+    import json
+
+    from mini3d import cli
+
+    assert cli.main(["estimate", "--model", name, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = PRESETS[name]
+    assert (out["params"], out["active_params"]) == (cfg.n_params(), cfg.active_params())
+    assert _close(out["params"] / 1e9, CARDS[name][0]) and _close(out["active_params"] / 1e9,
+                                                                   CARDS[name][1])
+
+
+def test_moe_flags_reach_the_model(capsys):
+    import json
+
+    from mini3d import cli
+
+    assert cli.main(["estimate", "--layers", "4", "--hidden", "64", "--heads", "4", "--vocab", "256",
+                     "--family", "llama", "--experts", "8", "--top-k", "2", "--moe-ffn", "32",
+                     "--shared-experts", "1", "--dense-layers", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = ModelConfig(4, 64, 4, 256, family="llama", n_experts=8, top_k=2, moe_ffn=32,
+                      n_shared_experts=1, dense_layers=1)
+    assert (out["params"], out["active_params"]) == (cfg.n_params(), cfg.active_params())
+    assert out["params"] != ModelConfig(4, 64, 4, 256, family="llama").n_params()
+
+
+@pytest.mark.parametrize("flags,named", [(["--router", "foo"], "router='foo' is unknown"),
+                                         (["--top-k", "5"], "top_k=5 exceeds n_experts=4"),
+                                         (["--router-bias-rate", "0.1"], "needs router='sigmoid'")])
+def test_bad_moe_input_exits_2(flags, named, capsys):
+    from mini3d import cli
+
+    assert cli.main(["train", "--experts", "4", "--steps", "1", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recompute_keeps_loss_and_gradients(recompute):
+    from mini3d.recompute import apply_recompute
+
+    cfg = tiny(aux_loss_coef=0.1, z_loss_coef=0.01, capacity_factor=1.0)
+    x = torch.randint(0, cfg.vocab_size, (2, 8))
+    out = []
+    for kind in ("none", recompute):
+        model = apply_recompute(GPT(cfg, seed=0), kind)
+        loss = model(x, x)
+        loss.backward()
+        out.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)
+    for a, b in zip(out[0][1], out[1][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

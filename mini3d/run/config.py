@@ -85,7 +85,19 @@ class RunConfig:
             out.append(data_problem)
         out += self._tokenizer_problems(data_problem is None)
         out += self._run_problems()
-        return out
+        return out + self._moe_problems()
+
+    def _moe_problems(self) -> list[str]:
+        """Experts are replicated like dense weights (dp, ZeRO-1/2); the other splits wait for
+        expert parallelism rather than run silently wrong."""
+        p = self.plan
+        bad = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1]
+        bad += ["sequence_parallel"] * p.sequence_parallel + ["zero=3"] * (p.zero == 3)
+        if not self.model.n_experts or not bad:
+            return []
+        return [f"n_experts={self.model.n_experts} with {', '.join(bad)}: expert layers under "
+                f"tp/pp/cp (and ZeRO-3) land with expert parallelism; train MoE models with dp "
+                f"and ZeRO-1/2"]
 
     def _tokenizer_problems(self, data_ok: bool) -> list[str]:
         from mini3d.data.corpus import has_validation_split, shard_tokenizer

@@ -80,7 +80,8 @@ def add_moe_args(g):
 
     docs = _field_docs(inspect.getsource(ModelConfig))
     for flag, field, kind in MOE_FLAGS:
-        g.add_argument(flag, type=kind, dest=_dest(field), metavar={int: "N", float: "X"}.get(kind, "KIND"), help=docs.get(field, "").replace("%", "%%"))
+        g.add_argument(flag, type=kind, dest=_dest(field), metavar={int: "N", float: "X"}.get(kind, "KIND"),
+                       help=docs.get(field, "").replace("%", "%%"))
 
 
 def moe_overrides(args) -> dict:

@@ -32,6 +32,7 @@ from mini3d.diagnose.session import diagnostics
 from mini3d.dp import DTYPES, make_dp
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
+from mini3d.models.moe import step_load
 from mini3d.models.transformer import set_attention
 from mini3d.optim import WeightDecay, adamw, set_lr  # noqa: F401  (adamw re-exported)
 from mini3d.run.periodic import periodic, resumed_schedule, save_checkpoint
@@ -183,7 +184,8 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
         apply_recompute(apply_compile(module, plan), plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)
+    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)  # then each step's expert load:
+    optimizer.grad_hooks.append(lambda _: setattr(root, "moe_load", step_load(root, topo.dp_cp)))
     return stages, net, optimizer
 
 
@@ -243,7 +245,7 @@ def _train_step(run: RunConfig, st: dict, step: int, extra: dict) -> dict:
     rec = {"step": step + 1, "loss": loss, "step_time_s": dt,
            "tokens_per_s": plan.global_batch * plan.seq_len / dt,
            "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": st["schedule"].at(step),
-           "peak_grad_bytes": trainer.last_peak_grad_bytes}
+           "peak_grad_bytes": trainer.last_peak_grad_bytes, **getattr(trainer.net.module, "moe_load", {})}
     if trainer.last_grad_norm is not None:
         rec["grad_norm"] = trainer.last_grad_norm  # before clipping
     if st["peak"]:

@@ -72,6 +72,8 @@ def _parallelize_block(block, axis, cfg, sp: bool):
     if attn.q_norm is not None:
         attn.q_norm, attn.k_norm = (HeadNormTP(n, axis, sp) for n in (attn.q_norm, attn.k_norm))
     attn.n_local_heads, attn.n_local_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads // tp
+    if not hasattr(mlp, "fc"):  # a MoE layer stays whole (tp > 1 with experts is refused)
+        return
     mlp.fc = ColumnParallelLinear(mlp.fc, axis, sequence_parallel=sp)
     if mlp.gate is not None:  # SwiGLU: the gate splits like fc, so silu(gate) * fc stays local
         mlp.gate = ColumnParallelLinear(mlp.gate, axis, sequence_parallel=sp)
@@ -257,6 +259,9 @@ def materialize_reference(model, topo, seed: int, device) -> None:
             new.__dict__.update(p.__dict__)  # tp_dim, tp_index, tp_full_size
             mod._parameters[key], done[id(p)] = new, (p, new)
             del full  # before the next parameter's value is drawn: one full parameter at a time
+        for key, b in list(mod._buffers.items()):  # a MoE layer's expert biases: zero at the start
+            if b is not None and b.is_meta:
+                mod._buffers[key] = torch.zeros(b.shape, dtype=b.dtype, device=device)
     tie_weights(model)  # a tied head was visited twice above: share one Parameter again
 
 

@@ -1,0 +1,59 @@
+"""MoE models train with data parallelism: dp=2 equals the one-process run (losses, every step's
+averaged gradients, final weights, the aux-loss-free biases and the reported expert load), and the
+splits that would be silently wrong with experts are refused with exit 2 before any process.
+
+Tolerance: float32, the same micro-batches summed in another order (dp's average vs one rank's
+accumulation): 1e-5 relative on losses and weights, 1e-4 relative / 1e-7 absolute on gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mini3d.config import ModelConfig, Plan
+from mini3d.launch.launcher import launch
+from tests.moe_workers import train_moe
+
+CFG = ModelConfig(n_layers=3, d_model=16, n_heads=2, vocab_size=64, max_seq_len=16, d_ff=32,
+                  family="llama", n_experts=4, top_k=2, n_shared_experts=1, dense_layers=1,
+                  aux_loss_coef=0.01, z_loss_coef=1e-3, capacity_factor=1.25, name="moe-test")
+SIGMOID = ModelConfig(**{**CFG.__dict__, "router": "sigmoid", "router_bias_rate": 0.05,
+                         "capacity_factor": 0.0, "name": "moe-sigmoid"})
+STEPS = 3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cfg", [CFG, SIGMOID], ids=["softmax-capacity", "sigmoid-bias"])
+def test_dp2_equals_one_process(cfg):
+    one = launch(train_moe, 1, cfg, Plan(global_batch=8, seq_len=16, micro_batches=2), STEPS,
+                 device="cpu", timeout=120)[0]
+    two = launch(train_moe, 2, cfg, Plan(dp=2, global_batch=8, seq_len=16, micro_batches=1), STEPS,
+                 device="cpu", timeout=120)
+    assert one["losses"][-1] < one["losses"][0]  # it learns
+    for r in two:
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        for a, b in zip(r["grads"], one["grads"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        for n, p in one["params"].items():
+            torch.testing.assert_close(r["params"][n], p, rtol=1e-5, atol=1e-6)
+        for n, b in one["biases"].items():
+            torch.testing.assert_close(r["biases"][n], b)
+        assert r["loads"] == one["loads"]  # all-reduced over dp: the global batch's load
+    load = one["loads"][0]
+    assert load["expert_load_min"] <= load["expert_load_max"] and load["expert_load_cv"] >= 0
+    moved = [b.abs().sum() for b in one["biases"].values()]
+    assert (min(moved) > 0) == bool(cfg.router_bias_rate)
+    if cfg.capacity_factor:
+        assert sum(rec["dropped_tokens"] for rec in one["loads"]) > 0
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--tp", "2"], "tp=2"), (["--pp", "2"], "pp=2"), (["--cp", "2"], "cp=2"),
+    (["--dp", "2", "--zero", "3"], "zero=3")])
+def test_splits_without_expert_parallelism_are_refused(flags, named, capsys):
+    from mini3d import cli
+
+    assert cli.main(["train", "--experts", "4", "--top-k", "2", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "n_experts=4" in err and "expert parallelism" in err
