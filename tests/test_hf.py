@@ -35,12 +35,13 @@ def llama_config(**kw):
 
 def qwen_config(kind, **kw):
     """Qwen2 (q/k/v biases) or Qwen3 (q/k norms; heads 12 wide, so q is 48 != hidden 32)."""
-    kw = {"num_key_value_heads": 2, "tie_word_embeddings": False, "vocab_size": V, **kw}
+    kw = {"num_key_value_heads": 2, "tie_word_embeddings": False, "vocab_size": V,
+          "max_position_embeddings": 64, **kw}
     if kind == "qwen3":
         kw.setdefault("head_dim", 12)
     return getattr(transformers, f"{kind.capitalize()}Config")(
         hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6, **kw)
+        rms_norm_eps=1e-6, rope_theta=1e6, **kw)
 
 
 def moe_config(kind, **kw):
