@@ -221,3 +221,23 @@ def test_train_init_from_hf_starts_from_the_hf_weights(kind, layout, tmp_path):
         want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     first = json.loads(log.read_text().splitlines()[0])["loss"]
     assert first == pytest.approx(want, abs=1e-5), (first, want)
+
+
+def test_qwen_flags_on_the_command_line(capsys):
+    """--family qwen2|qwen3 --head-dim --qk-norm --qkv-bias reach the model; a family's own
+    feature turned off is exit 2 naming it."""
+    base = ["estimate", "--model", "tiny", "--json", "--seq-len", "64"]
+    assert main(base + ["--family", "qwen3", "--head-dim", "24", "--kv-heads", "2"]) == 0
+    cfg = dataclasses.replace(PRESETS["tiny"], family="qwen3", explicit_head_dim=24, n_kv_heads=2,
+                              activation="")
+    assert cfg.qk_norm and cfg.q_dim == 96 != cfg.d_model
+    assert json.loads(capsys.readouterr().out)["params"] == cfg.n_params()
+    assert main(base + ["--family", "llama", "--qkv-bias", "--qk-norm"]) == 0
+    both = dataclasses.replace(PRESETS["tiny"], family="llama", activation="", qkv_bias=True,
+                               qk_norm=True)
+    plain = dataclasses.replace(both, qkv_bias=False, qk_norm=False)
+    assert json.loads(capsys.readouterr().out)["params"] == both.n_params() > plain.n_params()
+    assert main(base + ["--family", "qwen2", "--no-qkv-bias"]) == 2
+    assert "--family qwen2 --no-qkv-bias" in capsys.readouterr().err
+    assert main(["train", "--family", "qwen3", "--no-qk-norm", "--dry-run"]) == 2
+    assert "use --family llama" in capsys.readouterr().err
