@@ -194,3 +194,50 @@ def test_train_from_hf_and_resume_an_import_in_another_layout(tmp_path, capsys):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
     want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     assert first[0] == pytest.approx(want, abs=1e-5)  # the run started from the HF weights
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,layout", [("qwen3", ["--tp", "2"]), ("qwen3_moe", []),
+                                         ("mixtral", ["--dp", "2"])],
+                         ids=["qwen3-tp2", "qwen3-moe", "mixtral-dp2"])
+def test_train_init_from_hf_starts_from_the_hf_weights(kind, layout, tmp_path):
+    """`train --init-from-hf` of a Qwen3 (sharded over tp=2: its q/k norms replicated), a
+    Qwen3-MoE and a Mixtral directory (MoE: no tp, see RunConfig): the first step's loss is
+    transformers' loss on the same batch."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf import moe_config, qwen_config, saved
+
+    cfg = (qwen_config if kind == "qwen3" else moe_config)(kind, vocab_size=256,
+                                                           max_position_embeddings=128)
+    hf = saved(cfg, tmp_path / "hf").eval()
+    log = tmp_path / "a.jsonl"
+    assert main(["train", "--init-from-hf", str(tmp_path / "hf"), "--log-jsonl", str(log),
+                 "--steps", "1", "--seq-len", "32", "--global-batch", "4", "--micro-batches", "2",
+                 "--no-progress", "--timeout", "250"] + layout) == 0
+    from mini3d.data.corpus import Batches, load_tokens
+
+    x, y = Batches(load_tokens(), 32, 4, 0).global_batch_at(0)  # the batch of step 1 (seed 0)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    first = json.loads(log.read_text().splitlines()[0])["loss"]
+    assert first == pytest.approx(want, abs=1e-5), (first, want)
+
+
+def test_qwen_flags_on_the_command_line(capsys):
+    """--family qwen2|qwen3 --head-dim --qk-norm --qkv-bias reach the model; a family's own
+    feature turned off is exit 2 naming it."""
+    base = ["estimate", "--model", "tiny", "--json", "--seq-len", "64"]
+    assert main(base + ["--family", "qwen3", "--head-dim", "24", "--kv-heads", "2"]) == 0
+    cfg = dataclasses.replace(PRESETS["tiny"], family="qwen3", explicit_head_dim=24, n_kv_heads=2,
+                              activation="")
+    assert cfg.qk_norm and cfg.q_dim == 96 != cfg.d_model
+    assert json.loads(capsys.readouterr().out)["params"] == cfg.n_params()
+    assert main(base + ["--family", "llama", "--qkv-bias", "--qk-norm"]) == 0
+    both = dataclasses.replace(PRESETS["tiny"], family="llama", activation="", qkv_bias=True,
+                               qk_norm=True)
+    plain = dataclasses.replace(both, qkv_bias=False, qk_norm=False)
+    assert json.loads(capsys.readouterr().out)["params"] == both.n_params() > plain.n_params()
+    assert main(base + ["--family", "qwen2", "--no-qkv-bias"]) == 2
+    assert "--family qwen2 --no-qkv-bias" in capsys.readouterr().err
+    assert main(["train", "--family", "qwen3", "--no-qk-norm", "--dry-run"]) == 2
+    assert "use --family llama" in capsys.readouterr().err

@@ -35,12 +35,25 @@ def llama_config(**kw):
 
 def qwen_config(kind, **kw):
     """Qwen2 (q/k/v biases) or Qwen3 (q/k norms; heads 12 wide, so q is 48 != hidden 32)."""
-    kw = {"num_key_value_heads": 2, "tie_word_embeddings": False, "vocab_size": V, **kw}
+    kw = {"num_key_value_heads": 2, "tie_word_embeddings": False, "vocab_size": V,
+          "max_position_embeddings": 64, **kw}
     if kind == "qwen3":
         kw.setdefault("head_dim", 12)
     return getattr(transformers, f"{kind.capitalize()}Config")(
         hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6, **kw)
+        rms_norm_eps=1e-6, rope_theta=1e6, **kw)
+
+
+def moe_config(kind, **kw):
+    """Mixtral (4 experts of d_ff, top 2, renormalised) or Qwen3-MoE (4 experts 24 wide, heads 12
+    wide, q/k norms; renormalised unless norm_topk_prob=False)."""
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  num_experts_per_tok=2, rope_theta=1e6, tie_word_embeddings=False)
+    if kind == "mixtral":
+        return transformers.MixtralConfig(**{**common, "num_local_experts": 4, **kw})
+    return transformers.Qwen3MoeConfig(**{**common, "num_experts": 4, "moe_intermediate_size": 24,
+                                          "head_dim": 12, "norm_topk_prob": True, **kw})
 
 
 CONFIGS = {
@@ -56,9 +69,14 @@ CONFIGS = {
     "qwen2-tied": lambda: qwen_config("qwen2", num_key_value_heads=4, tie_word_embeddings=True),
     "qwen3-gqa-head-dim-12": lambda: qwen_config("qwen3"),
     "qwen3-tied-head-dim-8": lambda: qwen_config("qwen3", head_dim=8, tie_word_embeddings=True),
+    "mixtral": lambda: moe_config("mixtral"),
+    "qwen3-moe": lambda: moe_config("qwen3_moe"),
+    "qwen3-moe-softmax-dense-first": lambda: moe_config("qwen3_moe", norm_topk_prob=False,
+                                                        mlp_only_layers=[0]),
 }
 MODELS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-          "qwen3": "Qwen3ForCausalLM"}
+          "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_model(hf_cfg, seed=0):
@@ -88,7 +106,7 @@ def mini3d_model(path) -> GPT:
 
 def hf_grads(model, cfg, mini) -> dict:
     """mini3d's gradients under HF names (the tied head's gradient is the embedding's)."""
-    return to_hf_state({n: p.grad for n, p in mini.named_parameters()}, cfg)
+    return to_hf_state({n: p.grad for n, p in mini.named_parameters()}, cfg, layout="fused")
 
 
 @pytest.mark.timeout(120)
@@ -123,7 +141,7 @@ def test_logits_loss_and_gradients_equal_transformers(name, tmp_path):
         mini.zero_grad()
         with torch.no_grad():
             for n, p in mini.named_parameters():
-                p.copy_(from_hf_state(hf.state_dict(), mini.cfg)[n])
+                p.copy_(from_hf_state(hf.state_dict(), mini.cfg)[n])  # (MoE: the fused layout)
 
 
 @pytest.mark.timeout(120)
@@ -196,8 +214,10 @@ def test_untied_gpt2_exports_its_own_head(tmp_path):
     assert torch.equal(back.lm_head.weight, hf.lm_head.weight)
 
 
-DENSE_ROUND_TRIPS = {"qwen2": lambda: qwen_config("qwen2", vocab_size=256),
-                     "qwen3": lambda: qwen_config("qwen3", vocab_size=256)}
+ROUND_TRIPS = {"qwen2": lambda: qwen_config("qwen2", vocab_size=256),
+               "qwen3": lambda: qwen_config("qwen3", vocab_size=256),
+               "mixtral": lambda: moe_config("mixtral", vocab_size=256),
+               "qwen3_moe": lambda: moe_config("qwen3_moe", vocab_size=256)}
 
 
 def greedy_sample_matches(hf, ckpt, capsys, prompt="Qwen", n=24):
@@ -215,12 +235,13 @@ def greedy_sample_matches(hf, ckpt, capsys, prompt="Qwen", n=24):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", list(DENSE_ROUND_TRIPS))
-def test_qwen_import_samples_what_transformers_generates_and_exports_back(kind, tmp_path, capsys):
+@pytest.mark.parametrize("kind", list(ROUND_TRIPS))
+def test_import_samples_what_transformers_generates_and_exports_back(kind, tmp_path, capsys):
     """import-hf -> `mini3d sample` greedy equals `generate`; export-hf -> the same class loads it
-    with every tensor bit-equal and the same logits."""
+    with every tensor bit-equal and the same logits. (MoE: save_pretrained writes one tensor per
+    expert, the original repositories' layout; so does export-hf.)"""
     src, ckpt, out = tmp_path / "src", tmp_path / "ckpt", tmp_path / "out"
-    hf = saved(DENSE_ROUND_TRIPS[kind](), src).eval()
+    hf = saved(ROUND_TRIPS[kind](), src).eval()
     assert main(["import-hf", str(src), str(ckpt)]) == 0
     new = greedy_sample_matches(hf, ckpt, capsys)
     assert len(set(new)) > 3  # not one token repeated: the comparison has something to miss
@@ -249,3 +270,51 @@ def test_hf_variants_mini3d_does_not_implement_are_refused():
             config_from_hf(d)
     with pytest.raises(HFError, match="qkv_bias=True, qk_norm=False has no Hugging Face class"):
         config_to_hf(ModelConfig(family="llama", qkv_bias=True))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_reads_the_fused_expert_layout_too(kind, tmp_path):
+    """A directory holding transformers 5's fused expert tensors (the modules' own state dict)
+    imports to the same weights as the per-expert one save_pretrained writes; the names differ."""
+    import dataclasses
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    per, fused = tmp_path / "per", tmp_path / "fused"
+    hf = saved(moe_config(kind), per)
+    with safe_open(str(per / "model.safetensors"), "pt") as f:
+        assert any(".experts.3." in k for k in f.keys())  # one tensor per expert on disk
+    fused.mkdir()
+    (fused / "config.json").write_text((per / "config.json").read_text())
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.endswith("experts.gate_up_proj") for k in state)
+    save_file(state, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    (cfg_a, a), (cfg_b, b) = read_hf_dir(str(per)), read_hf_dir(str(fused))
+    assert cfg_a.n_experts == 4 and cfg_a == dataclasses.replace(cfg_b, name=cfg_a.name)
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert a["blocks.1.mlp.experts.w_gate"].shape == (4, cfg_a.moe_width, 32)
+    gate_up = state["model.layers.1.mlp.experts.gate_up_proj"]  # gate rows first, then up
+    assert torch.equal(a["blocks.1.mlp.experts.w_up"], gate_up[:, cfg_a.moe_width:])
+
+
+def test_moe_configs_round_trip_and_refuse_what_hf_cannot_hold():
+    import dataclasses
+
+    from mini3d.checkpoint.hf import HFError, config_from_hf, config_to_hf
+    from mini3d.config import PRESETS
+
+    for name in ("mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b"):
+        cfg = PRESETS[name]
+        d = config_to_hf(cfg)
+        assert config_from_hf(d, name=name) == cfg, name
+        kind = {"mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig}
+        back = config_from_hf(kind[d["model_type"]](**d).to_dict(), name=name)
+        assert back == cfg, name
+    for change in (dict(n_shared_experts=1), dict(router="sigmoid"), dict(capacity_factor=1.0)):
+        with pytest.raises(HFError, match="has no Hugging"):
+            config_to_hf(dataclasses.replace(PRESETS["mixtral-8x7b"], **change))
+    with pytest.raises(HFError, match="decoder_sparse_step"):
+        config_from_hf({**moe_config("qwen3_moe").to_dict(), "decoder_sparse_step": 2})

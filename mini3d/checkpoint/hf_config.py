@@ -5,6 +5,12 @@
     llama        LlamaForCausalLM      llama
     qwen2        Qwen2ForCausalLM      qwen2           biases on q, k and v
     qwen3        Qwen3ForCausalLM      qwen3           RMSNorm per q / k head, explicit head_dim
+    mixtral      MixtralForCausalLM    llama + experts softmax-norm router, experts d_ff wide
+    qwen3_moe    Qwen3MoeForCausalLM   qwen3 + experts softmax(-norm) router, moe_intermediate_size
+
+A MoE model's routing fields are its config's: experts, top_k, the router (Mixtral renormalises
+the top-k weights; Qwen3-MoE when `norm_topk_prob`), and the balancing loss's coefficient only
+where transformers adds it to the loss too (`output_router_logits`).
 
 Variants mini3d does not implement (sliding-window attention, Llama's or Qwen3's `attention_bias`,
 which also biases the output projection, another activation) are refused with `HFError` naming
@@ -58,7 +64,8 @@ def _refuse_variants(d: dict, kind: str) -> None:
     if d.get("attention_bias") or d.get("mlp_bias") or d.get("hidden_act", "silu") != "silu":
         raise HFError(f"{kind} variants with attention_bias, mlp_bias or another activation than "
                       f"silu are not supported")
-    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()):
+    sliding = d.get("use_sliding_window") or (kind == "mixtral" and d.get("sliding_window"))
+    if sliding or "sliding_attention" in (d.get("layer_types") or ()):
         raise HFError(f"{kind} with sliding-window attention (use_sliding_window) is not supported")
 
 
@@ -78,6 +85,55 @@ def llama_like_fields(d: dict, kind: str) -> dict:
                 norm_eps=d.get("rms_norm_eps", 1e-6), explicit_head_dim=explicit)
 
 
+# model_type -> (mini3d family, class, HF field of the expert count, of the expert width)
+MOE = {"mixtral": ("llama", "MixtralForCausalLM", "num_local_experts", "intermediate_size"),
+       "qwen3_moe": ("qwen3", "Qwen3MoeForCausalLM", "num_experts", "moe_intermediate_size")}
+
+
+def moe_fields(d: dict, kind: str) -> dict:
+    """The MoE fields of a Mixtral / Qwen3-MoE config.json."""
+    if d.get("router_jitter_noise"):
+        raise HFError(f"router_jitter_noise={d['router_jitter_noise']} is not supported")
+    n = d["num_hidden_layers"]
+    dense = list(d.get("mlp_only_layers") or [])
+    if d.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+        raise HFError(f"decoder_sparse_step={d.get('decoder_sparse_step')}, mlp_only_layers={dense}: "
+                      f"mini3d's dense layers are the first dense_layers of every layer")
+    norm = kind == "mixtral" or d.get("norm_topk_prob", False)
+    coef = float(d.get("router_aux_loss_coef", 0.0)) if d.get("output_router_logits") else 0.0
+    experts = d.get(MOE[kind][2]) or d["num_local_experts"]  # (transformers 5 renames Qwen3-MoE's)
+    return dict(n_experts=experts, top_k=d["num_experts_per_tok"],
+                moe_ffn=0 if kind == "mixtral" else d[MOE[kind][3]],  # Mixtral: d_ff wide
+                router="softmax-norm" if norm else "softmax",
+                aux_loss_coef=coef, dense_layers=min(len(dense), n))
+
+
+def moe_to_hf(cfg: ModelConfig) -> dict:
+    """A Mixtral (llama family) or Qwen3-MoE (qwen3) config.json of a MoE `cfg`."""
+    kind = {"llama": "mixtral", "qwen3": "qwen3_moe"}.get(cfg.family)
+    qwen_router = kind == "qwen3_moe" and cfg.router in ("softmax", "softmax-norm")
+    mixtral = kind == "mixtral" and cfg.router == "softmax-norm" and not cfg.dense_layers and \
+        cfg.moe_width == cfg.d_ff
+    if not (mixtral or qwen_router) or cfg.n_shared_experts or cfg.moe_every != 1 or \
+            cfg.capacity_factor or cfg.qkv_bias or (cfg.qk_norm != (kind == "qwen3_moe")):
+        raise HFError(f"this MoE model (family={cfg.family}, router={cfg.router}, shared experts="
+                      f"{cfg.n_shared_experts}, moe_every={cfg.moe_every}, capacity_factor="
+                      f"{cfg.capacity_factor}, moe_ffn={cfg.moe_width}, d_ff={cfg.d_ff}) has no Hugging "
+                      f"Face class (Mixtral: llama, softmax-norm, experts d_ff wide; Qwen3-MoE: qwen3, "
+                      f"softmax or softmax-norm; neither has shared experts or a capacity)")
+    family, arch, count, width = MOE[kind]
+    out = {**llama_like_to_hf(cfg, kind, arch), count: cfg.n_experts, width: cfg.moe_width,
+           "num_local_experts": cfg.n_experts,
+           "num_experts_per_tok": cfg.top_k, "output_router_logits": bool(cfg.aux_loss_coef),
+           "router_aux_loss_coef": cfg.aux_loss_coef or 0.001, "router_jitter_noise": 0.0}
+    if kind == "qwen3_moe":
+        out.update(norm_topk_prob=cfg.router == "softmax-norm", decoder_sparse_step=1,
+                   intermediate_size=cfg.d_ff, mlp_only_layers=list(range(cfg.dense_layers)))
+    else:
+        out["sliding_window"] = None
+    return out
+
+
 def config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
     """The ModelConfig of an HF `config.json` (one of the classes in the module docstring)."""
     kind = d.get("model_type")
@@ -85,8 +141,11 @@ def config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
         return _gpt2_config(d, name)
     if kind in LLAMA_LIKE:
         return ModelConfig(name=name, family=LLAMA_LIKE[kind][0], **llama_like_fields(d, kind))
+    if kind in MOE:
+        return ModelConfig(name=name, family=MOE[kind][0], **llama_like_fields(d, kind),
+                           **moe_fields(d, kind))
     raise HFError(f"model_type={kind!r} is not supported (mini3d converts gpt2, "
-                  f"{', '.join(LLAMA_LIKE)})")
+                  f"{', '.join(LLAMA_LIKE)}, {', '.join(MOE)})")
 
 
 def _gpt2_to_hf(cfg: ModelConfig) -> dict:
@@ -121,8 +180,10 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     """An HF `config.json` for `cfg` (written by hand: exporting needs no transformers)."""
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "torch_dtype": "float32", "dtype": "float32"}
-    if cfg.family == "gpt2":
+    if cfg.family == "gpt2" and not cfg.n_experts:
         return {**_gpt2_to_hf(cfg), **common}
+    if cfg.n_experts:
+        return {**moe_to_hf(cfg), **common}
     if (cfg.qkv_bias, cfg.qk_norm) != VARIANT[cfg.family]:
         raise HFError(f"a {cfg.family} model with qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm} "
                       f"has no Hugging Face class (qwen2 has q/k/v biases, qwen3 q/k norms, "
@@ -131,4 +192,4 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 __all__ = ["HFError", "config_from_hf", "config_to_hf", "llama_like_fields", "llama_like_to_hf",
-           "LLAMA_LIKE"]
+           "moe_fields", "moe_to_hf", "LLAMA_LIKE", "MOE"]

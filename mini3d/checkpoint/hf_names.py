@@ -3,6 +3,16 @@ parameter, the HF tensors whose rows it concatenates, and whether it is transpos
 Conv1D stores (in, out)). The llama-like families' separate q/k/v projections (and qwen2's q/k/v
 biases) are the rows of mini3d's fused qkv; qwen3's per-head norms are `attn.q_norm` /
 `attn.k_norm`. A tied head has no tensor of its own on either side.
+
+A MoE layer (Mixtral, Qwen3-MoE) is read from either layout of its experts (`moe_from_hf`), layer
+by layer: the fused tensors of transformers 5's modules (`mlp.experts.gate_up_proj` (E, 2F, d),
+gate rows first, and `mlp.experts.down_proj` (E, d, F), with the router at `mlp.gate`), or one
+tensor per expert as the original repositories hold them and as transformers 5's save_pretrained
+still writes them (Mixtral: `block_sparse_moe.experts.{j}.w1` gate, `w3` up, `w2` down, router
+`block_sparse_moe.gate`; Qwen3-MoE: `mlp.experts.{j}.gate_proj`, `up_proj`, `down_proj`). mini3d
+stacks them as `mlp.experts.w_gate`, `w_up` (E, F, d) and `w_down` (E, d, F), router
+`mlp.router.weight`; its aux-loss-free `mlp.expert_bias` starts at zero. `to_hf_state` writes the
+per-expert layout (`layout="fused"`: the modules' own tensors, e.g. to compare gradients).
 """
 
 from __future__ import annotations
@@ -47,6 +57,53 @@ def _llama_mlp(b: str, h: str) -> list[tuple[str, list[str], bool]]:
             (b + "mlp.proj.weight", [h + "mlp.down_proj.weight"], False)]
 
 
+PER_EXPERT = {"llama": ("block_sparse_moe", ("w1", "w3", "w2")),  # Mixtral: gate, up, down
+              "qwen3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}  # Qwen3-MoE
+OURS = ("experts.w_gate", "experts.w_up", "experts.w_down")
+
+
+def _get(hf: dict, name: str, ours: str) -> torch.Tensor:
+    if name not in hf:
+        raise HFError(f"the checkpoint has no tensor {name!r} (needed for {ours})")
+    return hf[name]
+
+
+def moe_from_hf(hf: dict, cfg: ModelConfig, i: int) -> dict:
+    """mini3d's tensors of MoE layer `i` from an HF state dict in either layout (see above)."""
+    b, h = f"blocks.{i}.mlp.", f"model.layers.{i}."
+    if h + "mlp.experts.gate_up_proj" in hf:  # transformers 5's fused experts
+        gate_up = hf[h + "mlp.experts.gate_up_proj"]
+        f = gate_up.shape[1] // 2
+        parts = (gate_up[:, :f], gate_up[:, f:], _get(hf, h + "mlp.experts.down_proj", b + OURS[2]))
+        router = _get(hf, h + "mlp.gate.weight", b + "router.weight")
+    else:
+        prefix, theirs = PER_EXPERT[cfg.family]
+        e = h + prefix + ".experts.{}.{}.weight"
+        parts = tuple(torch.stack([_get(hf, e.format(j, n), b + o) for j in range(cfg.n_experts)])
+                      for n, o in zip(theirs, OURS))
+        router = _get(hf, h + prefix + ".gate.weight", b + "router.weight")
+    out = {b + o: t.float().contiguous() for o, t in zip(OURS, parts)}
+    out[b + "router.weight"] = router.float().contiguous()
+    out[b + "expert_bias"] = torch.zeros(cfg.n_experts)
+    return out
+
+
+def moe_to_hf(state: dict, cfg: ModelConfig, i: int, layout: str = "per-expert") -> dict:
+    """HF's tensors of MoE layer `i` (the inverse of `moe_from_hf`), in `layout`."""
+    b, h = f"blocks.{i}.mlp.", f"model.layers.{i}."
+    gate, up, down = (state[b + o] for o in OURS)
+    if layout == "fused":
+        return {h + "mlp.gate.weight": state[b + "router.weight"].contiguous(),
+                h + "mlp.experts.gate_up_proj": torch.cat([gate, up], dim=1).contiguous(),
+                h + "mlp.experts.down_proj": down.contiguous()}
+    prefix, theirs = PER_EXPERT[cfg.family]
+    out = {h + prefix + ".gate.weight": state[b + "router.weight"].contiguous()}
+    for j in range(cfg.n_experts):
+        for n, t in zip(theirs, (gate, up, down)):
+            out[h + prefix + f".experts.{j}.{n}.weight"] = t[j].contiguous()
+    return out
+
+
 def names(cfg: ModelConfig) -> list[tuple[str, list[str], bool]]:
     """(mini3d name, HF names whose rows it concatenates, transposed?) for every tensor."""
     gpt2 = cfg.family == "gpt2"
@@ -56,7 +113,12 @@ def names(cfg: ModelConfig) -> list[tuple[str, list[str], bool]]:
         out.append(("embed.wpe.weight", ["transformer.wpe.weight"], False))
     for i in range(cfg.n_layers):
         b, h = f"blocks.{i}.", (f"transformer.h.{i}." if gpt2 else f"model.layers.{i}.")
-        out += _gpt2_block(b, h) if gpt2 else llama_attention(b, h, cfg) + _llama_mlp(b, h)
+        if gpt2:
+            out += _gpt2_block(b, h)
+            continue
+        out += llama_attention(b, h, cfg)
+        if not cfg.is_moe_layer(i):  # (a MoE layer's experts: moe_from_hf / moe_to_hf)
+            out += _llama_mlp(b, h)
     ln_f = "transformer.ln_f." if gpt2 else "model.norm."
     out.append(("head.ln_f.weight", [ln_f + "weight"], False))
     if gpt2:
@@ -75,12 +137,19 @@ def from_hf_state(hf: dict, cfg: ModelConfig) -> dict:
             raise HFError(f"the checkpoint has no tensor {missing[0]!r} (needed for {ours})")
         t = torch.cat([hf[n] for n in theirs]) if len(theirs) > 1 else hf[theirs[0]]
         out[ours] = (t.t() if transposed else t).float().contiguous()
+    for i in range(cfg.n_layers):
+        if cfg.is_moe_layer(i):
+            out.update(moe_from_hf(hf, cfg, i))
     return out
 
 
-def to_hf_state(state: dict, cfg: ModelConfig) -> dict:
-    """The HF state dict of mini3d's full named state (the inverse of `from_hf_state`)."""
+def to_hf_state(state: dict, cfg: ModelConfig, layout: str = "per-expert") -> dict:
+    """The HF state dict of mini3d's full named state (the inverse of `from_hf_state`); MoE
+    experts in `layout` ("per-expert" or "fused")."""
     out = {}
+    for i in range(cfg.n_layers):
+        if cfg.is_moe_layer(i):
+            out.update(moe_to_hf(state, cfg, i, layout))
     for ours, theirs, transposed in names(cfg):
         t = state[ours].t() if transposed else state[ours]
         if len(theirs) == 1:
@@ -92,4 +161,4 @@ def to_hf_state(state: dict, cfg: ModelConfig) -> dict:
     return out
 
 
-__all__ = ["names", "from_hf_state", "to_hf_state", "llama_attention"]
+__all__ = ["names", "from_hf_state", "to_hf_state", "llama_attention", "moe_from_hf", "moe_to_hf"]
