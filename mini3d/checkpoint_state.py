@@ -32,7 +32,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
 
     names = _names(chunks)
     weights, moments, step = {}, {}, 0
-    sharded = optimizer.wrapper.stage >= 1
+    sharded = optimizer.wrapper.strategy.shards_optimizer_states
     for (group, _, _), master in zip(optimizer.shards, optimizer.masters):
         state = optimizer.inner.state.get(master, {})
         if "step" in state:
@@ -62,7 +62,7 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
     from .tp import shard_like
 
     names = _names(chunks)
-    sharded = optimizer.wrapper.stage >= 1
+    sharded = optimizer.wrapper.strategy.shards_optimizer_states
     fused = bool(optimizer.inner.defaults.get("fused"))  # fused AdamW keeps `step` on the device
     for (group, pshard, _), master in zip(optimizer.shards, optimizer.masters):
         def local_flat(source, key=None):

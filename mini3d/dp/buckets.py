@@ -86,7 +86,30 @@ def largest_bucket_numel(bucket_numel: int, largest_param_numel: int) -> int:
     return max(bucket_numel, largest_param_numel)
 
 
-GRAD_BUCKETS_IN_FLIGHT = 1  # ZeRO-2/3: full-size gradient buffers alive at once (see ddp.py)
+GRAD_BUCKETS_IN_FLIGHT = 1  # ZeRO-2/3: full-size gradient buffers alive at once (see InFlight)
+
+
+class InFlight:
+    """Asynchronous collectives in issue order, each with what to do once it has completed
+    (`finish`: e.g. add a reduced bucket into its shard and free the bucket's full buffer).
+    Every rank issues and completes them in the same order."""
+
+    def __init__(self):
+        self.works: list = []  # (work, finish or None), oldest first
+
+    def add(self, work, finish=None):
+        self.works.append((work, finish))
+
+    def drain(self, limit: int = 0):
+        """Wait for (then finish) the oldest until at most `limit` are pending."""
+        while len(self.works) > limit:
+            work, finish = self.works.pop(0)
+            work.wait()
+            if finish is not None:
+                finish()
+
+    def __len__(self):
+        return len(self.works)
 
 
 def transient_grad_bytes(bucket_bytes: float, dp: int, zero: int) -> float:
