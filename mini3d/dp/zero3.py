@@ -17,11 +17,11 @@ gradient shard of the same size. The full buffers exist only while the unit comp
 
 Gradients: each hook adds the gradient autograd produced into its piece's flat accumulation buffer
 `piece.acc` (float32 for bf16 parameters by default, see ddp.py's "Gradient dtype") and drops
-p.grad. The buffer is allocated at the piece's first gradient, after the reductions of earlier
-pieces have completed, and freed when its own reduce-scatter completes: at most
-GRAD_BUCKETS_IN_FLIGHT pieces' full gradients are alive (`buckets.transient_grad_bytes`), a bucket's
-worth rather than a whole block's (a block of `small` is 16% of its gradients: 1/dp + 16% would
-leave ZeRO-3 at 0.66x ZeRO-0's peak on dp=2).
+p.grad. The buffer is allocated at the piece's first gradient, once fewer than
+GRAD_BUCKETS_IN_FLIGHT earlier pieces' reductions are pending, and freed when its own
+reduce-scatter completes: at most GRAD_BUCKETS_IN_FLIGHT pieces' full gradients are alive
+(`buckets.transient_grad_bytes`), a couple of buckets' worth rather than a whole block's (a block of
+`small` is 16% of its gradients: 1/dp + 16% would leave ZeRO-3 at 0.66x ZeRO-0's peak on dp=2).
 
 Freeing keeps the storage object and resizes it to 0 bytes; gathering resizes it back and fills it.
 The parameters are views of that storage, so tensors autograd saved in forward (e.g. `weight.t()`)
