@@ -11,7 +11,8 @@ Stages 0-2 keep the parameters in flat buckets (`ddp.DataParallel`, which asks i
 `ddp.BucketStage`, for every stage-specific step: `zero0.py`, `zero1.py`, `zero2.py`); stage 3
 gathers one unit at a time (`zero3.py`, `FullyShardedDP`). Why ZeRO-2/3 reduce every micro-batch:
 zero.py, "Micro-batches under ZeRO-2/3". The collectives a step issues follow from these answers
-(`mini3d.cost.comm_time.dp_collectives`, the one owner of the count and of the traffic in Psi).
+(`collectives_per_step`); `mini3d.cost.comm_time` times them and states their traffic in Psi
+(`zero_traffic_psi`, the one owner: 2, 2, M + 1, 3M).
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ class ZeroStage:
         """(shard count, this rank's shard index) of a flat buffer over the dp `axis`: a stage that
         shards nothing keeps the whole buffer (no padding)."""
         return (axis.size, axis.index) if self.shards else (1, 0)
+
+    def collectives_per_step(self, micro_batches: int) -> tuple[int, int]:
+        """(gradient reductions, parameter all-gathers) of the whole model one rank issues per
+        optimizer step with `micro_batches` micro-batches: one reduction per step, or one per
+        micro-batch; no gather, one after the step, or one per micro-batch's forward and one per
+        its backward. `mini3d.cost.comm_time` turns them into time and traffic (zero_traffic_psi)."""
+        reductions = micro_batches if self.reduces_every_micro_batch else 1
+        gathers = {"never": 0, "after_step": 1, "per_unit": 2 * micro_batches}[self.param_gather]
+        return reductions, gathers
 
     def __repr__(self):
         return (f"ZeRO-{self.number}(shards={list(self.shards)}, {self.reduce_op} "

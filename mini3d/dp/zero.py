@@ -51,19 +51,12 @@ ZeRO-0 (1.57x measured on `small`, dp=2, 4 micro-batches). What the references d
   is mini3d's ZeRO-1 in memory.
 Stages 0/1 keep the full buffers anyway and synchronise once per step (ddp.py).
 
-Communication per optimizer step (ring wire bytes one rank sends; Psi elements of b bytes, n = dp,
-M micro-batches): a ring all-reduce is a reduce-scatter (n-1 steps, each sending Psi/n) then an
-all-gather (the same), so it sends 2 (n-1)/n Psi b; a reduce-scatter or an all-gather alone sends
-(n-1)/n Psi b.
-
-    stage 0   all-reduce of the gradients, once                 2 (n-1)/n Psi b
-    stage 1   reduce-scatter grads once + all-gather params     2 (n-1)/n Psi b
-    stage 2   M reduce-scatters + all-gather params             (M + 1) (n-1)/n Psi b
-    stage 3   per micro-batch: all-gather in forward, again in
-              backward, reduce-scatter of the gradients         3 M (n-1)/n Psi b
-
-Psi here is the padded size (see buckets.py); the comm log rounds each op's wire bytes down to an
-integer, so the measured total is the sum of the per-op floors.
+Communication per optimizer step: each stage says which collective reduces the gradients, how
+often, and how the parameters come back (stage.py, `ZeroStage.collectives_per_step`); the traffic
+in Psi (a reduce-scatter's or all-gather's (n-1)/n share of the model, an all-reduce two) is
+`mini3d.cost.comm_time.zero_traffic_psi`, the one owner, which chapter 03 shows measured. Psi is
+the padded size (see buckets.py); the comm log rounds each op's wire bytes down to an integer, so
+the measured total is the sum of the per-op floors.
 """
 
 from __future__ import annotations
