@@ -75,7 +75,7 @@ class WeightDecay:
         tied = any(getattr(getattr(m, "cfg", None), "tie_embeddings", False) for m in module.modules())
         embeddings |= {id(p) for n, p in module.named_parameters() if _is_embedding(n, tied)}
         names = {p: n for n, p in module.named_parameters()}
-        sharded = optimizer.wrapper.stage >= 1
+        sharded = optimizer.wrapper.strategy.shards_optimizer_states
         self.ranges = []  # per master: [(lo, hi)] within the master to decay
         for group, _, _ in optimizer.shards:
             lo, hi = (group.lo, group.hi) if sharded else (0, group.padded)

@@ -10,7 +10,8 @@
     vocabulary padding                 mini3d.tp.layers.padded_size
     model-state bytes per ZeRO stage   mini3d.cost.memory.model_state_bytes (STATE_BYTES)
     parameters / activations per stage mini3d.cost.memory.stage_param_count / layer_activation_bytes
-    ZeRO traffic per step (M mbs)      mini3d.cost.comm_time.dp_collectives / zero_traffic_psi
+    ZeRO traffic per step (M mbs)      mini3d.cost.comm_time.zero_traffic_psi (counts: the stage
+                                       objects, mini3d.dp.STAGES, via dp_collectives)
 
 Each test asks the callers and checks they agree with the owner, on cases where a copied formula
 would have drifted (n > 2 rings, uneven splits, interleaving). The last one checks that the
@@ -106,6 +107,49 @@ def test_zero_traffic_has_one_owner(m):
         assert wire == pytest.approx(zero_traffic_psi(z, m) * psi, rel=1e-12)
     rows = zero_comm_rows({z: {"comm_wire_bytes": {}} for z in range(4)}, n * 4, d, 1, micro_batches=m)
     assert [r["formula_psi"] for r in rows] == [zero_traffic_psi(z, m) for z in range(4)]
+
+
+def test_zero_stage_objects_are_what_the_traffic_counts():
+    """The cost model counts a stage's collectives from the stage object's own answers (what it
+    shards, its collective, when it reduces, how parameters come back: mini3d.dp.stage), and the
+    traffic owner turns them into the paper's Psi: a stage that changed its answer would change
+    the estimate with it, with no second table to forget."""
+    from mini3d.cost.comm_time import dp_collectives, zero_traffic_psi
+    from mini3d.dp import STAGES, zero_stage
+
+    assert [STAGES[z].shards for z in range(4)] == [
+        (), ("optimizer_states",), ("optimizer_states", "gradients"),
+        ("optimizer_states", "gradients", "parameters")]
+    assert [s.reduce_op for s in STAGES.values()] == ["all_reduce"] + ["reduce_scatter"] * 3
+    assert [s.reduces_every_micro_batch for s in STAGES.values()] == [False, False, True, True]
+    assert [s.param_gather for s in STAGES.values()] == ["never", "after_step", "after_step", "per_unit"]
+    for m in (1, 3):
+        assert [dp_collectives(z, m) for z in range(4)] == [(1, 0), (1, 1), (m, 1), (m, 2 * m)]
+        assert [zero_traffic_psi(z, m) for z in range(4)] == [2, 2, m + 1, 3 * m]
+    with pytest.raises(ValueError, match="zero=4"):
+        zero_stage(4)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_zero1_grader_budget_is_the_traffic_owner(extra):
+    """Chapter 03's ZeRO-1 exercise passes a learner at zero_traffic_psi(1, 1) Psi per step and
+    fails one byte above it (the grader's budget is the owner's, not its own 2)."""
+    from types import SimpleNamespace
+
+    from mini3d.cost.comm_time import zero_traffic_psi
+    from mini3d.course.grading.core import CheckFailed
+    from mini3d.course.grading.data_parallel import zero1_traffic
+
+    n, d = 3000, 3
+    psi = 4 * n * (d - 1) // d  # one ring pass over the flat fp32 vector (n divides by d)
+    rec = {"dp": d, "n": n, "gathers": [1], "wire": [zero_traffic_psi(1, 1) * psi + extra],
+           "ops": [{"reduce_scatter": 1, "all_gather": 1}]}
+    ctx = SimpleNamespace(results=[{"steps": rec}])
+    if extra:
+        with pytest.raises(CheckFailed, match="2 psi"):
+            zero1_traffic(ctx)
+    else:
+        zero1_traffic(ctx)
 
 
 CASES = [("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 3, 1), ("interleaved", 2, 4, 2),

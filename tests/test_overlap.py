@@ -91,3 +91,44 @@ def test_dp_sync_inside_backward_is_hidden_after_it_is_not():
         assert inside["n"] > 3 and after["n"] == inside["n"]  # several buckets, both modes
         assert inside["fraction"] > 0.1, inside
         assert after["fraction"] == 0.0 and after["exposed_s"] > 0, after
+
+
+def zero_reductions_worker(stage):
+    """One dp=2 ZeRO-`stage` backward on several buckets: the [issue, wait] interval of each
+    gradient reduce-scatter, in issue order (gloo: the event ends when the host waits for it)."""
+    import torch.distributed as dist
+
+    from mini3d.dp import make_dp
+    from mini3d.grid import Grid, build_topology
+    from mini3d.models.transformer import GPT
+
+    topo = build_topology(Grid(dp=2), dist.get_rank())
+    with topo.device:
+        model = GPT(CFG, 0)
+    plan = Plan(dp=2, zero=stage, global_batch=8, seq_len=64, bucket_mb=0.01)
+    net, opt = make_dp(model, topo.dp, plan, lambda p: torch.optim.SGD(p, lr=0.1))
+    x = torch.randint(0, 256, (4, 64), device=topo.device)
+    first = len(topo.log.events)
+    net(x, x).backward()
+    net.finish_grad_sync()
+    return [(e.start, e.end) for e in list(topo.log.events)[first:] if e.op == "reduce_scatter"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_reductions_wait_only_when_their_memory_is_needed(stage):
+    """ZeRO-2/3 keep up to GRAD_BUCKETS_IN_FLIGHT (2) reduce-scatters in flight: each bucket's is
+    waited only after the next bucket's was issued (at the first gradient of the one after), so it
+    runs during the next bucket's backward; and never more than the bound are pending when one is
+    issued. (With a bound of 1 every wait came before the next issue: this test fails.) Event
+    order, not timing: each interval is [issue, the host's wait] as the event log records it."""
+    from mini3d.dp.buckets import GRAD_BUCKETS_IN_FLIGHT
+
+    assert GRAD_BUCKETS_IN_FLIGHT == 2
+    for spans in launch(zero_reductions_worker, 2, stage, timeout=90):
+        assert len(spans) > 4, spans  # several buckets (ZeRO-3: pieces of units)
+        for (_, end), (nxt, _) in zip(spans, spans[1:]):
+            assert end > nxt, spans  # waited after the next one was issued
+        for i, (start, _) in enumerate(spans):
+            pending = sum(1 for s, e in spans[:i] if e > start)
+            assert pending <= GRAD_BUCKETS_IN_FLIGHT - 1, (i, spans)

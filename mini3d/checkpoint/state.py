@@ -39,7 +39,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
 
     names = _names(chunks)
     weights, moments, step = {}, {}, 0
-    sharded = optimizer.wrapper.stage >= 1
+    sharded = optimizer.wrapper.strategy.shards_optimizer_states
     for (group, _, _), master in zip(optimizer.shards, optimizer.masters):
         state = optimizer.inner.state.get(master, {})
         if "step" in state:
@@ -74,7 +74,7 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
     for n, b in _buffers(chunks).items():
         if n in weights:  # (checkpoints of models without such state hold none)
             b.copy_(weights[n].to(b.device, b.dtype))
-    sharded = optimizer.wrapper.stage >= 1
+    sharded = optimizer.wrapper.strategy.shards_optimizer_states
     fused = bool(optimizer.inner.defaults.get("fused"))  # fused AdamW keeps `step` on the device
     for (group, pshard, _), master in zip(optimizer.shards, optimizer.masters):
         def local_flat(source, key=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from ..comm import ring_steps, ring_wire_bytes
+from ..dp.zero import zero_stage
 from ..tp.layout import comm_per_layer
 from .memory import ELEMENT_BYTES, head_rank, local_seq_len, ring_block_bytes, sharding_degree
 
@@ -47,10 +48,9 @@ def dp_collectives(zero: int, micro_batches: int) -> tuple[int, int]:
     "Communication per optimizer step"). ZeRO-0/1 keep full gradients, accumulate the
     micro-batches and reduce once (ZeRO-0 an all-reduce, ZeRO-1 a reduce-scatter); ZeRO-2/3 keep
     only a 1/dp shard, so they reduce-scatter every micro-batch's gradients. ZeRO-1/2 all-gather
-    the updated parameters once; ZeRO-3 gathers them for every micro-batch's forward and backward."""
-    reductions = micro_batches if zero >= 2 else 1
-    gathers = {0: 0, 1: 1, 2: 1, 3: 2 * micro_batches}[zero]
-    return reductions, gathers
+    the updated parameters once; ZeRO-3 gathers them for every micro-batch's forward and backward.
+    The stage object answers (`mini3d.dp.stage.ZeroStage.collectives_per_step`)."""
+    return zero_stage(zero).collectives_per_step(micro_batches)
 
 
 def zero_traffic_psi(zero: int, micro_batches: int) -> int:
@@ -59,7 +59,7 @@ def zero_traffic_psi(zero: int, micro_batches: int) -> int:
     ZeRO paper's accounting, with equal gradient and parameter bytes). With M micro-batches:
     ZeRO-0 and -1 send 2, ZeRO-2 M + 1, ZeRO-3 3M; at M = 1, 2, 2, 2, 3."""
     reductions, gathers = dp_collectives(zero, micro_batches)
-    return reductions * (2 if zero == 0 else 1) + gathers
+    return reductions * (2 if zero_stage(zero).reduce_op == "all_reduce" else 1) + gathers
 
 
 def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
@@ -76,7 +76,7 @@ def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float
     grads, params = float(n_params * g), float(n_params * e)
     bucket = plan.bucket_mb * 2**20
     n_buckets = max(1, math.ceil(grads / bucket))
-    g_op = "all_reduce" if plan.zero == 0 else "reduce_scatter"
+    g_op = zero_stage(plan.zero).reduce_op
     reductions, gathers = dp_collectives(plan.zero, plan.micro_batches)
     g_wire = reductions * ring_wire_bytes(g_op, d, grads)
     p_wire = gathers * ring_wire_bytes("all_gather", d, params)

@@ -181,8 +181,8 @@ def grad_bucket_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
 def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
     """Buffers communication needs on pipeline rank `stage` besides the tensors above (stated
     choices, not measurements): dp: the gradient buckets alive during backward beyond the
-    persistent gradients (`mini3d.dp.buckets.transient_grad_bytes`: ZeRO-2/3 the largest bucket's
-    full buffer, at any micro-batch count); ZeRO-3: one block's gathered parameters plus the
+    persistent gradients (`mini3d.dp.buckets.transient_grad_bytes`: ZeRO-2/3 the full buffers of
+    the buckets in flight, GRAD_BUCKETS_IN_FLIGHT times the largest, at any micro-batch count); ZeRO-3: one block's gathered parameters plus the
     prefetched next; pp: a send and a receive activation buffer;
     sequence parallel: one all-gathered (s, b, h) input; cp: ring attention's backward, the peak
     (the K/V block held and the one arriving, and three float32 dK/dV accumulators: the one being

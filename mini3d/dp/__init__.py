@@ -1,9 +1,12 @@
-"""Data parallelism: bucketed overlapped gradient sync (ddp.py), ZeRO 1/2 (ddp.py + zero.py),
-ZeRO-3 (zero3.py), bf16 mixed precision with fp32 masters (zero.py), and the memory ledger."""
+"""Data parallelism: bucketed overlapped gradient sync (ddp.py), one strategy object per ZeRO stage
+(stage.py; zero0.py DDP, zero1.py, zero2.py over ddp's buckets; zero3.py gathering per unit), the
+entry point and the sharded optimizer with bf16 mixed precision and fp32 masters (zero.py:
+`make_dp`, `STAGES`), and the memory ledger."""
 
 from .ddp import DataParallel
 from .ledger import model_state_ledger
-from .zero import DTYPES, ShardedOptimizer, make_dp
+from .zero import DTYPES, STAGES, ShardedOptimizer, make_dp, zero_stage
 from .zero3 import FullyShardedDP
 
-__all__ = ["DTYPES", "DataParallel", "FullyShardedDP", "ShardedOptimizer", "make_dp", "model_state_ledger"]
+__all__ = ["DTYPES", "DataParallel", "FullyShardedDP", "STAGES", "ShardedOptimizer", "make_dp",
+           "model_state_ledger", "zero_stage"]

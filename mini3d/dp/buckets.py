@@ -86,17 +86,49 @@ def largest_bucket_numel(bucket_numel: int, largest_param_numel: int) -> int:
     return max(bucket_numel, largest_param_numel)
 
 
-GRAD_BUCKETS_IN_FLIGHT = 1  # ZeRO-2/3: full-size gradient buffers alive at once (see ddp.py)
+# ZeRO-2/3: full-size gradient buffers alive at once. A bucket's buffer is allocated at its first
+# gradient after waiting until fewer than this many earlier reductions are pending, so with 2 the
+# reduce-scatter of bucket k runs during the whole backward that fills bucket k + 1 and is waited
+# only when bucket k + 2 needs memory (with 1, bucket k + 1's first gradient waited for it: the
+# reduction overlapped only the hook's own work). A third buffer would help only where one
+# reduction outlasts a bucket's backward, and costs one more bucket of memory.
+GRAD_BUCKETS_IN_FLIGHT = 2
+
+
+class InFlight:
+    """Asynchronous collectives in issue order, each with what to do once it has completed
+    (`finish`: e.g. add a reduced bucket into its shard and free the bucket's full buffer).
+    Every rank issues and completes them in the same order."""
+
+    def __init__(self):
+        self.works: list = []  # (work, finish or None), oldest first
+
+    def add(self, work, finish=None):
+        self.works.append((work, finish))
+
+    def drain(self, limit: int = 0):
+        """Wait for (then finish) the oldest until at most `limit` are pending."""
+        while len(self.works) > limit:
+            work, finish = self.works.pop(0)
+            work.wait()
+            if finish is not None:
+                finish()
+
+    def __len__(self):
+        return len(self.works)
 
 
 def transient_grad_bytes(bucket_bytes: float, dp: int, zero: int) -> float:
     """Gradient bytes one rank holds during backward on top of its persistent gradients (the full
-    buffers for ZeRO-0/1, the 1/dp shard for ZeRO-2/3), for buckets (ZeRO-3: units) of at most
-    `bucket_bytes` in the gradient dtype, at any micro-batch count: ZeRO-0/1 none (the all-reduce
-    and the reduce-scatter work in place in the persistent buffers); ZeRO-2/3 the full buffers of
-    the buckets in flight (each reduce-scatters in place, into its own shard-sized slice, and is
-    added into the shard and freed when that completes).
-    The one formula for the estimator and the tests that check the measured `peak_grad_bytes`."""
+    buffers for ZeRO-0/1, the 1/dp shard for ZeRO-2/3), for buckets (ZeRO-3: units' pieces) of at
+    most `bucket_bytes` in the gradient dtype, at any micro-batch count: ZeRO-0/1 none (the
+    all-reduce and the reduce-scatter work in place in the persistent buffers); ZeRO-2/3 the full
+    buffers of the GRAD_BUCKETS_IN_FLIGHT buckets in flight (each reduce-scatters in place, into
+    its own shard-sized slice, and is added into the shard and freed when that completes).
+    A bound, reached within one bucket: the measured peak is the largest sum of that many
+    consecutive buckets, more than (GRAD_BUCKETS_IN_FLIGHT - 1) full-size ones (the buckets
+    around a small one, e.g. a LayerNorm's, sum to less), and the estimator does not see the
+    layout. The one formula for the estimator and the tests of the measured `peak_grad_bytes`."""
     return GRAD_BUCKETS_IN_FLIGHT * bucket_bytes if zero >= 2 and dp > 1 else 0.0
 
 

@@ -1,29 +1,19 @@
 """Data parallelism with bucketed gradient synchronisation that overlaps backward (ZeRO stages 0-2).
 
-`DataParallel(module, dp_axis)` keeps whatever parameters `module` holds (a whole model, a pipeline
-stage or a tensor-parallel shard) in flat buckets, filled in *reverse* registration order: backward
-produces the last layers' gradients first, so the first bucket fills early. A
+`DataParallel(module, dp_axis, stage)` keeps whatever parameters `module` holds (a whole model, a
+pipeline stage or a tensor-parallel shard) in flat buckets, filled in *reverse* registration order:
+backward produces the last layers' gradients first, so the first bucket fills early. A
 `register_post_accumulate_grad_hook` on every parameter counts arrivals; as soon as a bucket is
 complete its collective is launched asynchronously on the dp axis while backward continues with the
 earlier layers. Buckets are launched strictly in order so every rank issues the same collectives in
 the same sequence. `finish_grad_sync()` waits for them all.
 
-What the collective is depends on `zero_stage`:
-
-* 0 (DDP): `all_reduce(avg)` of the bucket's gradient buffer. Each `p.grad` is a view into it, so the
-  averaged values are already in place when the op completes (no copy back).
-* 1 (optimizer states sharded): the full gradient buffer is kept (p.grad views, as above) but it is
-  `reduce_scatter(avg)`-ed in place: only this rank's shard `lo:hi` receives the averaged gradient
-  (the rest of the buffer is left undefined), which is all its optimizer shard needs. This is the
-  ZeRO paper's P_os: reduce-scatter + all-gather of the updated parameters = the same 2 Psi wire
-  volume as one all-reduce.
-* 2 (gradients sharded too): the hook adds each fresh gradient into a transient bucket buffer and
-  drops `p.grad`; the bucket is reduce-scattered in place (into its slice `lo:hi`), that slice is
-  *added* into a persistent shard of size padded/n and the full buffer freed as soon as the
-  reduce-scatter has completed: a bucket's buffer is allocated when its first gradient arrives, after
-  the reductions of earlier buckets finished, so at most `GRAD_BUCKETS_IN_FLIGHT` full buffers are
-  alive at any moment (see `buckets.transient_grad_bytes`). The collective still overlaps the
-  backward compute of the layers that produce the next bucket's gradients.
+What is held, which collective a full bucket launches, and how the parameters come back are the
+`stage`'s answers (a `BucketStage`, see stage.py): ZeRO-0 all-reduces into the persistent buffer
+(zero0.py), ZeRO-1 reduce-scatters it in place (zero1.py), ZeRO-2 reduce-scatters a transient
+buffer into a persistent shard, every micro-batch, with at most `buckets.GRAD_BUCKETS_IN_FLIGHT`
+full buffers alive (zero2.py). This module holds what they share: the buckets, the hooks, the
+launch order and the collectives in flight (`buckets.InFlight`).
 
 Gradient dtype (`grad_dtype`, Plan.grad_dtype): with bf16 parameters the gradients are accumulated
 and reduced in float32 by default, as Megatron-LM and FSDP do: each bf16 gradient is added into a
@@ -36,13 +26,11 @@ bytes per gradient element, in memory and on the wire (`grad_dtype=bf16`: halves
 Averaging: the collective divides the sum by dp. With the caller scaling each micro-batch loss by
 1/micro_batches, the result equals the single-process gradient of the mean loss over the global batch.
 
-Gradient accumulation: stages 0/1 hold full gradient buffers anyway, so inside `no_sync()` their
-hooks do nothing and autograd accumulates straight into the bucket views; run every micro-batch but
-the last under it: one collective per bucket per step (a second synchronised backward before
-`finish_grad_sync` is an error). Stage 2 ignores `no_sync()`: every micro-batch's buckets are
-reduce-scattered and added into the shard, so no full gradient outlives its bucket's reduction at
-any micro-batch count, for micro_batches times the reduce-scatter traffic (why: zero.py,
-"Micro-batches under ZeRO-2/3").
+Gradient accumulation: a stage that keeps full gradient buffers (0/1) reduces once per step: inside
+`no_sync()` the hooks do nothing and autograd accumulates straight into the bucket views; run every
+micro-batch but the last under it: one collective per bucket per step (a second synchronised
+backward before `finish_grad_sync` is an error). A stage that reduces every micro-batch (2) ignores
+`no_sync()` (why: zero.py, "Micro-batches under ZeRO-2/3").
 """
 
 from __future__ import annotations
@@ -54,8 +42,9 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, param_names, split_into_buckets
+from .buckets import FlatGroup, InFlight, param_names, split_into_buckets
 from .ledger import GradMeter
+from .stage import ZeroStage
 
 
 class GradSyncWrapper(nn.Module):
@@ -76,28 +65,76 @@ class GradSyncWrapper(nn.Module):
             self.require_sync = old
 
 
-class DataParallel(GradSyncWrapper):
-    """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis`."""
+class BucketStage(ZeroStage):
+    """A ZeRO stage whose parameters live in `DataParallel`'s flat buckets (0-2): the defaults are
+    ZeRO-0's and ZeRO-1's (a persistent full gradient buffer per bucket); each stage overrides
+    what differs (its collective in `launch`, its shards, its parameter gather)."""
 
-    def __init__(self, module: nn.Module, dp_axis, bucket_mb: float = 1.0, zero_stage: int = 0,
+    def wrap(self, module: nn.Module, dp_axis, param_dtype=None, grad_dtype=None,
+             bucket_mb: float = 1.0) -> "DataParallel":
+        return DataParallel(module, dp_axis, self, bucket_mb, param_dtype, grad_dtype)
+
+    def allocate_grads(self, dp: "DataParallel", b: FlatGroup, device):
+        """The bucket's persistent gradient storage: here the full buffer (p.grad views of it)."""
+        b.grad_buf = torch.zeros(b.padded, dtype=dp.grad_dtype, device=device)
+        dp.meter.hold(("buf", b.index), b.grad_buf)
+
+    def grad_buffer(self, dp: "DataParallel", b: FlatGroup) -> torch.Tensor:
+        """The full buffer a gradient is added into (here the persistent one)."""
+        return b.grad_buf
+
+    def launch(self, dp: "DataParallel", b: FlatGroup):
+        """Issue the complete bucket's collective: (async work, finish callback or None)."""
+        raise NotImplementedError
+
+    def held_grads(self, b: FlatGroup) -> torch.Tensor:
+        """The persistent gradient tensor the ledger charges."""
+        return b.grad_buf
+
+    def param_shard(self, b: FlatGroup) -> torch.Tensor:
+        return b.param_buf[b.lo:b.hi]
+
+    def grad_shard(self, b: FlatGroup) -> torch.Tensor:
+        return b.grad_buf[b.lo:b.hi]
+
+    def zero_grads(self, dp: "DataParallel", b: FlatGroup):
+        b.grad_buf.zero_()
+
+    def gather_params(self, dp: "DataParallel"):
+        """After the optimizer updated this rank's shards (here: parameters not sharded)."""
+
+    def full_grad(self, dp: "DataParallel", b: FlatGroup) -> torch.Tensor:
+        """The bucket's averaged gradient at full (padded) size (collective: all-gathers shards)."""
+        shard = self.grad_shard(b)
+        full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
+        comm.all_gather(full, shard.clone(), dp.axis)
+        return full
+
+
+class DataParallel(GradSyncWrapper):
+    """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis`, as the
+    ZeRO `stage` (a `BucketStage`: 0, 1 or 2) says."""
+
+    def __init__(self, module: nn.Module, dp_axis, stage: BucketStage, bucket_mb: float = 1.0,
                  param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None):
         super().__init__()
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"DataParallel handles zero_stage 0, 1 or 2, got {zero_stage}")
-        self.module, self.axis, self.stage = module, dp_axis, zero_stage
+        if not isinstance(stage, BucketStage):
+            raise ValueError(f"DataParallel handles the flat-bucket ZeRO stages 0, 1 or 2, got {stage!r}")
+        self.module, self.axis, self.strategy, self.stage = module, dp_axis, stage, stage.number
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("module has no trainable parameters")
         self.param_dtype = param_dtype or params[0].dtype
         self.grad_dtype = grad_dtype or self.param_dtype
-        self._separate = self.grad_dtype != self.param_dtype  # p.grad cannot view the buffers
+        separate = self.grad_dtype != self.param_dtype  # p.grad cannot view the buffers
+        self._views = not stage.shards_gradients and not separate  # p.grad views the full buffer
         self.meter = GradMeter()
         device = params[0].device
-        n, idx = (dp_axis.size, dp_axis.index) if zero_stage else (1, 0)
+        n, idx = stage.shard_of(dp_axis)
         runs = split_into_buckets(list(reversed(params)), int(bucket_mb * 2**20))
         # one replica whose p.grad are views of the buckets has nothing to reduce or move: no
         # hooks (their Python, per parameter and step, is a few percent of a small model's step)
-        hooked = dp_axis.size > 1 or zero_stage == 2 or self._separate
+        hooked = dp_axis.size > 1 or not self._views
         self.buckets = [FlatGroup(i, r, n, idx) for i, r in enumerate(runs)]
         self._bucket_of = {}
         for b in self.buckets:
@@ -107,24 +144,19 @@ class DataParallel(GradSyncWrapper):
             b.param_buf = fp32 if self.param_dtype == wide else fp32.to(self.param_dtype)
             b.adopt(b.param_buf)
             b.grad_buf, b.grad_shard, b.launched = None, None, False
-            if zero_stage < 2:
-                b.grad_buf = torch.zeros(b.padded, dtype=self.grad_dtype, device=device)
-                self.meter.hold(("buf", b.index), b.grad_buf)
-            else:
-                b.grad_shard = torch.zeros(b.shard_numel, dtype=self.grad_dtype, device=device)
-                self.meter.hold(("shard", b.index), b.grad_shard)
+            stage.allocate_grads(self, b, device)
             for p in b.params:
                 self._bucket_of[p] = b
                 if hooked:
                     p.register_post_accumulate_grad_hook(self._on_grad)
         self._attach_grad_views()
         self._next = 0  # index of the next bucket to launch
-        self._works: list = []  # (work, finish callback) in launch order
+        self.in_flight = InFlight()  # the launched collectives, in launch order
         self.last_hook_time = None  # perf_counter() of the latest gradient arrival (overlap checks)
         self._dirty = False  # a gradient arrived since the last finish_grad_sync
 
     def _attach_grad_views(self):
-        if self.stage < 2 and not self._separate:
+        if self._views:
             for b in self.buckets:
                 for p in b.params:
                     if not self._grad_is_view(b, p):
@@ -141,15 +173,16 @@ class DataParallel(GradSyncWrapper):
     def _on_grad(self, p: torch.Tensor):
         self.last_hook_time = time.perf_counter()
         b = self._bucket_of[p]
-        sync = self.require_sync or self.stage == 2  # stage 2 reduces every micro-batch
+        every = self.strategy.reduces_every_micro_batch
+        sync = self.require_sync or every
         if sync and b.launched:  # the next micro-batch's backward: finish the previous one's
-            if self.stage < 2:
+            if not every:
                 raise RuntimeError("a second synchronised backward before finish_grad_sync(): with "
                                    f"zero_stage={self.stage}, wrap all but the last micro-batch in "
                                    "no_sync()")
             self.finish_grad_sync()
         self._dirty = True
-        if self._separate or sync:
+        if not self._views or sync:
             self._take_grad(b, p)  # (separate dtype: accumulate in the buffer under no_sync too)
         if not sync:
             return
@@ -158,61 +191,29 @@ class DataParallel(GradSyncWrapper):
             self._launch_ready()
 
     def _take_grad(self, b: FlatGroup, p: torch.Tensor):
-        """Make sure `p`'s gradient sits in the bucket buffer: stages 0/1 of one dtype keep p.grad
-        as a view of it; otherwise the gradient is added into the buffer (zero when a stage-2
+        """Make sure `p`'s gradient sits in the bucket buffer: with `_views` p.grad stays a view
+        of it; otherwise the gradient is added into the stage's buffer (zero when a ZeRO-2
         bucket's is new; a bucket not yet complete may get a parameter's gradient twice, e.g. when
         it spans two interleaved model chunks) and p.grad dropped."""
-        if self.stage < 2 and not self._separate:
+        if self._views:
             if p.grad is not None and not self._grad_is_view(b, p):  # someone replaced it
                 view = b.view_of(b.grad_buf, p)
                 view.copy_(p.grad)
                 p.grad = view
             return
-        self._ensure_buffer(b)
+        buf = self.strategy.grad_buffer(self, b)
         if p.grad is not None:
-            view = b.view_of(b.grad_buf, p)
+            view = b.view_of(buf, p)
             view.add_(p.grad)
             p.grad = None
-
-    def _ensure_buffer(self, b: FlatGroup):
-        """Stage 2: allocate the bucket's full buffer at its first gradient, once the earlier
-        buckets' reductions have completed (at most GRAD_BUCKETS_IN_FLIGHT full buffers alive)."""
-        if b.grad_buf is None:
-            self._drain(GRAD_BUCKETS_IN_FLIGHT - 1)
-            b.grad_buf = torch.zeros(b.padded, dtype=self.grad_dtype, device=b.param_buf.device)
-            self.meter.hold(("buf", b.index), b.grad_buf)
-
-    def _drain(self, limit: int):
-        """Complete (wait for, then finish) the oldest launched collectives until at most `limit`
-        are pending; a finished stage-2 bucket frees its full buffer here."""
-        while len(self._works) > limit:
-            work, finish = self._works.pop(0)
-            work.wait()
-            if finish is not None:
-                finish()
 
     def _launch_ready(self):
         while self._next < len(self.buckets) and \
                 self.buckets[self._next].ready == len(self.buckets[self._next].params):
-            self._launch(self.buckets[self._next])
+            b = self.buckets[self._next]
+            b.launched = True
+            self.in_flight.add(*self.strategy.launch(self, b))
             self._next += 1
-
-    def _launch(self, b: FlatGroup):
-        b.launched = True
-        if self.stage == 0:
-            work = comm.all_reduce(b.grad_buf, self.axis, op="avg", async_op=True)
-            self._works.append((work, None))
-            return
-        # in place: this rank's averaged shard lands in its own slice of the buffer (NCCL allows
-        # recvbuff == sendbuff + rank * recvcount; gloo copies), so no output buffer is allocated
-        work = comm.reduce_scatter(b.grad_buf[b.lo:b.hi], b.grad_buf, self.axis, op="avg",
-                                   async_op=True)
-
-        def finish(b=b):  # stage 2: add into the shard, free the full-size transient buffer
-            b.grad_shard.add_(b.grad_buf[b.lo:b.hi])
-            b.grad_buf = None
-            self.meter.release(("buf", b.index))
-        self._works.append((work, finish if self.stage == 2 else None))
 
     def finish_grad_sync(self):
         """Launch any bucket not launched yet (e.g. all backward ran under no_sync, or some
@@ -226,7 +227,7 @@ class DataParallel(GradSyncWrapper):
                     self._take_grad(b, p)
                 b.ready = len(b.params)
             self._launch_ready()  # one bucket at a time: its buffer exists only until reduced
-        self._drain(0)
+        self.in_flight.drain(0)
         self._next = 0
         for b in self.buckets:
             b.ready, b.launched = 0, False
@@ -234,40 +235,26 @@ class DataParallel(GradSyncWrapper):
 
     def zero_grad(self):
         for b in self.buckets:
-            if b.grad_buf is not None and self.stage < 2:
-                b.grad_buf.zero_()
-            if b.grad_shard is not None:
-                b.grad_shard.zero_()
-                b.grad_buf = None
-                self.meter.release(("buf", b.index))
-            for p in b.params:
-                if self._separate or self.stage == 2:
+            self.strategy.zero_grads(self, b)
+            if not self._views:
+                for p in b.params:
                     p.grad = None
         self._attach_grad_views()
 
     # ---- what the sharded optimizer and the ledger read ----------------------------------
     def shard_groups(self) -> list:
         """[(flat group, param shard view, callable giving the grad shard)] for the optimizer."""
-        if self.stage == 0:
-            return [(b, b.param_buf, lambda b=b: b.grad_buf) for b in self.buckets]
-        if self.stage == 1:
-            return [(b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_buf[b.lo:b.hi])
-                    for b in self.buckets]
-        return [(b, b.param_buf[b.lo:b.hi], lambda b=b: b.grad_shard) for b in self.buckets]
+        s = self.strategy
+        return [(b, s.param_shard(b), lambda b=b: s.grad_shard(b)) for b in self.buckets]
 
     def after_step(self):
-        """Stages 1/2: every rank updated its shard; all-gather the buckets' parameters."""
-        if self.stage == 0:
-            return
-        for w in [comm.all_gather(b.param_buf, b.param_buf[b.lo:b.hi].clone(), self.axis,
-                                  async_op=True) for b in self.buckets]:
-            w.wait()
+        """Every rank updated its shard: the stage brings the parameters back."""
+        self.strategy.gather_params(self)
 
     def state_tensors(self) -> dict:
         """Persistent model-state tensors this wrapper holds, by ledger category."""
-        grads = [b.grad_buf for b in self.buckets if b.grad_buf is not None and self.stage < 2]
-        grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
-        return {"parameters": [b.param_buf for b in self.buckets], "gradients": grads}
+        return {"parameters": [b.param_buf for b in self.buckets],
+                "gradients": [self.strategy.held_grads(b) for b in self.buckets]}
 
     # ---- full-shape views, for tests and checkpoints (collective) ------------------------
     def full_params(self) -> dict:
@@ -275,14 +262,9 @@ class DataParallel(GradSyncWrapper):
         return {names[p]: p.detach().clone() for b in self.buckets for p in b.params}
 
     def full_grads(self) -> dict:
-        """{name: averaged gradient} (all-gathers the shards for stages 1/2)."""
+        """{name: averaged gradient} (all-gathers the shards of a sharding stage)."""
         names, out = param_names(self.module), {}
         for b in self.buckets:
-            if self.stage == 0:
-                full = b.grad_buf.clone()
-            else:
-                shard = b.grad_buf[b.lo:b.hi] if self.stage == 1 else b.grad_shard
-                full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-                comm.all_gather(full, shard.clone(), self.axis)
+            full = self.strategy.full_grad(self, b)
             out.update({names[p]: v.clone() for p, v in b.views(full)})
         return out

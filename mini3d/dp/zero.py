@@ -51,19 +51,12 @@ ZeRO-0 (1.57x measured on `small`, dp=2, 4 micro-batches). What the references d
   is mini3d's ZeRO-1 in memory.
 Stages 0/1 keep the full buffers anyway and synchronise once per step (ddp.py).
 
-Communication per optimizer step (ring wire bytes one rank sends; Psi elements of b bytes, n = dp,
-M micro-batches): a ring all-reduce is a reduce-scatter (n-1 steps, each sending Psi/n) then an
-all-gather (the same), so it sends 2 (n-1)/n Psi b; a reduce-scatter or an all-gather alone sends
-(n-1)/n Psi b.
-
-    stage 0   all-reduce of the gradients, once                 2 (n-1)/n Psi b
-    stage 1   reduce-scatter grads once + all-gather params     2 (n-1)/n Psi b
-    stage 2   M reduce-scatters + all-gather params             (M + 1) (n-1)/n Psi b
-    stage 3   per micro-batch: all-gather in forward, again in
-              backward, reduce-scatter of the gradients         3 M (n-1)/n Psi b
-
-Psi here is the padded size (see buckets.py); the comm log rounds each op's wire bytes down to an
-integer, so the measured total is the sum of the per-op floors.
+Communication per optimizer step: each stage says which collective reduces the gradients, how
+often, and how the parameters come back (stage.py, `ZeroStage.collectives_per_step`); the traffic
+in Psi (a reduce-scatter's or all-gather's (n-1)/n share of the model, an all-reduce two) is
+`mini3d.cost.comm_time.zero_traffic_psi`, the one owner, which chapter 03 shows measured. Psi is
+the padded size (see buckets.py); the comm log rounds each op's wire bytes down to an integer, so
+the measured total is the sum of the per-op floors.
 """
 
 from __future__ import annotations
@@ -71,10 +64,20 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .ddp import DataParallel
-from .zero3 import FullyShardedDP
+from .zero0 import Zero0
+from .zero1 import Zero1
+from .zero2 import Zero2
+from .zero3 import Zero3
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
+STAGES = {s.number: s for s in (Zero0(), Zero1(), Zero2(), Zero3())}  # the ZeRO stages, by number
+
+
+def zero_stage(number: int):
+    """The strategy object of ZeRO stage `number` (stage.py: what it shards, reduces, gathers)."""
+    if number not in STAGES:
+        raise ValueError(f"zero={number} is not a ZeRO stage (choose 0, 1, 2 or 3)")
+    return STAGES[number]
 
 
 class ShardedOptimizer:
@@ -140,17 +143,12 @@ def make_dp(module: nn.Module, dp_axis, plan, optimizer_factory):
     The wrapper has forward, no_sync(), finish_grad_sync(), full_params(), full_grads(); the
     optimizer has step() and zero_grad(). `module` may be a whole model, a pipeline stage or a
     tensor-parallel shard: only its local parameters are synchronised over the dp axis."""
-    if plan.zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero={plan.zero} is not a ZeRO stage (choose 0, 1, 2 or 3)")
+    stage = zero_stage(plan.zero)
     grad = getattr(plan, "grad_dtype", "float32")
     for name, value in (("dtype", plan.dtype), ("grad_dtype", grad)):
         if value not in DTYPES:
             raise ValueError(f"{name}={value!r} is unknown (choose {', '.join(DTYPES)})")
     dtype, grad_dtype = DTYPES[plan.dtype], DTYPES[grad] if plan.dtype == "bf16" else None
-    if plan.zero == 3:
-        wrapper = FullyShardedDP(module, dp_axis, param_dtype=dtype, grad_dtype=grad_dtype,
-                                 bucket_mb=plan.bucket_mb)
-    else:
-        wrapper = DataParallel(module, dp_axis, bucket_mb=plan.bucket_mb, zero_stage=plan.zero,
-                               param_dtype=dtype, grad_dtype=grad_dtype)
+    wrapper = stage.wrap(module, dp_axis, param_dtype=dtype, grad_dtype=grad_dtype,
+                         bucket_mb=plan.bucket_mb)
     return wrapper, ShardedOptimizer(wrapper, optimizer_factory)

@@ -17,11 +17,11 @@ gradient shard of the same size. The full buffers exist only while the unit comp
 
 Gradients: each hook adds the gradient autograd produced into its piece's flat accumulation buffer
 `piece.acc` (float32 for bf16 parameters by default, see ddp.py's "Gradient dtype") and drops
-p.grad. The buffer is allocated at the piece's first gradient, after the reductions of earlier
-pieces have completed, and freed when its own reduce-scatter completes: at most
-GRAD_BUCKETS_IN_FLIGHT pieces' full gradients are alive (`buckets.transient_grad_bytes`), a bucket's
-worth rather than a whole block's (a block of `small` is 16% of its gradients: 1/dp + 16% would
-leave ZeRO-3 at 0.66x ZeRO-0's peak on dp=2).
+p.grad. The buffer is allocated at the piece's first gradient, once fewer than
+GRAD_BUCKETS_IN_FLIGHT earlier pieces' reductions are pending, and freed when its own
+reduce-scatter completes: at most GRAD_BUCKETS_IN_FLIGHT pieces' full gradients are alive
+(`buckets.transient_grad_bytes`), a couple of buckets' worth rather than a whole block's (a block of
+`small` is 16% of its gradients: 1/dp + 16% would leave ZeRO-3 at 0.66x ZeRO-0's peak on dp=2).
 
 Freeing keeps the storage object and resizes it to 0 bytes; gathering resizes it back and fills it.
 The parameters are views of that storage, so tensors autograd saved in forward (e.g. `weight.t()`)
@@ -44,9 +44,26 @@ import torch
 import torch.nn as nn
 
 from .. import comm
-from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, param_names, split_into_buckets
+from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, InFlight, param_names, split_into_buckets
 from .ddp import GradSyncWrapper
 from .ledger import GradMeter
+from .stage import ZeroStage
+
+
+class Zero3(ZeroStage):
+    """ZeRO-3: everything sharded; each unit gathered for its forward and again for its backward,
+    its gradients reduce-scattered into the shard every micro-batch (`FullyShardedDP` below)."""
+
+    number = 3
+    shards = ("optimizer_states", "gradients", "parameters")
+    reduce_op = "reduce_scatter"
+    reduces_every_micro_batch = True
+    param_gather = "per_unit"
+
+    def wrap(self, module: nn.Module, dp_axis, param_dtype=None, grad_dtype=None,
+             bucket_mb: float = 1.0) -> "FullyShardedDP":
+        return FullyShardedDP(module, dp_axis, param_dtype=param_dtype, grad_dtype=grad_dtype,
+                              bucket_mb=bucket_mb)
 
 
 def find_units(module: nn.Module) -> list[nn.Module]:
@@ -95,6 +112,7 @@ class FullyShardedDP(GradSyncWrapper):
     """ZeRO-3 over `dp_axis`: each rank stores 1/dp of every unit's parameters and gradients."""
 
     stage = 3
+    strategy = Zero3()
 
     def __init__(self, module: nn.Module, dp_axis, param_dtype: torch.dtype | None = None,
                  grad_dtype: torch.dtype | None = None, bucket_mb: float = 1.0):
@@ -121,7 +139,7 @@ class FullyShardedDP(GradSyncWrapper):
                 m.register_forward_pre_hook(lambda m, a, u=unit: self._pre_forward(u))
                 m.register_forward_hook(lambda m, a, out, u=unit: self._post_forward(u, out))
         self.require_sync = True
-        self._works: list = []
+        self.in_flight = InFlight()  # the pieces' reduce-scatters, in issue order
 
     def _piece(self, index: int, params: list, device) -> FlatGroup:
         g = FlatGroup(index, params, self.axis.size, self.axis.index)
@@ -198,7 +216,7 @@ class FullyShardedDP(GradSyncWrapper):
         """`p`'s view of its piece's gradient buffer, allocated (zero) at the piece's first
         gradient once earlier pieces' reductions have completed."""
         if g.acc is None:
-            self._drain(GRAD_BUCKETS_IN_FLIGHT - 1)
+            self.in_flight.drain(GRAD_BUCKETS_IN_FLIGHT - 1)
             g.acc = torch.zeros(g.padded, dtype=self.grad_dtype, device=g.shard.device)
             self.meter.hold(("acc", g.index), g.acc)
         return g.view_of(g.acc, p)
@@ -211,15 +229,7 @@ class FullyShardedDP(GradSyncWrapper):
         def finish(g=g, flat=flat):
             g.grad_shard.add_(flat[g.lo:g.hi])
             self.meter.release(("acc", g.index))
-        self._works.append((work, finish))
-
-    def _drain(self, limit: int):
-        """Wait for and finish the oldest reduce-scatters until at most `limit` are pending (each
-        frees its piece's full gradient buffer)."""
-        while len(self._works) > limit:
-            work, finish = self._works.pop(0)
-            work.wait()
-            finish()
+        self.in_flight.add(work, finish)  # its finish frees the piece's full gradient buffer
 
     def finish_grad_sync(self):
         """Reduce-scatter gradients still held in full size (a piece not complete), wait for all."""
@@ -230,7 +240,7 @@ class FullyShardedDP(GradSyncWrapper):
                 g.ready = 0
             u.ready, u.bwd_ready = 0, False
             self._free(u)
-        self._drain(0)
+        self.in_flight.drain(0)
 
     def zero_grad(self):
         for g in self.groups:

@@ -11,6 +11,8 @@ import copy
 
 import torch
 
+from mini3d.cost.comm_time import zero_traffic_psi
+
 from .core import Check, CheckFailed, Exercise, expect
 from .scenario import _case, _gen, _read, _topo
 
@@ -263,18 +265,16 @@ def zero1_sharded(ctx):
 
 
 def zero1_traffic(ctx):
-    """ZeRO-1 sends what plain data parallelism sends, 2 psi per rank (psi: the padded flat fp32
-    gradient; a ring moves (n-1)/n of a tensor per reduce-scatter or all-gather, twice that per
-    all-reduce): reduce-scatter the gradient (psi), all-gather the updated parameters (psi). An
-    all-reduce of the whole gradient followed by the all-gather sends 3 psi."""
+    """ZeRO-1 sends as plain dp does, zero_traffic_psi(1, 1) = 2 psi (all-reduce + all-gather: 3)."""
+    want = zero_traffic_psi(1, 1)  # psi per step(): one micro-batch
     for rank, r in enumerate(_read(ctx, "steps")):
         n = r["dp"]
-        psi = 4 * n * (-(-r["n"] // n)) * (n - 1) // n  # one ring pass over the padded flat vector
+        psi = 4 * n * (-(-r["n"] // n)) * (n - 1) // n  # one ring pass over the padded flat fp32 vector
         expect(all(k >= 1 for k in r["gathers"]), f"rank {rank}: comm.all_gather calls per step",
                "at least one (to rebuild the full parameters)", r["gathers"])
-        expect(all(w <= 2 * psi for w in r["wire"]) and all("all_reduce" not in ops for ops in r["ops"]),
+        expect(all(w <= want * psi for w in r["wire"]) and all("all_reduce" not in ops for ops in r["ops"]),
                f"rank {rank}: dp traffic per step() ({r['n']} parameters, dp={n}; psi = {psi} bytes "
-               f"on the wire)", f"2 psi = {2 * psi} bytes: comm.reduce_scatter the gradient (each rank "
+               f"on the wire)", f"{want} psi = {want * psi} bytes: comm.reduce_scatter the gradient (each rank "
                f"needs only its own slice's average), comm.all_gather the parameters",
                f"{r['wire']} bytes, {[round(w / psi, 2) for w in r['wire']]} psi, ops {r['ops'][0]}")
 

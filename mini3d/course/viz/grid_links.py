@@ -19,7 +19,7 @@ from .grid3d import rank_cube_figure
 TRAFFIC = {
     "tp": "all-reduce of activations, 2 per layer forward + 2 backward",
     "pp": "point-to-point activations / gradients at stage boundaries, per micro-batch",
-    "dp": "all-reduce (or ZeRO reduce-scatter + all-gather) of gradients, once per step",
+    "dp": "all-reduce (or ZeRO reduce-scatter + all-gather) of gradients, once per step (ZeRO-2/3: per micro-batch)",
 }
 
 
