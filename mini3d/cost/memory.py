@@ -156,12 +156,28 @@ def largest_param_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     return max(sizes)
 
 
+def largest_unit_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
+    """Elements of ZeRO-3's largest unit on one tp rank of stage `stage` (`mini3d.dp.zero3`: the
+    embedding, each block, the head; a tied head joins the embedding's unit)."""
+    h, t = cfg.d_model, plan.tp
+    table = padded_size(cfg.vocab_size, t) * h // t
+    units = [layer_params(cfg, t)] if stage_layers(cfg, plan, stage) else []
+    if stage == 0:
+        units.append(table + cfg.position_params())
+    if stage == head_rank(plan):
+        units.append(cfg.norm_params() + (0 if cfg.tie_embeddings and head_rank(plan) == 0 else table))
+    return max(units)
+
+
 def grad_bucket_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     """Elements of the largest gradient bucket (ZeRO-3: piece of a unit) of stage `stage`: buckets
     close at `bucket_mb` of the float32 parameters the wrapper is given (bf16 runs convert them
-    after bucketing), a larger tensor making a bucket of its own (`dp.buckets`)."""
-    return largest_bucket_numel(int(plan.bucket_mb * 2**20) // 4,
-                                largest_param_numel(cfg, plan, stage))
+    after bucketing), a larger tensor making a bucket of its own (`dp.buckets`), and no bucket
+    holds more than what is bucketed: the stage's parameters (ZeRO-0 to 2) or one unit (ZeRO-3).
+    With DDP's 25 MiB a small model is one bucket."""
+    whole = largest_unit_numel(cfg, plan, stage) if plan.zero == 3 else stage_param_count(cfg, plan, stage)
+    return min(whole, largest_bucket_numel(int(plan.bucket_mb * 2**20) // 4,
+                                           largest_param_numel(cfg, plan, stage)))
 
 
 def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
