@@ -50,13 +50,14 @@ def test_ring_factors():
 
 
 def test_collective_time_callers_agree():
-    from mini3d.course.viz.comm import ring_allreduce_time
+    from mini3d.course.viz.comm import ring_allreduce_figure
     from mini3d.tp import comm_per_layer
 
     hw = dataclasses.replace(A100, latency_s=3e-6)
+    fig = ring_allreduce_figure(1e8, [2, 4, 8], {"link": 100}, latency_s=3e-6)  # drawn from the owner
+    assert list(fig.data[0].y) == pytest.approx([1e3 * hw.collective_s("all_reduce", n, 1e8, 100e9)
+                                                 for n in (2, 4, 8)])
     for n in (2, 4, 8):
-        want = hw.collective_s("all_reduce", n, 1e8, 100e9)
-        assert ring_allreduce_time(n, 1e8, 100, 3e-6) == pytest.approx(want)
         for sp in (False, True):
             c = comm_per_layer(n, 2, 16, 64, sp, 2)
             for o in c["forward"] + c["backward"]:
