@@ -8,9 +8,11 @@ def bytes_per_param(dtype: str) -> dict:
     """Bytes of each model-state category per parameter when training with AdamW.
 
     float32: params 4, grads 4, optimizer 8 (exp_avg and exp_avg_sq in fp32).
-    bf16 (mixed precision): params 2, grads 2, optimizer 12 (fp32 master copy + exp_avg + exp_avg_sq).
+    bf16 (mixed precision, as mini3d runs it): params 2, grads 4 (accumulated and reduced in fp32,
+    as Megatron and FSDP do by default), optimizer 12 (fp32 master copy + exp_avg + exp_avg_sq):
+    18 bytes. The ZeRO paper's 16 (2 + 2 + 12) assumes bf16 gradients (`--grad-dtype bf16`).
     Returns {"params": .., "grads": .., "optimizer": ..}."""
-    raise NotImplementedError('float32 AdamW keeps params, grads and two moments in fp32; bf16 adds an fp32 master copy to the optimizer states')
+    raise NotImplementedError('float32 AdamW keeps params, grads and two moments in fp32; bf16 keeps fp32 gradients and adds an fp32 master copy to the optimizer states')
 
 def zero_bytes_per_rank(n_params: int, dp: int, zero: int, dtype: str='bf16') -> dict:
     """Model-state bytes on one data-parallel rank under ZeRO stage `zero` (0-3).

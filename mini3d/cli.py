@@ -70,7 +70,8 @@ def add_plan_args(p: argparse.ArgumentParser, seq_len_default: int = 64, global_
     g.add_argument("--dtype", default="float32",
                    help="float32, bf16 (fp32 master weights) or float64 (exact parity checks)")
     g.add_argument("--sequence-parallel", action="store_true", help="shard LayerNorm regions (tp > 1)")
-    g.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size in MiB")
+    g.add_argument("--bucket-mb", type=float, default=Plan.bucket_mb,
+                   help="gradient bucket size in MiB (PyTorch DDP's 25 by default)")
     g.add_argument("--grad-dtype", default="float32",
                    help="bf16 runs: accumulate and reduce gradients in float32 (default) or bf16 "
                         "(half the gradient memory and dp traffic, rounded at every sum)")

@@ -42,7 +42,8 @@ class Plan:
     global_batch: int = 8  # sequences per optimizer step, over all replicas
     seq_len: int = 64  # tokens per sequence
     sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence (tp > 1)
-    bucket_mb: float = 1.0  # data-parallel gradient bucket size in MiB
+    # data-parallel gradient bucket size in MiB: 25, PyTorch DDP's bucket_cap_mb (mini3d.cost.comm_time)
+    bucket_mb: float = 25.0
     attention: str = "explicit"  # attention core: written out (keeps the s x s matrix) or torch's sdpa
     # bf16 runs: gradients accumulated and dp-reduced in float32 (Megatron / FSDP default), or in
     # bf16: half the gradient memory and dp traffic, but rounded at every sum (see mini3d/dp/ddp.py)

@@ -10,12 +10,14 @@ def bytes_per_param(dtype: str) -> dict:
     """Bytes of each model-state category per parameter when training with AdamW.
 
     float32: params 4, grads 4, optimizer 8 (exp_avg and exp_avg_sq in fp32).
-    bf16 (mixed precision): params 2, grads 2, optimizer 12 (fp32 master copy + exp_avg + exp_avg_sq).
+    bf16 (mixed precision, as mini3d runs it): params 2, grads 4 (accumulated and reduced in fp32,
+    as Megatron and FSDP do by default), optimizer 12 (fp32 master copy + exp_avg + exp_avg_sq):
+    18 bytes. The ZeRO paper's 16 (2 + 2 + 12) assumes bf16 gradients (`--grad-dtype bf16`).
     Returns {"params": .., "grads": .., "optimizer": ..}."""
     if dtype == "float32":
         return {"params": 4, "grads": 4, "optimizer": 8}
     if dtype == "bf16":
-        return {"params": 2, "grads": 2, "optimizer": 12}
+        return {"params": 2, "grads": 4, "optimizer": 12}
     raise ValueError(f"dtype={dtype!r} is unknown (choose float32 or bf16)")
 
 

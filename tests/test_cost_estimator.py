@@ -6,7 +6,7 @@ import pytest
 
 from mini3d.config import PRESETS, ModelConfig, Plan
 from mini3d.cost.memory import (estimate_all_stages, estimate_memory, inflight_microbatches,
-                                       layer_activation_bytes, model_state_bytes,
+                                       layer_activation_bytes, model_state_bytes, state_bytes,
                                        paper_layer_activation_bytes, stage_layers, stage_param_count)
 from mini3d.models.transformer import GPT
 
@@ -14,8 +14,12 @@ from mini3d.models.transformer import GPT
 @pytest.mark.timeout(30)
 def test_zero_model_states_of_7_5b_on_64_gpus():
     # ZeRO paper, Figure 1: Psi = 7.5e9, Nd = 64, mixed-precision Adam (K = 12): 120 / 31.4 / 16.6 / 1.9 GB
-    got = [round(sum(model_state_bytes(7.5e9, "bf16", 64, z)) / 1e9, 1) for z in range(4)]
+    # the paper's accounting has half-precision gradients: grad_dtype="bf16"
+    got = [round(sum(model_state_bytes(7.5e9, "bf16", 64, z, "bf16")) / 1e9, 1) for z in range(4)]
     assert got == [120.0, 31.4, 16.6, 1.9]
+    # mini3d's default keeps fp32 gradients: 18 bytes per parameter (state_bytes, the one rule)
+    assert sum(state_bytes("bf16")) == 18 and sum(state_bytes("bf16", "bf16")) == 16
+    assert sum(model_state_bytes(7.5e9, "bf16", 64, 0)) == 18 * 7.5e9
     assert model_state_bytes(1000, "float32", 4, 0) == (4000, 4000, 8000)
     assert model_state_bytes(1000, "float32", 4, 2) == (4000, 1000, 2000)
 

@@ -141,8 +141,8 @@ def test_zero_peak_gradient_bytes_of_the_small_model_at_1_and_4_micro_batches(tm
     from tests.threed_workers import run_specs
 
     cfg = PRESETS["small"]
-    plans = [Plan(dp=2, zero=z, global_batch=2 * m, micro_batches=m, seq_len=32)
-             for m in (1, 4) for z in (0, 1, 2, 3)]
+    plans = [Plan(dp=2, zero=z, global_batch=2 * m, micro_batches=m, seq_len=32, bucket_mb=1.0)
+             for m in (1, 4) for z in (0, 1, 2, 3)]  # 1 MiB buckets: `small` is one bucket at DDP's 25
     logs = [tmp_path / f"zero{p.zero}_m{p.micro_batches}.jsonl" for p in plans]
     specs = [make_spec(cfg, p, steps=2, log_jsonl=str(log)) for p, log in zip(plans, logs)]
     launch(run_specs, 2, specs, device="cpu", timeout=200)

@@ -164,8 +164,7 @@ def test_comm_figures():
     assert list(fig.data[0].y) == [4.0, 8.0]
     fig = comm.comm_volume_figure({"tp": {"all_reduce": 2**20}, "dp": {"all_reduce": 2**20, "reduce_scatter": 2**21}})
     assert list(_trace(fig, "reduce_scatter").y) == [0.0, 2.0]
-    assert comm.ring_allreduce_time(1, 1e9, 100) == 0.0
-    assert comm.ring_allreduce_time(4, 1e9, 100, 1e-6) == pytest.approx(6e-6 + 1.5 * 1e9 / 100e9)
+    assert not hasattr(comm, "ring_allreduce_time")  # one owner: Hardware.collective_s
     fig = comm.ring_allreduce_figure(1e9, [2, 4, 8, 64], {"NVLink": 300, "IB": 25})
     _titles_have_units(fig)
     nv, ib = (list(t.y) for t in fig.data)

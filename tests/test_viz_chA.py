@@ -49,12 +49,12 @@ def test_measured_breakdown_and_mib_figure():
     assert list(_trace(fig, "total").text) == ["3.00 MiB", "5.00 MiB"]
 
 
-def test_training_state_bars_is_the_16_bytes_arithmetic():
+def test_training_state_bars_is_the_18_bytes_arithmetic():
     bars = measured_memory.training_state_bars(70e9, 8)
     whole = bars["training state, 1 GPU"]
-    assert sum(whole.values()) == pytest.approx(70e9 * 16)  # 1.12 TB
+    assert sum(whole.values()) == pytest.approx(70e9 * 18)  # 1.26 TB: bf16 params, fp32 grads
     assert bars["weights only (bf16)"] == {"params": 140e9}
-    assert sum(bars["training state / 8 GPUs"].values()) == pytest.approx(140e9)  # > 80 GiB
+    assert sum(bars["training state / 8 GPUs"].values()) == pytest.approx(157.5e9)  # > 80 GiB
     assert sum(bars["training state / 8 GPUs"].values()) > 80 * GIB
     f32 = measured_memory.training_state_bars(10, 2, {"params": 4, "grads": 4, "optimizer": 8})
     assert f32["training state / 2 GPUs"] == {"params": 20, "grads": 20, "optimizer": 40}

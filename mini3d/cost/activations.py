@@ -135,4 +135,25 @@ def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     return ln + s * b * h * e + s * b * padded_size(cfg.vocab_size, t) // t * 4
 
 
-__all__ = ["ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
+SCORE_PASSES = {"fwd": 4, "bwd": 8}  # s x s score tensor: written, softmax read + written, read by A.V;
+# backward: probabilities and their gradient read, the softmax gradient read + written, read twice
+
+
+def score_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
+    """Seconds one micro-batch's attention scores spend in HBM, forward and backward, on a GPU
+    whose attention is written out (`plan.attention == "explicit"`, as in Megatron-LM's fused
+    softmax of 2021-22): every token of every local head has s scores, and each pass over them
+    moves their bytes at `memory_bw` (`SCORE_PASSES`; recomputation runs the forward passes
+    again; attention dropout, which mini3d refuses under tp, would add more). Flash attention
+    (sdpa) keeps them on chip: none. A shared host's measured per-token overhead already holds
+    this work: none there either.
+    Relative to the matmuls this is s / (head_dim x h): a fifth of a 1.7B model's step (h=2304,
+    head_dim 96), a few percent at h=12288."""
+    if plan.attention != "explicit" or hw.shared_host:
+        return {"fwd": 0.0, "bwd": 0.0}
+    per_pass = layers * tokens * cfg.n_heads / plan.tp * plan.seq_len * ELEMENT_BYTES[plan.dtype] / hw.memory_bw
+    fwd, bwd = SCORE_PASSES["fwd"], SCORE_PASSES["bwd"]
+    return {"fwd": fwd * per_pass, "bwd": (bwd + (fwd if plan.recompute != "none" else 0)) * per_pass}
+
+
+__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]

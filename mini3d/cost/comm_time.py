@@ -17,10 +17,26 @@ from ..tp.layout import comm_per_layer
 from .memory import ELEMENT_BYTES, head_rank, local_seq_len, ring_block_bytes, sharding_degree
 
 
+def members_per_node(plan, hw) -> dict:
+    """Per axis: None when its groups stay inside one node, else how many members of one group
+    share a node (rank order tp, cp, dp, pp, tp fastest; mini3d.grid): a tp group fills a node
+    up to gpus_per_node, a cp or a dp (cp x dp) group has gpus_per_node / tp members per node, a
+    pp pair one. A tp group stays in a node while tp <= gpus_per_node, a cp group while tp*cp
+    does, a dp group while tp*cp*dp does, pp while the world does."""
+    g = hw.gpus_per_node
+    span = {"tp": plan.tp, "cp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.dp,
+            "pp": plan.world_size}
+    inner = max(1, g // plan.tp)
+    k = {"tp": min(plan.tp, g), "cp": max(1, min(plan.cp, inner)),
+         "dp": max(1, min(plan.cp * plan.dp, inner)), "pp": 1}
+    return {a: k[a] if n > g or (g % n != 0 and n > 1) else None for a, n in span.items()}
+
+
 def tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch on
     pipeline rank `stage` (the first holds the embedding, the last the head and the loss)."""
     t, sb = plan.tp, local_seq_len(plan) * plan.micro_batch_size
+    node = members_per_node(plan, hw)["tp"]
     if t == 1:
         return 0.0, 0.0, 0.0
     first, last = stage == 0, stage == head_rank(plan)
@@ -28,14 +44,14 @@ def tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, fl
                        ELEMENT_BYTES[plan.dtype])
 
     def seconds(ops):
-        return sum(o["count"] * hw.collective_s(o["op"], t, o["bytes"], bw) for o in ops)
+        return sum(o["count"] * hw.collective_s(o["op"], t, o["bytes"], bw, node) for o in ops)
 
     redo = plan.recompute == "full"  # the backward runs the forward's collectives again
     act = sb * cfg.d_model * ELEMENT_BYTES[plan.dtype]
-    end_s, end_wire = hw.collective_s("all_reduce", t, act, bw), ring_wire_bytes("all_reduce", t, act)
+    end_s, end_wire = hw.collective_s("all_reduce", t, act, bw, node), ring_wire_bytes("all_reduce", t, act)
     loss = [4 * sb, 8 * sb] if last else []  # cross-entropy: the max, then the two sums (fp32)
     fwd_s = layers * seconds(c["forward"]) + first * end_s + sum(
-        hw.collective_s("all_reduce", t, n, bw) for n in loss)
+        hw.collective_s("all_reduce", t, n, bw, node) for n in loss)
     bwd_s = layers * (seconds(c["backward"]) + redo * seconds(c["forward"])) + last * end_s
     wire = (layers * (c["forward_wire_bytes"] * (1 + redo) + c["backward_wire_bytes"])
             + (first + last) * end_wire + sum(ring_wire_bytes("all_reduce", t, n) for n in loss))
@@ -71,6 +87,7 @@ def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float
     d = sharding_degree(plan)
     if d == 1:
         return 0.0, 0.0, 0.0
+    node = members_per_node(plan, hw)["dp"]
     e = ELEMENT_BYTES[plan.dtype]
     g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e  # fp32 grads by default
     grads, params = float(n_params * g), float(n_params * e)
@@ -80,11 +97,12 @@ def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float
     reductions, gathers = dp_collectives(plan.zero, plan.micro_batches)
     g_wire = reductions * ring_wire_bytes(g_op, d, grads)
     p_wire = gathers * ring_wire_bytes("all_gather", d, params)
-    t_reduce = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw)  # one reduction
-    t_last = min(t_reduce, hw.collective_s(g_op, d, min(bucket, grads), bw))
+    # the buckets are issued one after another as the backward produces them, queued in flight
+    t_reduce = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw, node)  # one reduction
+    t_last = min(t_reduce, hw.collective_s(g_op, d, min(bucket, grads), bw, node))
     t_mb = t_compute / plan.micro_batches  # one micro-batch's forward + backward
     exposed = max(t_last, t_reduce - t_bwd) + (reductions - 1) * max(0.0, t_reduce - t_mb)
-    t_param = (p_wire / bw + n_buckets * ring_steps("all_gather", d) * hw.latency_s) if gathers else 0.0
+    t_param = gathers * n_buckets * hw.collective_s("all_gather", d, params / n_buckets, bw, node)
     if plan.zero == 3:
         per_layer = t_param / max(1, 2 * plan.micro_batches * cfg.n_layers)
         exposed += max(per_layer, t_param - t_compute)
@@ -100,7 +118,10 @@ def cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
     if cp == 1:
         return {"fwd": 0.0, "bwd": 0.0, "total": 0.0, "wire": 0.0}
     kv, acc = ring_block_bytes(cfg, plan), ring_block_bytes(cfg, plan, 4)
-    hop = lambda nbytes: nbytes / bw + hw.latency_s  # noqa: E731
+    node = members_per_node(plan, hw)["cp"]
+
+    def hop(nbytes):  # one K/V (or accumulator) message to the ring neighbour
+        return hw.collective_s("send", 2, nbytes, bw, node and 1)
     fwd_passes = 2 if plan.recompute == "full" else 1
     fwd = fwd_passes * (cp - 1) * max(0.0, hop(kv) - attn_block_s)
     bwd = (cp - 1) * max(0.0, hop(kv + acc) - 2 * attn_block_s) + hop(acc)
@@ -110,4 +131,4 @@ def cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
             "wire": layers * wire}
 
 
-__all__ = ["tp_time", "dp_collectives", "zero_traffic_psi", "dp_time", "cp_time"]
+__all__ = ["members_per_node", "tp_time", "dp_collectives", "zero_traffic_psi", "dp_time", "cp_time"]

@@ -5,14 +5,29 @@ bandwidth"): NVLink 3 gives an A100 600 GB/s both ways, so 300e9 here; a DGX A10
 HDR InfiniBand port per GPU, 25e9 here; H100/H200 systems one 400 Gb/s NDR port per GPU, 50e9.
 FLOP/s are the dense (no sparsity) bf16 tensor-core peaks from the vendor data sheets.
 
+Collectives (`Hardware.collective_s`) follow what NCCL does, not one flat ring: a group inside one
+node runs a ring over NVLink; a group spanning nodes runs a ring whose inter-node hops each pay
+`internode_latency_s`, or, for an all-reduce, NCCL's double binary tree (latency 2((k-1) intra +
+ceil(log2 nodes) inter hops), the full buffer up and down), whichever is faster for that message
+size and group size (NCCL's tuner chooses the same way). Its bandwidth across nodes is that of
+the NICs of the group's members in a node (NCCL runs one ring per NIC: k members per node use k
+rails), `link_bandwidths` in `mini3d.cost.model`. A shared host (gloo on a CPU) keeps the flat
+ring: gloo has no tree.
+
 `eff_max` and `eff_half_width` optionally override the cost model's calibrated compute efficiency
-(`mini3d.cost.model.Efficiency`); `mini3d calibrate` writes them for a measured machine.
+(`mini3d.cost.model.Efficiency`, fitted on two A100 rows); `mini3d calibrate` writes them for a
+measured machine. The H100 / H200 presets carry `H100_EFF_MAX`: the fraction of the 989 TFLOP/s
+peak that torchtitan's published eager FSDP run of Llama 3.1 8B on 8 H100s reaches (5,762 tokens/s
+per GPU, `mini3d.cost.published`; its 128-GPU row is then predicted, not fitted). It is about half
+the A100's: an H100 needs larger matmuls and faster non-matmul work to stay busy (chapter 09's
+roofline), and torchtitan's H100s ran at 500 W. Without it the model predicted 66% MFU there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 from ..comm import ring_steps, ring_wire_bytes
@@ -32,6 +47,7 @@ class Hardware:
     internode_bw: float  # inter-node bytes/s per GPU per direction
     gpus_per_node: int = 8
     latency_s: float = 1.5e-6  # one message (one ring step, or one p2p transfer); see collective_s
+    internode_latency_s: float = 5e-6  # one ring step or tree hop through the network (NCCL: ~5 us)
     peak_flops_fp32: float | None = None  # None: same as peak_flops (a CPU); GPUs: TF32-free fp32
     eff_max: float | None = None  # compute-efficiency override (None: calibrated A100 values)
     eff_half_width: float | None = None
@@ -63,22 +79,40 @@ class Hardware:
             return float(measured[world])
         return max(1.0, world / self.gpus_per_node) if self.shared_host else 1.0
 
-    def collective_s(self, op: str, n: int, nbytes: float, bandwidth: float) -> float:
-        """Seconds of one ring `op` ("all_reduce", "all_gather", "reduce_scatter", "send") of a
-        full tensor of `nbytes` over n members on a link of `bandwidth` bytes/s: every one of its
-        sequential steps pays the latency, and each rank sends its ring wire bytes
-        (`mini3d.comm.ring_steps` / `ring_wire_bytes`, the conventions of the event log). A ring
-        all-reduce thus pays 2(n-1) latencies, not one: it is n-1 reduce-scatter steps then n-1
-        all-gather steps, each a message that waits for the previous one. The GPU presets' 1.5 us
-        per step makes a small all-reduce over 8 GPUs 21 us, NCCL's order of magnitude; with it the
-        two calibration rows refit to the stored efficiency constants."""
+    def collective_s(self, op: str, n: int, nbytes: float, bandwidth: float,
+                     per_node: int | None = None) -> float:
+        """Seconds of one `op` ("all_reduce", "all_gather", "reduce_scatter", "send") of a full
+        tensor of `nbytes` over n members on links of `bandwidth` bytes/s, `per_node` of them in
+        each node (None: all in one node). Inside a node, a ring: each of its sequential steps pays
+        `latency_s` and each rank sends its ring wire bytes (`mini3d.comm.ring_steps` /
+        `ring_wire_bytes`, the event log's conventions), so a ring all-reduce pays 2(n-1)
+        latencies: n-1 reduce-scatter steps then n-1 all-gather steps. Across nodes every ring step
+        waits for a network hop (`internode_latency_s`), and an all-reduce may take NCCL's tree
+        instead (`tree_allreduce_s`), whichever is faster: at 1024 ranks a ring all-reduce pays
+        2046 network latencies, a tree 2(7 + 7) hops."""
         if n <= 1 and op != "send":
             return 0.0
-        return ring_steps(op, n) * self.latency_s + ring_wire_bytes(op, n, nbytes) / bandwidth
+        spans = per_node is not None and n > per_node and not self.shared_host
+        step = self.internode_latency_s if spans else self.latency_s
+        ring = ring_steps(op, n) * step + ring_wire_bytes(op, n, nbytes) / bandwidth
+        if spans and op == "all_reduce":
+            return min(ring, self.tree_allreduce_s(n, nbytes, bandwidth, per_node))
+        return ring
+
+    def tree_allreduce_s(self, n: int, nbytes: float, bandwidth: float, per_node: int) -> float:
+        """NCCL's tree all-reduce over n ranks, `per_node` in each node: a chain inside the node
+        and a (double) binary tree between nodes, reduced up then broadcast down, so the latency
+        is 2((per_node - 1) intra + ceil(log2 nodes) inter) hops and every rank moves the full
+        buffer twice (pipelined), 2 * nbytes over `bandwidth`."""
+        nodes = math.ceil(n / max(1, per_node))
+        hops = (per_node - 1) * self.latency_s + math.ceil(math.log2(max(2, nodes))) * self.internode_latency_s
+        return 2 * hops + 2 * nbytes / bandwidth
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+H100_EFF_MAX = 0.360  # fitted: mini3d.cost.published.fit_h100_efficiency() (half width: A100's)
 
 PRESETS: dict[str, Hardware] = {
     "A100-40GB": Hardware("A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, 8,
@@ -86,9 +120,9 @@ PRESETS: dict[str, Hardware] = {
     "A100-80GB": Hardware("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, 8,
                           peak_flops_fp32=19.5e12),
     "H100-80GB": Hardware("H100-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8,
-                          peak_flops_fp32=67e12),
+                          peak_flops_fp32=67e12, eff_max=H100_EFF_MAX, eff_half_width=258.6),
     "H200-141GB": Hardware("H200-141GB", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8,
-                           peak_flops_fp32=67e12),
+                           peak_flops_fp32=67e12, eff_max=H100_EFF_MAX, eff_half_width=258.6),
 }
 
 

@@ -8,6 +8,11 @@ FLOPs (per token, forward; Megatron's convention, so MFU compares with published
              weights of `ModelConfig.layer_weights`)
     head   = 2hV                      output projection (embedding lookups cost no FLOPs)
 
+The attention term counts the whole s x s square, causal masking or not (`FLOPS_CONVENTION`): the
+convention of Narayanan et al. 2021 (eq. 3) and of torchtitan's MFU. Tables that halve it for
+causal attention (some of NVIDIA's NeMo performance tables do) report a lower MFU for the same
+step time; compare like with like.
+
 Norm, GELU / SiLU, rotary, softmax and bias FLOPs are left out (well under 1% for these shapes). Model FLOPs
 are 3 * (L*layer + head) per token (backward = 2 x forward); hardware FLOPs add what recompute runs
 again: the whole layer forward under full recompute, the 4sh attention core under selective.
@@ -17,7 +22,10 @@ Step time, on the busiest pipeline rank:
 * compute: FLOPs / (peak * efficiency), with the efficiency model `Efficiency`:
   eff(w) = eff_max * w / (w + half_width), w = min(d_model / tp, tokens per micro-batch), the
   narrowest matmul dimension a GPU sees. Small per-GPU matmuls run further from peak. The two
-  constants are the ONLY fitted numbers (see `calibration.py`: two rows of Korthikanti et al.).
+  constants are fitted on two rows of Korthikanti et al. (`calibration.py`); the H100 presets'
+  eff_max on one torchtitan row (`hardware.H100_EFF_MAX`); every other published row
+  (`mini3d.cost.published`) is a prediction. Written-out attention (`attention="explicit"`) also
+  moves its s x s scores through HBM (`activations.score_traffic_s`), flash attention does not.
 * tensor parallelism: per layer and micro-batch, two all-reduces forward and two backward (two
   more with full recompute), or the equal-volume all-gather / reduce-scatter pairs under sequence
   parallelism, each moving 2(t-1)/t * s*b*h*e bytes per rank at NVLink speed, or at the inter-node
@@ -47,14 +55,17 @@ Step time, on the busiest pipeline rank:
   tp*cp <= gpus_per_node (order tp-cp-dp-pp).
 * data parallelism: gradient all-reduce (ZeRO-0) or reduce-scatter + parameter all-gather
   (ZeRO-1/2) moving 2(d-1)/d * the stage's gradient bytes over the d = cp x dp ranks that hold
-  the same weights; the gradient part overlaps with the
+  the same weights, in buckets of `plan.bucket_mb` (DDP's 25 MiB by default) issued one after
+  another as the backward produces them; the gradient part overlaps with the
   last micro-batch's backward (exposed: what does not fit, at least one bucket), the parameter
   all-gather after the optimizer step is exposed. ZeRO-3 gathers parameters twice per micro-batch,
   overlapped with all compute.
 * every collective and p2p message costs `Hardware.collective_s`: its ring wire bytes over the
   link's bandwidth plus one latency per sequential ring step (2(n-1) for an all-reduce over n
-  ranks, n-1 for an all-gather or reduce-scatter, 1 for a send); tp collectives per layer come
-  from `mini3d.tp.comm_per_layer`, the same list the real layers issue.
+  ranks, n-1 for an all-gather or reduce-scatter, 1 for a send), a network latency per step once
+  the group spans nodes, where an all-reduce takes NCCL's tree when that is faster; a group
+  spanning nodes gets the NICs of its members in a node (`link_bandwidths`). tp collectives per
+  layer come from `mini3d.tp.comm_per_layer`, the same list the real layers issue.
 * fixed overhead: `Hardware.layer_overhead_s` per layer and micro-batch, plus
   `Hardware.token_overhead_s` per layer and token of the micro-batch, divided by tp (0 for the GPU
   presets; measured by `mini3d calibrate` on a CPU, where tiny layers are dominated by per-op costs
@@ -72,12 +83,14 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig, Plan, PlanError
 from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
-from .comm_time import cp_time, dp_time, tp_time
+from .comm_time import cp_time, dp_time, members_per_node, tp_time
 from .hardware import Hardware
+from .activations import score_traffic_s
 from .host_share import shared_host_step
 from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,  # noqa: F401
                      ring_block_bytes, sharding_degree, stage_layers, stage_param_count)
 
+FLOPS_CONVENTION = "full attention square (not causal-halved), Megatron-LM's and torchtitan's"
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
 
 
@@ -94,7 +107,8 @@ class Efficiency:
 
 # Fitted by `mini3d.cost.calibration.fit_efficiency()` on the two Korthikanti et al. 2022 rows
 # (A100-80GB, Megatron-LM); tests check that refitting gives these values and both rows within 5%.
-CALIBRATED = Efficiency(eff_max=0.7684, half_width=426.7)
+# The H100 presets carry their own eff_max (`mini3d.cost.hardware`), fitted on one torchtitan row.
+CALIBRATED = Efficiency(eff_max=0.7397, half_width=258.6)
 
 
 def efficiency_for(hw: Hardware, override: Efficiency | None = None) -> Efficiency:
@@ -145,7 +159,7 @@ class CostEstimate:
                 "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "tflops_per_gpu": self.tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
-                "hfu": self.hfu, "bubble_fraction": self.bubble_fraction,
+                "hfu": self.hfu, "flops_convention": FLOPS_CONVENTION, "bubble_fraction": self.bubble_fraction,
                 "comm_bytes_per_rank": dict(self.comm_bytes), "breakdown_s": dict(self.breakdown)}
 
 
@@ -180,15 +194,17 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.
 
 
 def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
-    """Per-axis bandwidth: an axis whose groups span nodes runs at the inter-node speed.
-    Rank order is tp fastest, then cp, dp, pp (mini3d.grid), so a tp group stays in a node
-    while tp <= gpus_per_node, a cp group while tp*cp <= gpus_per_node, a dp (cp x dp) group
-    while tp*cp*dp <= gpus_per_node, pp while the world does."""
-    g = hw.gpus_per_node
-    span = {"tp": plan.tp, "cp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.dp,
-            "pp": plan.world_size}
-    crosses = {a: n > g or (g % n != 0 and n > 1) for a, n in span.items()}
-    return {a: (hw.internode_bw if crosses[a] else hw.nvlink_bw) for a in span}
+    """Per-axis bus bandwidth per rank. Rank order is tp fastest, then cp, dp, pp (mini3d.grid),
+    so a tp group stays in a node while tp <= gpus_per_node, a cp group while tp*cp <=
+    gpus_per_node, a dp (cp x dp) group while tp*cp*dp <= gpus_per_node, pp while the world does.
+    Inside a node: NVLink. A group that spans nodes has k members per node (`members_per_node`),
+    each with its own NIC of `internode_bw`: NCCL runs a ring per NIC, so the group's bus
+    bandwidth is k x internode_bw, at most NVLink's (pure dp over DGX A100s: 8 x 25 = 200 GB/s,
+    what nccl-tests report; tp=8 x dp: one member per node, 25 GB/s). A pp message uses one NIC.
+    A shared host (gloo on one CPU) has one link speed."""
+    k = members_per_node(plan, hw)
+    return {a: hw.nvlink_bw if n is None else min(hw.nvlink_bw, (1 if hw.shared_host else n) * hw.internode_bw)
+            for a, n in k.items()}
 
 
 def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
@@ -217,6 +233,8 @@ def _rank_terms(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency, sta
     per_layer = hw.layer_overhead_s + hw.token_overhead_s * tokens_mb / t
     overhead = layers * per_layer * slowdown  # 1/3 forward, 2/3 backward
     c_fwd, c_bwd = c_fwd + overhead / 3, c_bwd + 2 * overhead / 3
+    scores = score_traffic_s(cfg, plan, hw, layers, tokens_mb)
+    c_fwd, c_bwd = c_fwd + scores["fwd"], c_bwd + scores["bwd"]
     if slowdown != 1:  # on a shared host communication is CPU work too (copies, gloo, Python)
         hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
@@ -225,7 +243,8 @@ def _rank_terms(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency, sta
     msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
     return {"layers": layers, "c_fwd": c_fwd, "c_bwd": c_bwd, "tp_fwd": tp_fwd, "tp_bwd": tp_bwd,
             "tp_wire": tp_wire, "ring": ring, "t_fwd": c_fwd + tp_fwd + ring["fwd"],
-            "t_bwd": c_bwd + tp_bwd + ring["bwd"], "width": width, "msg": msg, "hw": hw, "bw": bw,
+            "t_bwd": c_bwd + tp_bwd + ring["bwd"], "scores": scores["fwd"] + scores["bwd"],
+            "width": width, "msg": msg, "hw": hw, "bw": bw,
             "n_params": stage_param_count(cfg, plan, stage)}
 
 
@@ -243,14 +262,16 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                                                            "ring", "bw"))
     bubble = bubble_fraction(plan.schedule, p, m, v, round(t_bwd / t_fwd, 3) if t_fwd else 2.0)
     pipeline = m * (t_fwd + t_bwd) / (1 - bubble)
-    pp_s = 2 * (v * m + p - 1) * k["hw"].collective_s("send", 2, k["msg"], bw["pp"]) if p > 1 else 0.0
+    pp_s = 2 * (v * m + p - 1) * k["hw"].collective_s("send", 2, k["msg"], bw["pp"],
+                                                       members_per_node(plan, hw)["pp"]) if p > 1 else 0.0
     pp_wire = 2 * v * m * k["msg"] if p > 1 else 0.0
     dp_total, dp_exposed, dp_wire = dp_time(cfg, plan, k["hw"], k["n_params"], bw["dp"], t_bwd,
                                              m * (t_fwd + t_bwd))
     local = k["n_params"] / (sharding_degree(plan) if plan.zero >= 1 else 1)
     opt_s = ADAM_BYTES_PER_PARAM * local / hw.memory_bw * slowdown
     step = pipeline + pp_s + dp_exposed + opt_s
-    breakdown = {"compute": m * (c_fwd + c_bwd), "tp_comm": m * (k["tp_fwd"] + k["tp_bwd"]),
+    breakdown = {"compute": m * (c_fwd + c_bwd), "attention_scores": m * k["scores"],
+                 "tp_comm": m * (k["tp_fwd"] + k["tp_bwd"]),
                  "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
                  "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(k["width"]),
                  "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"]}

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
-from .memory import CATEGORIES, GB, STATE_BYTES, estimate_memory, model_state_bytes
+from .memory import CATEGORIES, GB, estimate_memory, model_state_bytes, state_bytes
 from .hardware import Hardware
 from .model import CostEstimate, estimate_cost
 
@@ -114,7 +114,7 @@ def why_not(est: CostEstimate) -> str:
             f"{items}) against {cap / GB:.1f} GB on a {est.hardware}")
     if est.fits:
         return head + f": fits with {(cap - mem.total) / GB:.1f} GB to spare."
-    p, g, o = STATE_BYTES[est.plan.dtype]
+    p, g, o = state_bytes(est.plan.dtype, est.plan.grad_dtype)
     return (head + f": {(mem.total - cap) / GB:.1f} GB too much. This rank holds "
             f"{mem.n_params / 1e9:.2f}e9 parameters at {p}+{g}+{o} = {p + g + o} bytes each before "
             f"ZeRO sharding (dp={est.plan.dp}, zero={est.plan.zero}), i.e. "

@@ -29,6 +29,12 @@ def no_master_copy(dtype):
     return {**per, "optimizer": 8} if dtype == "bf16" else per
 
 
+def paper_bf16_grads(dtype):
+    """The ZeRO paper's 2 + 2 + 12: bf16 gradients, where mini3d keeps fp32 ones (18 bytes)."""
+    per = _mem.bytes_per_param(dtype)
+    return {**per, "grads": 2} if dtype == "bf16" else per
+
+
 def shards_one_category(n_params, dp, zero, dtype="bf16"):
     """Stage s shards only its own new category, not the ones of the stages below."""
     per = _mem.bytes_per_param(dtype)
@@ -83,6 +89,8 @@ WRONG = {
     ],
     "memory": [
         ("no_master_copy", variant("memory", "bf16 without the fp32 master copy", bytes_per_param=no_master_copy)),
+        ("paper_bf16_grads", variant("memory", "the ZeRO paper's bf16 gradients (16 bytes, not mini3d's 18)",
+                                     bytes_per_param=paper_bf16_grads)),
         ("shards_one_category", variant("memory", "stage s shards only its own category",
                                         zero_bytes_per_rank=shards_one_category)),
     ],

@@ -1,7 +1,8 @@
 """Checks of the exercises count_params (chapter 00) and memory (chapter 01).
 
 The ground truth is the real `mini3d.models.transformer.GPT` (its parameters counted) and the bytes per
-parameter of mixed-precision AdamW, sharded per ZeRO stage.
+parameter of mixed-precision AdamW as mini3d runs it (`mini3d.cost.memory.state_bytes`: fp32
+gradients, 18 bytes), sharded per ZeRO stage.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from mini3d.config import ModelConfig
-from mini3d.cost.memory import STATE_BYTES
+from mini3d.cost.memory import state_bytes
 from .core import Check, Exercise, expect
 
 
@@ -50,8 +51,9 @@ def min_gpus(ctx):
 
 
 
-# the exercise's two training dtypes (STATE_BYTES also has float64, a parity-debugging mode only)
-_PER = {dtype: dict(zip(("params", "grads", "optimizer"), STATE_BYTES[dtype]))
+# the exercise's two training dtypes, by the estimator's one rule (float64 is a parity-debugging
+# mode only): bf16 with mini3d's default fp32 gradients, 2 + 4 + 12 = 18 bytes
+_PER = {dtype: dict(zip(("params", "grads", "optimizer"), state_bytes(dtype)))
         for dtype in ("float32", "bf16")}
 
 

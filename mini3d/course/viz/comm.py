@@ -6,8 +6,6 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from mini3d.comm import ring_steps, ring_wire_bytes
-
 from .theme import AXIS_COLORS, human_bytes, new_figure
 
 MIB = 1024 ** 2
@@ -34,19 +32,20 @@ def comm_volume_figure(bytes_per_axis: Mapping[str, object], title: str = "Commu
     return fig
 
 
-def ring_allreduce_time(n: int, nbytes: float, bandwidth_gbps: float, latency_s: float = 0.0) -> float:
-    """Seconds for a ring all-reduce of `nbytes` over n ranks: 2(n-1) steps, each moving nbytes/n
-    over a link of `bandwidth_gbps` GB/s (1e9 bytes/s) and paying `latency_s` (the ring factors of
-    `mini3d.comm`, as the cost model's `Hardware.collective_s`)."""
-    if n <= 1:
-        return 0.0
-    return (ring_steps("all_reduce", n) * latency_s
-            + ring_wire_bytes("all_reduce", n, float(nbytes)) / (bandwidth_gbps * 1e9))
+def _ring_seconds(n: int, nbytes: float, bandwidth_gbps: float, latency_s: float) -> float:
+    """One flat ring all-reduce, timed by the cost model's owner `Hardware.collective_s`."""
+    import dataclasses
+
+    from mini3d.cost.hardware import PRESETS
+
+    hw = dataclasses.replace(PRESETS["A100-80GB"], latency_s=latency_s)
+    return hw.collective_s("all_reduce", n, float(nbytes), bandwidth_gbps * 1e9)
 
 
 def ring_allreduce_figure(nbytes: float, ranks: Sequence[int], bandwidths_gbps: Mapping[str, float],
-                          latency_s: float = 0.0, time_fn=ring_allreduce_time) -> go.Figure:
-    """All-reduce time vs ranks, one line per named link (e.g. {'NVLink': 300, 'InfiniBand': 25})."""
+                          latency_s: float = 0.0, time_fn=_ring_seconds) -> go.Figure:
+    """All-reduce time vs ranks, one line per named link (e.g. {'NVLink': 300, 'InfiniBand': 25}):
+    `time_fn(n, nbytes, GB/s, latency_s)`, by default a flat ring (`Hardware.collective_s`)."""
     fig = new_figure(f"Ring all-reduce of {human_bytes(nbytes)}", "ranks in the ring (GPUs)",
                      "all-reduce time (ms)")
     for name, bw in bandwidths_gbps.items():
@@ -74,4 +73,4 @@ def scaling_efficiency_figure(gpus: Sequence[int], efficiency: Sequence[float],
     return fig
 
 
-__all__ = ["comm_volume_figure", "ring_allreduce_time", "ring_allreduce_figure", "scaling_efficiency_figure"]
+__all__ = ["comm_volume_figure", "ring_allreduce_figure", "scaling_efficiency_figure"]

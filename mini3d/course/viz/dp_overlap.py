@@ -114,9 +114,9 @@ __all__ = ["dp_step_windows", "overlap_summary", "dp_overlap_figure", "loss_curv
 
 
 def cost_model_scaling_fn(gpu: str = "A100-80GB", seq_len: int = 2048,
-                          gpus: Sequence[int] = (1, 8, 32, 128, 512, 1024)):
+                          gpus: Sequence[int] = (1, 8, 32, 128, 512, 1024), zero: int = 1):
     """`rows_fn(model, global_batch, internode_gbps)` for `scaling_explorer`, backed by the cost
-    model: `dp_scaling_rows` on the preset GPU with its inter-node bandwidth replaced."""
+    model: `dp_scaling_rows` (ZeRO-`zero`) on the preset GPU with its inter-node bandwidth replaced."""
     import dataclasses
 
     from mini3d.config import model_from_preset
@@ -127,7 +127,7 @@ def cost_model_scaling_fn(gpu: str = "A100-80GB", seq_len: int = 2048,
         usable = [n for n in gpus if global_batch % n == 0]
         if not usable:
             raise ValueError(f"global_batch={global_batch} is not divisible by any GPU count in {list(gpus)}")
-        return dp_scaling_rows(model_from_preset(model), hw, usable, global_batch, seq_len)
+        return dp_scaling_rows(model_from_preset(model), hw, usable, global_batch, seq_len, zero=zero)
 
     return rows_fn
 

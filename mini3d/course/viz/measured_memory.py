@@ -74,11 +74,11 @@ def training_state_bars(n_params: float, n_gpus: int,
     """Chapter 00's arithmetic as breakdowns for `memory_breakdown_figure`: the whole training state
     of an `n_params` model on one GPU, the same split evenly over `n_gpus` GPUs (the best any layout
     can do for model states), and the weights alone. `state_bytes` are bytes per parameter by
-    category (default: mixed-precision AdamW, params 2 + grads 2 + optimizer 12 = 16, the
-    estimator's `STATE_BYTES["bf16"]`)."""
-    from mini3d.cost.memory import STATE_BYTES
+    category (default: mixed-precision AdamW as mini3d runs it, params 2 + fp32 grads 4 +
+    optimizer 12 = 18, the estimator's rule `mini3d.cost.memory.state_bytes("bf16")`)."""
+    from mini3d.cost.memory import state_bytes as rule
 
-    sb = dict(state_bytes or zip(MODEL_STATES, STATE_BYTES["bf16"]))
+    sb = dict(state_bytes or zip(MODEL_STATES, rule("bf16")))
     whole = {c: n_params * sb.get(c, 0) for c in MODEL_STATES}
     return {"weights only (bf16)": {"params": n_params * sb["params"]},
             "training state, 1 GPU": whole,
