@@ -75,13 +75,6 @@ def diagnose_problems(args, plan) -> list[str]:
     return out
 
 
-def diagnose_spec(args) -> dict:
-    """The diagnostics part of a worker spec; without --run-dir the run dir is None here and
-    `make_run_dir` makes a temp dir once the input is valid (a refused or dry run leaves none)."""
-    return dict(run_dir=args.run_dir, hang_timeout=args.hang_timeout, inject_fault=args.inject_fault,
-                memory_budget=args.memory_budget)
-
-
 def make_run_dir(spec):
     """`spec` with a run dir: its own, else a new temp dir (made only for a run that starts)."""
     import tempfile
@@ -90,14 +83,9 @@ def make_run_dir(spec):
 
 
 def add_train_args(p):
-    """The diagnostics flags of `mini3d train`."""
+    """The diagnostics flags of `mini3d train` that are not RunConfig fields (--hang-timeout,
+    --run-dir, --inject-fault and --memory-budget are: mini3d.run.flags makes them)."""
     d = p.add_argument_group("diagnostics (mini3d.diagnose)")
-    d.add_argument("--hang-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="an op pending this long is a hang: every rank dumps to --run-dir")
-    d.add_argument("--run-dir", metavar="DIR", help="where ranks dump on a hang (default: a temp dir)")
-    d.add_argument("--inject-fault", metavar="KIND:RANK:STEP[:ARG]",
-                   help="crash, skip, shape, p2p-order, slow, oom, freeze or raise, on one rank at one step")
-    d.add_argument("--memory-budget", metavar="SIZE", help="per-rank memory cap, e.g. 512MiB")
     d.add_argument("--dry-run", action="store_true",
                    help="validate, print the rank map, prove the step deadlock-free; start nothing")
     d.add_argument("--gpus-per-node", type=int, help="flag node boundaries in the dry-run map")
@@ -111,5 +99,4 @@ def register(subparsers):
     p.set_defaults(func=cmd_explain_hang)
 
 
-__all__ = ["register", "cmd_explain_hang", "add_train_args", "diagnose_problems", "diagnose_spec",
-           "make_run_dir"]
+__all__ = ["register", "cmd_explain_hang", "add_train_args", "diagnose_problems", "make_run_dir"]
