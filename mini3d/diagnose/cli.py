@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from . import p2p_order  # noqa: F401  (registers the full p2p check for `mini3d train`)
+from mini3d.diagnose import p2p_order  # noqa: F401  (registers the full p2p check for `mini3d train`)
+from mini3d.exits import EXIT_BAD_INPUT
 
 
 def cmd_explain_hang(args) -> int:
@@ -13,13 +14,13 @@ def cmd_explain_hang(args) -> int:
 
     if not os.path.isdir(args.dir):
         print(f"mini3d explain-hang: bad input: DIR={args.dir!r} is not a directory", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         result = explain(args.dir)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # a damaged dump
         print(f"mini3d explain-hang: bad input: {_damaged(args.dir, e)} (a dump cut short or "
               f"edited?)", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if result is None:
         from .flight_recorder import summary_lines
 
@@ -29,7 +30,7 @@ def cmd_explain_hang(args) -> int:
             return 0
         print(f"mini3d explain-hang: bad input: DIR={args.dir!r} holds no rank*.json dumps (pass the "
               f"--run-dir of the failed job)", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(result.text)
     return 0
 

@@ -16,6 +16,8 @@ import json
 import sys
 from fractions import Fraction
 
+from mini3d.exits import EXIT_BAD_INPUT
+
 from .rules import check
 from .schedules import KINDS, MULTI_CHUNK, make_schedule, schedule_problems
 from .simulator import bubble_formula, simulate
@@ -51,7 +53,7 @@ def run(args) -> int:
         print(f"mini3d schedule: bad input (--pp {args.pp} --micro-batches {args.micro_batches} "
               f"--schedule {args.schedule} --virtual-stages {v}): " + "; ".join(problems) + ".",
               file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     sched = make_schedule(args.schedule, args.pp, args.micro_batches, v)
     result = check(sched)
     sim = simulate(sched, Fraction(1, v), Fraction(2, v))  # split: t_w = half the backward

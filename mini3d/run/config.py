@@ -175,12 +175,6 @@ class RunConfig:
     def model_dict(self) -> dict:
         return dataclasses.asdict(self.model)
 
-    def diagnostics_spec(self) -> dict:
-        """What `mini3d.diagnose.session.diagnostics` reads."""
-        return dict(model=self.model_dict(), plan=self.plan.to_dict(), run_dir=self.run_dir,
-                    hang_timeout=self.hang_timeout, inject_fault=self.inject_fault,
-                    memory_budget=self.memory_budget, estimated=self.estimated)
-
 
 def make_spec(cfg: ModelConfig, plan: Plan, **options) -> RunConfig:
     """A validated `RunConfig` for `cfg` and `plan`; `options` are its fields (a typo is a
