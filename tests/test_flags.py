@@ -205,3 +205,20 @@ def test_a_rank_error_with_its_own_exit_code_is_reported_by_its_class(capsys):
     assert capsys.readouterr().err.strip() == "mini3d train: the loss is nan at step 3"
     plain = WorkerError(0, "NonFiniteLoss: looks like one, but raised as a plain error")
     assert report_worker_error(plain, [], None) == EXIT_FAILED  # no prefix matching
+
+
+def _diverge():
+    from mini3d.run.records import NonFiniteLoss
+
+    raise NonFiniteLoss("the loss is nan at step 1 (a test)")
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_carries_the_exit_code_of_the_class_a_rank_raised():
+    from mini3d.launch.jobs import WorkerError
+    from mini3d.launch.launcher import launch
+
+    with pytest.raises(WorkerError) as e:
+        launch(_diverge, 1, device="cpu", timeout=90)
+    assert e.value.exit_code == EXIT_NONFINITE and e.value.rank == 0
+    assert e.value.text == "the loss is nan at step 1 (a test)"
