@@ -35,9 +35,9 @@ def exit_code_of(exc: BaseException) -> int:
     return exc.exit_code if isinstance(exc, Mini3dError) else EXIT_FAILED
 
 
-def bad_input(problems: list[str], command: str = "train") -> int:
-    print(f"mini3d {command}: bad input: " + "; ".join(problems) + ". Nothing was started.",
-          file=sys.stderr)
+def bad_input(problems: list[str], command: str = "train", after: str = " Nothing was started.") -> int:
+    """Print the one-paragraph bad-input message of `command`; its exit code (2)."""
+    print(f"mini3d {command}: bad input: " + "; ".join(problems) + "." + after, file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

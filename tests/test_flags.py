@@ -222,3 +222,11 @@ def test_the_launcher_carries_the_exit_code_of_the_class_a_rank_raised():
         launch(_diverge, 1, device="cpu", timeout=90)
     assert e.value.exit_code == EXIT_NONFINITE and e.value.rank == 0
     assert e.value.text == "the loss is nan at step 1 (a test)"
+
+
+def test_schedule_flags_are_plan_fields():
+    """`mini3d schedule` (mini3d.pp.cli, in the engine: it cannot import the run shell's builder)
+    names its flags as the builder does, so the same words mean the same Plan fields."""
+    opts = _options(_subparser("schedule"))
+    for field in ("pp", "micro_batches", "schedule", "virtual_stages"):
+        assert opts[field].option_strings == _options(_subparser("train"))[field].option_strings

@@ -3,34 +3,30 @@
 from __future__ import annotations
 
 import os
-import sys
 
 from mini3d.diagnose import p2p_order  # noqa: F401  (registers the full p2p check for `mini3d train`)
-from mini3d.exits import EXIT_BAD_INPUT
+from mini3d.exits import bad_input
 
 
 def cmd_explain_hang(args) -> int:
-    from .explain import explain
+    from mini3d.diagnose.explain import explain
 
     if not os.path.isdir(args.dir):
-        print(f"mini3d explain-hang: bad input: DIR={args.dir!r} is not a directory", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input([f"DIR={args.dir!r} is not a directory"], "explain-hang", after="")
     try:
         result = explain(args.dir)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # a damaged dump
-        print(f"mini3d explain-hang: bad input: {_damaged(args.dir, e)} (a dump cut short or "
-              f"edited?)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input([f"{_damaged(args.dir, e)} (a dump cut short or edited?)"], "explain-hang",
+                         after="")
     if result is None:
-        from .flight_recorder import summary_lines
+        from mini3d.diagnose.flight_recorder import summary_lines
 
         nccl = summary_lines(args.dir)  # a job killed before mini3d dumped may still have these
         if nccl:
             print("\n".join(nccl))
             return 0
-        print(f"mini3d explain-hang: bad input: DIR={args.dir!r} holds no rank*.json dumps (pass the "
-              f"--run-dir of the failed job)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return bad_input([f"DIR={args.dir!r} holds no rank*.json dumps (pass the --run-dir of the "
+                          f"failed job)"], "explain-hang", after="")
     print(result.text)
     return 0
 
@@ -55,7 +51,7 @@ def _damaged(run_dir: str, error: Exception) -> str:
 
 def diagnose_problems(args, plan) -> list[str]:
     """Bad values among the diagnostics flags (mini3d.diagnose)."""
-    from .faults import fault_problems, parse_fault, parse_size
+    from mini3d.diagnose.faults import fault_problems, parse_fault, parse_size
 
     out = []
     if args.hang_timeout <= 0:

@@ -1,23 +1,27 @@
 """`mini3d estimate | plan | calibrate`: the memory estimator, cost model and planner from a shell.
 
-    mini3d estimate --model gpt-22b --tp 8 --global-batch 4 --dtype bf16 --sequence-parallel \
-        --recompute selective --gpu A100-80GB --json
-    mini3d plan --model gpt-70b --gpus 8 --global-batch 32 --gpu A100-80GB --top 5
+    mini3d estimate --model gpt-22b --tp 8 --global-batch 4 --seq-len 2048 --dtype bf16 \
+        --sequence-parallel --recompute selective --gpu A100-80GB --json
+    mini3d plan --model gpt-70b --gpus 8 --global-batch 32 --seq-len 4096 --dtype bf16 --top 5
     mini3d calibrate --out cpu.json        # then: mini3d estimate --model tiny --gpu cpu.json
 
+The model and plan flags are `mini3d train`'s (mini3d.run.flags): the same flags build the same
+ModelConfig and Plan, with the same defaults (float32, seq_len 64, global batch 8: say --dtype bf16
+and the sequence length for a GPU estimate). `plan` searches the layout (SEARCHED), so it takes no
+layout flag; `estimate` derives dp from --gpus when --dp is not given.
+
 Exit status: 0 answered (also for a layout that does not fit: the answer says so); 1 `plan` found
-no fitting layout; 2 bad input, with a message naming every offending value.
+no fitting layout; 2 bad input, with a message naming every offending value (`BadInput`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
 from mini3d.config import ModelConfig, Plan, PlanError
-from mini3d.exits import BadInput
+from mini3d.exits import BadInput, bad_input
 from mini3d.run import flags
 from mini3d.cost.memory import GB, estimate_all_stages
 from mini3d.cost.hardware import PRESETS as GPUS
@@ -160,8 +164,7 @@ def _guard(fn):
             _check_counts(args)
             return fn(args)
         except BadInput as e:
-            print(f"error: {e}", file=sys.stderr)
-            return e.exit_code
+            return bad_input([str(e)], args.command, after="")
     return run
 
 
