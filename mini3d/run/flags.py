@@ -5,7 +5,8 @@ dataclass default shown. A field added to one of them is a flag of every command
 with no code here; `NOT_FLAGS` names the fields that are not, and why.
 
 `configs_from_args(args)` is the one way from parsed flags to (ModelConfig, Plan): `mini3d train`,
-its dry run, `estimate`, `plan` and `schedule` all call it. The model is a preset (`--model`,
+its dry run, `estimate` and `plan` all call it (`mini3d schedule` lives in the engine, mini3d.pp.cli,
+which cannot import the run shell: its four flags carry the same names and dests). The model is a preset (`--model`,
 default tiny) with the given fields overridden; the rest of the model follows the way it always
 did in `mini3d train`: `d_ff` is 4 x `d_model` when `--hidden` is given without `--ffn`, and a
 preset with one key/value head per query head keeps that when `--heads` changes.
