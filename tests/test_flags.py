@@ -4,12 +4,14 @@ same flags (issue #29, items 1-2); exit codes come from the exception classes (i
 
 import argparse
 import dataclasses
+import importlib
 import json
 import shutil
 from dataclasses import dataclass
 
 import pytest
 
+import mini3d.cost.planner  # noqa: F401  (imported before a test patches the estimate it binds)
 from mini3d import cli
 from mini3d.config import ModelConfig, Plan, PlanError
 from mini3d.exits import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NONFINITE, EXIT_OOM, BadInput, exit_code_of
@@ -115,14 +117,14 @@ def _capture(monkeypatch, command: str, argv: list) -> tuple:
             raise _Captured
 
         monkeypatch.setattr(cli, "launch_train", launch)
-        monkeypatch.setattr("mini3d.run.dryrun.dry_run", dry)
+        monkeypatch.setattr(importlib.import_module("mini3d.run.dryrun"), "dry_run", dry)
         words = ["train", *argv, "--device", "cpu"] + (["--dry-run"] if command == "dry-run" else [])
     elif command == "estimate":
         def estimate(cfg, plan, *a, **k):
             got.update(model=cfg, plan=plan)
             raise _Captured
 
-        monkeypatch.setattr("mini3d.cost.model.estimate_cost", estimate)
+        monkeypatch.setattr(importlib.import_module("mini3d.cost.model"), "estimate_cost", estimate)
         words = ["estimate", *argv]
     else:
         def search(cfg, gpus, hw, batch, seq, dtype, top_k=5, attention="explicit"):
@@ -130,7 +132,7 @@ def _capture(monkeypatch, command: str, argv: list) -> tuple:
                                             attention=attention))
             raise _Captured
 
-        monkeypatch.setattr("mini3d.cost.planner.search", search)
+        monkeypatch.setattr(importlib.import_module("mini3d.cost.planner"), "search", search)
         words = ["plan", *_unsearched(argv), "--gpus", "8"]
     with pytest.raises(_Captured):
         cli.main(words)
