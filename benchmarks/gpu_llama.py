@@ -30,7 +30,8 @@ import statistics
 import subprocess
 import sys
 
-from mini3d.cli import build_parser, model_from_args
+from mini3d.cli import build_parser
+from mini3d.run.flags import model_from_args
 from mini3d.config import Plan
 from mini3d.cost.memory import estimate_memory
 from mini3d.run.report import model_flops_utilisation

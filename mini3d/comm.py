@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm_log import DEFERRED_WAIT_ENV, CommLog, Event, new_batch_id  # noqa: F401  (re-exported)
+from mini3d.comm_log import CommLog, Event, new_batch_id
 
 # torch >= 2.10 renamed the *_into_tensor / *_tensor collectives; use whichever this torch has.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

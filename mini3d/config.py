@@ -28,30 +28,45 @@ COMPILE = ("none", "inductor", "aot_eager")  # Plan.compile: off, or the torch.c
 class Plan:
     """How one training step is split across tp * cp * pp * dp processes."""
 
-    tp: int = 1  # tensor-parallel degree (splits each layer's matrices; wants NVLink)
-    pp: int = 1  # pipeline-parallel degree (splits the layers into stages)
-    dp: int = 1  # data-parallel degree (replicas, or shards under ZeRO)
-    zero: int = 0  # ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters
-    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zbv
-    micro_batches: int = 1  # micro-batches per optimizer step on each dp replica
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved, looped-bfs; zbv: 2)
-    recompute: str = "none"  # activation recomputation: none, selective or full
-    # float32; bf16 with fp32 master weights; or float64 everywhere (parameters, activations,
-    # gradients, reductions: parity checks whose bounds do not depend on summation order)
+    tp: int = 1
+    """tensor-parallel degree (splits each layer's matrices; wants NVLink)"""
+    pp: int = 1
+    """pipeline-parallel degree (splits the layers into stages)"""
+    dp: int = 1
+    """data-parallel degree (replicas, or shards under ZeRO)"""
+    zero: int = 0
+    """ZeRO stage: 0 none, 1 optimizer states, 2 + gradients, 3 + parameters"""
+    schedule: str = "1f1b"
+    """pipeline schedule: gpipe, 1f1b, interleaved, looped-bfs, zb-h1, zbv"""
+    micro_batches: int = 1
+    """micro-batches per optimizer step on each dp replica"""
+    virtual_stages: int = 1
+    """model chunks per pipeline rank (interleaved, looped-bfs; zbv: 2)"""
+    recompute: str = "none"
+    """activation recomputation: none, selective or full"""
     dtype: str = "float32"
-    global_batch: int = 8  # sequences per optimizer step, over all replicas
-    seq_len: int = 64  # tokens per sequence
-    sequence_parallel: bool = False  # shard LayerNorm/dropout regions along the sequence (tp > 1)
-    # data-parallel gradient bucket size in MiB: 25, PyTorch DDP's bucket_cap_mb (mini3d.cost.comm_time)
+    """float32; bf16 with fp32 master weights; or float64 everywhere (parameters, activations,
+    gradients, reductions: parity checks whose bounds do not depend on summation order)"""
+    global_batch: int = 8
+    """sequences per optimizer step, over all replicas"""
+    seq_len: int = 64
+    """tokens per sequence"""
+    sequence_parallel: bool = False
+    """shard LayerNorm/dropout regions along the sequence (tp > 1)"""
     bucket_mb: float = 25.0
-    attention: str = "explicit"  # attention core: written out (keeps the s x s matrix) or torch's sdpa
-    # bf16 runs: gradients accumulated and dp-reduced in float32 (Megatron / FSDP default), or in
-    # bf16: half the gradient memory and dp traffic, but rounded at every sum (see mini3d/dp/ddp.py)
+    """data-parallel gradient bucket size in MiB: 25, PyTorch DDP's bucket_cap_mb (see mini3d.cost.comm_time)"""
+    attention: str = "explicit"
+    """attention core: written out (keeps the s x s matrix) or torch's sdpa"""
     grad_dtype: str = "float32"
-    cp: int = 1  # context-parallel degree (splits each sequence; attention by ring attention)
-    # torch.compile each transformer block (mini3d.run.compile): "none", or the backend ("inductor";
-    # "aot_eager" traces and partitions the same graphs without generating code, for quick tests)
+    """bf16 runs: gradients accumulated and dp-reduced in float32 (Megatron / FSDP default), or in
+    bf16: half the gradient memory and dp traffic, but rounded at every sum (see
+    mini3d/dp/ddp.py)"""
+    cp: int = 1
+    """context-parallel degree (splits each sequence; attention by ring attention)"""
     compile: str = "none"
+    """torch.compile each transformer block (mini3d.run.compile): 'none', or the backend
+    ('inductor'; 'aot_eager' traces and partitions the same graphs without generating code, for
+    quick tests)"""
 
     @property
     def world_size(self) -> int:

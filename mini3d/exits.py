@@ -1,6 +1,11 @@
-"""Exit codes of every mini3d command, and the one-paragraph bad-input message (exit 2, printed
-before any process starts), and the checks that an output path can be written where it points.
-Each subcommand module reads them here, so none imports `mini3d.cli`."""
+"""Exit codes of every mini3d command, the errors that carry them, the one-paragraph bad-input
+message (exit 2, printed before any process starts), and the checks that an output path can be
+written where it points. Each subcommand module reads them here, so none imports `mini3d.cli`.
+
+An error class says its own exit code (`Mini3dError.exit_code`: `BadInput` 2, `PlanError` 2,
+`mini3d.run.records.NonFiniteLoss` 5, `mini3d.diagnose.faults.OutOfMemory` 4); `exit_code_of`
+reads it, in the process that raised it or, through the launcher, in the one that launched it.
+Any other exception is a failed rank (1)."""
 
 from __future__ import annotations
 
@@ -12,9 +17,27 @@ EXIT_NONFINITE = 5  # the loss became nan or inf (the message names the step and
 # 130 / 143: stopped by SIGINT / SIGTERM at a step boundary (mini3d.run.stop.exit_code)
 
 
-def bad_input(problems: list[str], command: str = "train") -> int:
-    print(f"mini3d {command}: bad input: " + "; ".join(problems) + ". Nothing was started.",
-          file=sys.stderr)
+class Mini3dError(Exception):
+    """An error that ends a mini3d command with its own exit code; its message is the whole
+    story (a command prints it without a traceback)."""
+
+    exit_code = EXIT_FAILED
+
+
+class BadInput(Mini3dError, ValueError):
+    """Input refused before anything starts; the message names every offending value."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+def exit_code_of(exc: BaseException) -> int:
+    """The exit code an exception ends a command with: its class's, else 1 (a rank failed)."""
+    return exc.exit_code if isinstance(exc, Mini3dError) else EXIT_FAILED
+
+
+def bad_input(problems: list[str], command: str = "train", after: str = " Nothing was started.") -> int:
+    """Print the one-paragraph bad-input message of `command`; its exit code (2)."""
+    print(f"mini3d {command}: bad input: " + "; ".join(problems) + "." + after, file=sys.stderr)
     return EXIT_BAD_INPUT
 
 

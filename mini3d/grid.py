@@ -225,7 +225,7 @@ def build_topology(grid: Grid, rank: int, device: torch.device | str = "cpu", lo
     and return this rank's Topology. `make_groups=False` gives a process-free view for tests."""
     import torch.distributed as dist
 
-    from .comm import CommLog
+    from mini3d.comm_log import CommLog
 
     log = log if log is not None else CommLog(rank)
     topo = Topology(grid, rank, torch.device(device), log=log)

@@ -85,7 +85,7 @@ def test_estimate_and_plan_take_attention(capsys):
     """`mini3d estimate --attention sdpa` drops the s x s term of every layer; `mini3d plan` with
     sdpa never proposes selective recompute (it would save nothing)."""
     base = ["estimate", "--model", "gpt2-small", "--seq-len", "1024", "--micro-batches", "8",
-            "--global-batch", "8", "--json"]
+            "--global-batch", "8", "--dtype", "bf16", "--json"]
     assert main(base) == 0
     explicit = json.loads(capsys.readouterr().out)
     assert main(base + ["--attention", "sdpa"]) == 0
@@ -95,7 +95,7 @@ def test_estimate_and_plan_take_attention(capsys):
     L, a, s, b = 12, 12, 1024, 1  # one micro-batch in flight; bf16 probabilities vs fp32 log-sum-exp
     assert saved == pytest.approx(L * (a * s * s * b * 2 - 4 * a * s * b), abs=16)
     assert main(["plan", "--model", "gpt2-small", "--gpus", "8", "--global-batch", "64",
-                 "--attention", "sdpa", "--top", "50", "--json"]) == 0
+                 "--dtype", "bf16", "--attention", "sdpa", "--top", "50", "--json"]) == 0
     plans = capsys.readouterr().out
     assert '"attention": "sdpa"' in plans and '"recompute": "selective"' not in plans
     assert '"recompute": "none"' in plans

@@ -22,7 +22,7 @@ def run(argv):
 @pytest.mark.timeout(30)
 def test_estimate_json(capsys):
     rc = run(["estimate", "--model", "gpt-22b", "--tp", "8", "--global-batch", "4", "--dtype", "bf16",
-              "--sequence-parallel", "--recompute", "selective", "--gpu", "A100-80GB", "--json"])
+              "--seq-len", "2048", "--sequence-parallel", "--recompute", "selective", "--gpu", "A100-80GB", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["fits"] is True
     mem = out["memory_per_rank_bytes"]
@@ -65,7 +65,7 @@ def test_plan_json_and_no_fit_exit_status(capsys):
     (["estimate", "--model", "tiny", "--tp", "2", "--pp", "2", "--dp", "2", "--gpus", "4"],
      ["world size 4", "2*2*2"]),
     (["estimate", "--model", "tiny", "--seq-len", "4096"], ["seq_len=4096", "max_seq_len=128"]),
-    (["estimate", "--hidden", "64"], ["--layers", "--heads"]),
+    (["estimate", "--model", "nope", "--hidden", "64"], ["model='nope' is not a preset", "tiny"]),
     (["estimate", "--model", "tiny", "--gpu", "B200"], ["B200"]),
     (["plan", "--model", "tiny"], ["--gpus"]),
 ])

@@ -20,7 +20,8 @@ from tests.cp_workers import measured_ring
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=64)
 # a Llama-3.1-8B-sized GPT (the llama presets are another branch's): 32 x 4096, 32 heads
 LONG = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "32000",
-        "--seq-len", "131072", "--gpu", "H100-80GB", "--attention", "sdpa"]
+        "--seq-len", "131072", "--max-seq-len", "131072", "--dtype", "bf16", "--global-batch", "1",
+        "--gpu", "H100-80GB", "--attention", "sdpa"]
 
 
 @pytest.mark.timeout(120)

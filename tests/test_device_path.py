@@ -207,7 +207,8 @@ def test_gpu_llama_shape_and_report():
     """benchmarks/gpu_llama.py's model is the ~1B llama preset as the CLI builds it, and its report
     names every number (the CPU run of the whole logic: GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh)."""
     from benchmarks import gpu_llama
-    from mini3d.cli import build_parser, model_from_args
+    from mini3d.cli import build_parser
+    from mini3d.run.flags import model_from_args
 
     cfg = model_from_args(build_parser().parse_args(["train", *gpu_llama.MODEL_FLAGS[False]]))
     assert cfg.family == "llama" and 1.1e9 < cfg.n_params() < 1.4e9

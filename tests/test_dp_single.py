@@ -5,7 +5,7 @@ import contextlib
 import pytest
 import torch
 
-from mini3d.comm import CommLog
+from mini3d.comm_log import CommLog
 from mini3d.config import Plan
 from mini3d.dp import make_dp, model_state_ledger
 from mini3d.grid import Axis

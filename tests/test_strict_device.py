@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from mini3d import comm
-from mini3d.comm import CommLog, DeviceMismatch
+from mini3d.comm import DeviceMismatch
+from mini3d.comm_log import CommLog
 from mini3d.config import Plan, model_from_preset
 from mini3d.grid import Axis
 from mini3d.launch.launcher import launch

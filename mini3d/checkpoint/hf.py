@@ -118,7 +118,7 @@ def init_from_hf(trainer, hf_dir: str) -> None:
 
 def _run(fn):
     def run(args) -> int:
-        from mini3d.exits import dir_target
+        from mini3d.exits import EXIT_BAD_INPUT, dir_target
 
         try:
             for problem in dir_target("the output directory", getattr(args, "ckpt_dir", None)
@@ -130,7 +130,7 @@ def _run(fn):
                   file=sys.stderr)
         except (HFError, OSError, KeyError) as e:
             print(f"mini3d {args.command}: bad input: {e}. Nothing was written.", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     return run
 
 

@@ -3,33 +3,30 @@
 from __future__ import annotations
 
 import os
-import sys
 
-from . import p2p_order  # noqa: F401  (registers the full p2p check for `mini3d train`)
+from mini3d.diagnose import p2p_order  # noqa: F401  (registers the full p2p check for `mini3d train`)
+from mini3d.exits import bad_input
 
 
 def cmd_explain_hang(args) -> int:
-    from .explain import explain
+    from mini3d.diagnose.explain import explain
 
     if not os.path.isdir(args.dir):
-        print(f"mini3d explain-hang: bad input: DIR={args.dir!r} is not a directory", file=sys.stderr)
-        return 2
+        return bad_input([f"DIR={args.dir!r} is not a directory"], "explain-hang", after="")
     try:
         result = explain(args.dir)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # a damaged dump
-        print(f"mini3d explain-hang: bad input: {_damaged(args.dir, e)} (a dump cut short or "
-              f"edited?)", file=sys.stderr)
-        return 2
+        return bad_input([f"{_damaged(args.dir, e)} (a dump cut short or edited?)"], "explain-hang",
+                         after="")
     if result is None:
-        from .flight_recorder import summary_lines
+        from mini3d.diagnose.flight_recorder import summary_lines
 
         nccl = summary_lines(args.dir)  # a job killed before mini3d dumped may still have these
         if nccl:
             print("\n".join(nccl))
             return 0
-        print(f"mini3d explain-hang: bad input: DIR={args.dir!r} holds no rank*.json dumps (pass the "
-              f"--run-dir of the failed job)", file=sys.stderr)
-        return 2
+        return bad_input([f"DIR={args.dir!r} holds no rank*.json dumps (pass the --run-dir of the "
+                          f"failed job)"], "explain-hang", after="")
     print(result.text)
     return 0
 
@@ -54,7 +51,7 @@ def _damaged(run_dir: str, error: Exception) -> str:
 
 def diagnose_problems(args, plan) -> list[str]:
     """Bad values among the diagnostics flags (mini3d.diagnose)."""
-    from .faults import fault_problems, parse_fault, parse_size
+    from mini3d.diagnose.faults import fault_problems, parse_fault, parse_size
 
     out = []
     if args.hang_timeout <= 0:
@@ -75,13 +72,6 @@ def diagnose_problems(args, plan) -> list[str]:
     return out
 
 
-def diagnose_spec(args) -> dict:
-    """The diagnostics part of a worker spec; without --run-dir the run dir is None here and
-    `make_run_dir` makes a temp dir once the input is valid (a refused or dry run leaves none)."""
-    return dict(run_dir=args.run_dir, hang_timeout=args.hang_timeout, inject_fault=args.inject_fault,
-                memory_budget=args.memory_budget)
-
-
 def make_run_dir(spec):
     """`spec` with a run dir: its own, else a new temp dir (made only for a run that starts)."""
     import tempfile
@@ -90,14 +80,9 @@ def make_run_dir(spec):
 
 
 def add_train_args(p):
-    """The diagnostics flags of `mini3d train`."""
+    """The diagnostics flags of `mini3d train` that are not RunConfig fields (--hang-timeout,
+    --run-dir, --inject-fault and --memory-budget are: mini3d.run.flags makes them)."""
     d = p.add_argument_group("diagnostics (mini3d.diagnose)")
-    d.add_argument("--hang-timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="an op pending this long is a hang: every rank dumps to --run-dir")
-    d.add_argument("--run-dir", metavar="DIR", help="where ranks dump on a hang (default: a temp dir)")
-    d.add_argument("--inject-fault", metavar="KIND:RANK:STEP[:ARG]",
-                   help="crash, skip, shape, p2p-order, slow, oom, freeze or raise, on one rank at one step")
-    d.add_argument("--memory-budget", metavar="SIZE", help="per-rank memory cap, e.g. 512MiB")
     d.add_argument("--dry-run", action="store_true",
                    help="validate, print the rank map, prove the step deadlock-free; start nothing")
     d.add_argument("--gpus-per-node", type=int, help="flag node boundaries in the dry-run map")
@@ -111,5 +96,4 @@ def register(subparsers):
     p.set_defaults(func=cmd_explain_hang)
 
 
-__all__ = ["register", "cmd_explain_hang", "add_train_args", "diagnose_problems", "diagnose_spec",
-           "make_run_dir"]
+__all__ = ["register", "cmd_explain_hang", "add_train_args", "diagnose_problems", "make_run_dir"]

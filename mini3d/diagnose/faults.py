@@ -36,6 +36,7 @@ import torch
 from .. import comm
 from ..comm import COLLECTIVES
 from ..cost.memory import CATEGORIES
+from ..exits import EXIT_OOM, Mini3dError
 
 KINDS = ("crash", "skip", "shape", "p2p-order", "slow", "oom", "freeze", "raise")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
@@ -136,8 +137,10 @@ def oom_report(rank: int, coords: dict, measured: dict, estimated: dict | None, 
     return "\n".join(lines)
 
 
-class OutOfMemory(RuntimeError):
+class OutOfMemory(Mini3dError, RuntimeError):
     """An allocation would exceed the memory budget; carries the category and the numbers."""
+
+    exit_code = EXIT_OOM
 
     def __init__(self, rank: int, coords: dict, category: str, requested: int, budget: int,
                  measured: dict, estimated: dict | None = None, fits: list[str] | None = None):

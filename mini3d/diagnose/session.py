@@ -7,7 +7,7 @@
     with diag.saving(nbytes, step): ...   # a checkpoint save: its own bound, not hang_timeout
     diag.finish()                         # "finished" dump; stops the watchdog
 
-`spec` keys (all optional): `run_dir` (no run_dir: no watchdog), `hang_timeout` (seconds, default
+A training run calls `for_run(topo, run)` with its RunConfig instead. `spec` keys (all optional): `run_dir` (no run_dir: no watchdog), `hang_timeout` (seconds, default
 300), `inject_fault` ("KIND:RANK:STEP[:ARG]"), `memory_budget` (bytes or "512MiB"), `estimated`
 (bytes per category, for the OOM report). The trainer and the comm-only drill use the same calls.
 """
@@ -53,6 +53,18 @@ def diagnostics(topo, spec: dict) -> Diagnostics:
                        spec.get("inject_fault"), spec.get("memory_budget"), estimated)
 
 
+def for_run(topo, run) -> Diagnostics:
+    """This rank's diagnostics for a training run (a `mini3d.run.config.RunConfig`), read from its
+    objects: the estimate for a fault report comes from its ModelConfig and Plan themselves."""
+    estimated = run.estimated
+    if estimated is None and run.inject_fault:
+        from mini3d.cost.memory import estimate_memory
+
+        estimated = estimate_memory(run.model, run.plan, topo.pp.index).as_dict()
+    return Diagnostics(topo, run.run_dir, float(run.hang_timeout), run.inject_fault,
+                       run.memory_budget, estimated)
+
+
 def _estimate(spec: dict, stage: int) -> dict | None:
     """The estimator's bytes per category for this rank's stage."""
     from ..config import model_from_dict, plan_from_dict
@@ -62,4 +74,4 @@ def _estimate(spec: dict, stage: int) -> dict | None:
                            stage).as_dict()
 
 
-__all__ = ["Diagnostics", "diagnostics"]
+__all__ = ["Diagnostics", "diagnostics", "for_run"]

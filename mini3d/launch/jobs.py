@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import signal
 
+from mini3d.exits import EXIT_FAILED
+
 HANG_EXIT = 86  # exit status of a rank whose hang watchdog (mini3d.diagnose.watchdog) saw a hang
 ABORTED_EXIT = 87  # exit status of a rank whose watchdog dumped because another rank failed
 ABORT_MARKER = "ABORT"  # file in the run directory that tells every rank's watchdog to dump and exit
@@ -16,10 +18,13 @@ JOB_ENV = "MINI3D_JOB_ID"  # this job's id: its abort marker is ABORT-<id> (see 
 
 
 class WorkerError(RuntimeError):
-    """A rank raised or died; carries its rank and traceback."""
+    """A rank raised or died; carries its rank, traceback, and the exit code of what it raised
+    (`mini3d.exits.exit_code_of`, with `text`, the exception's own message)."""
 
-    def __init__(self, rank: int, message: str, tb: str = ""):
+    def __init__(self, rank: int, message: str, tb: str = "", exit_code: int = EXIT_FAILED,
+                 text: str | None = None):
         self.rank, self.message, self.traceback = rank, message, tb
+        self.exit_code, self.text = exit_code, message if text is None else text
         text = f"rank {rank} failed: {message}"
         if tb:
             text += f"\n--- traceback from rank {rank} ---\n{tb.rstrip()}"

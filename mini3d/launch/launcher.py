@@ -40,6 +40,7 @@ from mini3d.launch.devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_dev
 from mini3d.launch.jobs import (_ASKED, _CHILDREN, ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, JOB_ENV,
                                 STOP_SIGNALS, HangDetected, LaunchTimeout, WorkerError, _clear_run_dir,
                                 abort_marker, forward_stop)
+from mini3d.exits import exit_code_of
 from mini3d.launch.p2p_record import P2POrderError, check_saved, save_worker_record, start_worker_record
 
 PG_TIMEOUT_ENV = "MINI3D_PG_TIMEOUT_S"  # process-group timeout, set from --hang-timeout (watchdog.py)
@@ -128,7 +129,8 @@ def _worker(rank, world_size, store_path, backend, device_type, threads, fn, arg
                 hook(e)
             except Exception:
                 pass
-        q.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        q.put((rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc(), exit_code_of(e),
+               str(e)))
         q.close()
         q.join_thread()
         sys.stdout.flush()
@@ -182,7 +184,7 @@ def _abort_and_record(procs, q, run_dir: str, grace: float, first, job: str) -> 
     errors, tracebacks = {}, {}
     while True:
         try:
-            rank, status, payload, tb = q.get(timeout=0.05)
+            rank, status, payload, tb, *code = q.get(timeout=0.05)
         except (queue.Empty, OSError, EOFError):
             break
         if status != "ok":
@@ -213,20 +215,20 @@ def _collect(procs, q, world_size: int, deadline: float, timeout: float) -> dict
     results: dict[int, object] = {}
     while len(results) < world_size:
         try:
-            rank, status, payload, tb = q.get(timeout=0.1)
+            rank, status, payload, tb, *code = q.get(timeout=0.1)
         except queue.Empty:
             rank = None
         if rank is not None:
             if status != "ok":
-                raise WorkerError(rank, payload, tb)
+                raise WorkerError(rank, payload, tb, *code)
             results[rank] = pickle.loads(payload)
             continue
         for r, p in enumerate(procs):
             if p.exitcode not in (None, 0) and r not in results:
                 try:  # its own report may still be in flight
-                    rank, status, payload, tb = q.get(timeout=1.0)
+                    rank, status, payload, tb, *code = q.get(timeout=1.0)
                     if status != "ok":
-                        raise WorkerError(rank, payload, tb)
+                        raise WorkerError(rank, payload, tb, *code)
                     results[rank] = pickle.loads(payload)
                     break
                 except queue.Empty:

@@ -1,7 +1,8 @@
 """The model's shape as data: `ModelConfig` (one dataclass for every family, exact parameter
 counts) and `PlanError`, the error every validation raises with each offending value named. The
 presets with their published dimensions are mini3d.models.presets. `mini3d.config` re-exports all
-of it next to `Plan`; this module imports nothing of mini3d.
+of it next to `Plan`; this module imports only mini3d.exits (a `PlanError` is bad input:
+exit 2).
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from mini3d.exits import BadInput
 
-class PlanError(ValueError):
+
+class PlanError(BadInput):
     """A plan that cannot run; the message names each offending value and what would fit."""
 
     def __init__(self, problems: list[str]):
@@ -40,22 +43,37 @@ class ModelConfig:
     untied head: the numbers the course and its parity tests were built on; the `gpt2-*` presets
     and Hugging Face imports are the real GPT-2 (tanh GELU, tied)."""
 
-    n_layers: int = 4  # transformer blocks
-    d_model: int = 64  # hidden size h
-    n_heads: int = 4  # attention (query) heads a (d_model % n_heads == 0)
-    vocab_size: int = 256  # V; byte-level tokenizer by default
-    max_seq_len: int = 128  # longest sequence (gpt2: length of the learned position table)
-    d_ff: int = 0  # MLP width; 0 means 4 * d_model
-    name: str = "custom"  # preset name, for reports
-    family: str = "gpt2"  # gpt2, llama, qwen2 or qwen3 (see the class docstring)
-    n_kv_heads: int = 0  # key/value heads (grouped-query attention); 0 means n_heads
-    rope_base: float = 10000.0  # rotary position base theta (llama)
-    tie_embeddings: bool = False  # the output head is the token embedding matrix
-    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
-    activation: str = ""  # gpt2: gelu (exact) or gelu_tanh; llama: silu (SwiGLU); "" = family default
-    dropout: float = 0.0  # dropout on the embedding output and each residual branch (0 = none)
-    rope_scaling: tuple = ()  # Llama 3.1's rotary rescaling: (factor, low_freq_factor,
-    #                           high_freq_factor, original context); () for none
+    n_layers: int = 4
+    """transformer blocks"""
+    d_model: int = 64
+    """hidden size h"""
+    n_heads: int = 4
+    """attention (query) heads a (d_model % n_heads == 0)"""
+    vocab_size: int = 256
+    """V; byte-level tokenizer by default"""
+    max_seq_len: int = 128
+    """longest sequence (gpt2: length of the learned position table)"""
+    d_ff: int = 0
+    """MLP width; 0 means 4 * d_model"""
+    name: str = "custom"
+    """preset name, for reports"""
+    family: str = "gpt2"
+    """gpt2, llama, qwen2 or qwen3 (see the class docstring)"""
+    n_kv_heads: int = 0
+    """key/value heads (grouped-query attention); 0 means n_heads"""
+    rope_base: float = 10000.0
+    """rotary position base theta (llama)"""
+    tie_embeddings: bool = False
+    """the output head is the token embedding matrix"""
+    norm_eps: float = 1e-5
+    """LayerNorm / RMSNorm epsilon"""
+    activation: str = ""
+    """gpt2: gelu (exact) or gelu_tanh; llama: silu (SwiGLU); '' = family default"""
+    dropout: float = 0.0
+    """dropout on the embedding output and each residual branch (0 = none)"""
+    rope_scaling: tuple = ()
+    """Llama 3.1's rotary rescaling: (factor, low_freq_factor, high_freq_factor, original
+    context); () for none"""
     # ---- attention variants of the qwen families (h-fam)
     explicit_head_dim: int = 0
     """width of one attention head; 0 means d_model / n_heads (qwen3's is 128 at every size)"""

@@ -16,6 +16,8 @@ import json
 import sys
 from fractions import Fraction
 
+from mini3d.exits import EXIT_BAD_INPUT
+
 from .rules import check
 from ..schedule_kinds import KINDS as KINDS_BY_NAME
 from .schedules import KINDS, make_schedule, schedule_problems
@@ -53,7 +55,7 @@ def run(args) -> int:
         print(f"mini3d schedule: bad input (--pp {args.pp} --micro-batches {args.micro_batches} "
               f"--schedule {args.schedule} --virtual-stages {v}): " + "; ".join(problems) + ".",
               file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     sched = make_schedule(args.schedule, args.pp, args.micro_batches, v)
     result = check(sched)
     sim = simulate(sched, Fraction(1, v), Fraction(2, v))  # split: t_w = half the backward

@@ -1,4 +1,6 @@
-"""The run options of `mini3d train` that the plan does not cover, checked before any process starts.
+"""The run options of `mini3d train` that the plan does not cover, checked before any process
+starts, and the resume checks (the checkpoint's files, model, step, seed, data and batch against
+this run's).
 
 Each problem names the flag, the value and what would fit. `Plan.problems` covers the parallel
 layout and `diagnose_problems` the diagnostics flags; this covers numbers that must be finite and
@@ -9,7 +11,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
+from mini3d.config import ModelConfig, Plan
 from mini3d.exits import dir_target as _dir_target, file_target as _file_target
 
 
@@ -105,4 +109,39 @@ def resume_changes(meta: dict, args, plan) -> list[str]:
     return out
 
 
-__all__ = ["run_problems", "resume_changes"]
+def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
+                 plan: Plan | None = None) -> tuple[str | None, list[str]]:
+    """(checkpoint directory, problems) for --resume ROOT; with `args` and `plan`, a changed seed,
+    data, global batch or tokenizer too (a warning instead with --allow-change)."""
+    import dataclasses
+
+    from mini3d.checkpoint.store import latest_dir, read_meta
+    from mini3d.checkpoint.verify import shape_mismatch, verify_checkpoint
+
+    ckpt = latest_dir(root)
+    if ckpt is None:
+        what = "is a file, not a checkpoint directory" if os.path.isfile(root) else \
+            "holds no complete checkpoint"
+        return None, [f"--resume {root!r} {what}"]
+    broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
+    if broken:
+        return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
+    meta = read_meta(ckpt)
+    out = []
+    diff = shape_mismatch(meta, dataclasses.asdict(cfg))
+    if diff:
+        out.append(f"checkpoint {ckpt!r} is of another model shape ({'; '.join(diff)})")
+    if meta["step"] >= steps:
+        out.append(f"checkpoint {ckpt!r} is at step {meta['step']}, --steps={steps} asks for no more "
+                   f"(--steps is the total number of steps to reach)")
+    if args is not None and plan is not None:
+        changes = resume_changes(meta, args, plan)
+        if changes and not args.allow_change:
+            out += [f"{c} (the resumed run would not see the batches of an uninterrupted one; "
+                    f"pass --allow-change to resume anyway)" for c in changes]
+        for c in changes if args.allow_change else ():
+            print(f"mini3d train: warning: {c}; resuming anyway (--allow-change)", file=sys.stderr)
+    return ckpt, out
+
+
+__all__ = ["run_problems", "resume_changes", "check_resume"]

@@ -24,40 +24,74 @@ COLLECTABLE = ("events", "timeline", "ledger", "activations")
 class RunConfig:
     """One training run: the model, the plan, and how to run, log, save and diagnose it."""
 
-    model: ModelConfig  # the model's shape
-    plan: Plan  # the parallel layout and batch shape
-    steps: int = 20  # optimizer steps to reach (the total, also when resuming)
-    lr: float = 3e-3  # AdamW learning rate
-    seed: int = 0  # seeds the weights and the batches (batches are a function of (seed, step))
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    grad_clip: float = 0.0  # clip the global gradient norm to this (0: off)
-    log_grad_norm: bool = False  # record `grad_norm` every step also without clipping
-    data: str | None = None  # a text file, a `mini3d prepare` shard directory; None: embedded corpus
-    tokenizer: str = "bytes"  # bytes, gpt2, or a tokenizer file's path (mini3d.data.tokenizer)
-    eval_every: int = 0  # validation loss every N steps and at the end (0: never)
-    eval_batches: int = 4  # global batches of the validation split per evaluation
-    lr_schedule: str = "constant"  # constant, cosine or linear decay after the warmup
-    warmup_steps: int = 0  # linear warmup from lr/warmup_steps to lr
-    min_lr: float = 0.0  # where cosine / linear decay ends
-    decay_steps: int = 0  # the step at which the decay reaches min_lr (0: steps)
-    decay_embeddings: bool = False  # weight decay on the embeddings too (matrices always, 1-d never)
-    sample_every: int = 0  # print a short sample every N steps on the reporting rank (0: never)
-    tensorboard: str | None = None  # a directory for TensorBoard event files (reporting rank)
-    keep_last: int = 0  # keep only the newest N checkpoints under `save` (0: keep all)
-    log_every: int = 10  # plain progress line every N steps when stderr is not a terminal
-    log_jsonl: str | None = None  # file for one JSON object per optimizer step (reporting rank)
-    progress: bool = False  # show a progress bar on the reporting rank
-    save: str | None = None  # checkpoint root directory (saved at the end and every save_every)
-    save_every: int = 0  # also save every N steps (0: only at the end)
-    resume: str | None = None  # a checkpoint directory to continue from (any layout)
-    init_from_hf: str | None = None  # a local Hugging Face checkpoint directory to start from
-    collect: tuple = ()  # extra measurements to return: events, timeline, ledger, activations
-    run_dir: str | None = None  # where ranks dump diagnostics (hangs, faults)
-    hang_timeout: float = 300.0  # seconds an op may pend before it counts as a hang
-    inject_fault: str | None = None  # KIND:RANK:STEP[:ARG], a fault drill (mini3d.diagnose)
-    memory_budget: str | None = None  # per-rank memory cap such as "512MiB" (checked at step 1)
-    estimated: dict | None = None  # the estimator's bytes per category, for fault reports
-    stop_on_signal: bool = False  # Ctrl-C / SIGTERM stop every rank at a step boundary (mini3d.run.stop)
+    model: ModelConfig
+    """the model's shape"""
+    plan: Plan
+    """the parallel layout and batch shape"""
+    steps: int = 20
+    """optimizer steps to reach (the total, also when resuming)"""
+    lr: float = 3e-3
+    """AdamW learning rate"""
+    seed: int = 0
+    """seeds the weights and the batches (batches are a function of (seed, step))"""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay"""
+    grad_clip: float = 0.0
+    """clip the global gradient norm to this (0: off)"""
+    log_grad_norm: bool = False
+    """record `grad_norm` every step also without clipping"""
+    data: str | None = None
+    """a text file, a `mini3d prepare` shard directory; None: embedded corpus"""
+    tokenizer: str = "bytes"
+    """bytes, gpt2, or a tokenizer file's path (mini3d.data.tokenizer)"""
+    eval_every: int = 0
+    """validation loss every N steps and at the end (0: never)"""
+    eval_batches: int = 4
+    """global batches of the validation split per evaluation"""
+    lr_schedule: str = "constant"
+    """constant, cosine or linear decay after the warmup"""
+    warmup_steps: int = 0
+    """linear warmup from lr/warmup_steps to lr"""
+    min_lr: float = 0.0
+    """where cosine / linear decay ends"""
+    decay_steps: int = 0
+    """the step at which the decay reaches min_lr (0: steps)"""
+    decay_embeddings: bool = False
+    """weight decay on the embeddings too (matrices always, 1-d never)"""
+    sample_every: int = 0
+    """print a short sample every N steps on the reporting rank (0: never)"""
+    tensorboard: str | None = None
+    """a directory for TensorBoard event files (reporting rank)"""
+    keep_last: int = 0
+    """keep only the newest N checkpoints under `save` (0: keep all)"""
+    log_every: int = 10
+    """plain progress line every N steps when stderr is not a terminal"""
+    log_jsonl: str | None = None
+    """file for one JSON object per optimizer step (reporting rank)"""
+    progress: bool = False
+    """show a progress bar on the reporting rank"""
+    save: str | None = None
+    """checkpoint root directory (saved at the end and every save_every)"""
+    save_every: int = 0
+    """also save every N steps (0: only at the end)"""
+    resume: str | None = None
+    """a checkpoint directory to continue from (any layout)"""
+    init_from_hf: str | None = None
+    """a local Hugging Face checkpoint directory to start from"""
+    collect: tuple = ()
+    """extra measurements to return: events, timeline, ledger, activations"""
+    run_dir: str | None = None
+    """where ranks dump diagnostics (hangs, faults)"""
+    hang_timeout: float = 300.0
+    """seconds an op may pend before it counts as a hang"""
+    inject_fault: str | None = None
+    """KIND:RANK:STEP[:ARG], a fault drill (mini3d.diagnose)"""
+    memory_budget: str | None = None
+    """per-rank memory cap such as '512MiB' (checked at step 1)"""
+    estimated: dict | None = None
+    """the estimator's bytes per category, for fault reports"""
+    stop_on_signal: bool = False
+    """Ctrl-C / SIGTERM stop every rank at a step boundary (mini3d.run.stop)"""
 
     def __post_init__(self):
         object.__setattr__(self, "collect", tuple(self.collect or ()))
@@ -152,12 +186,6 @@ class RunConfig:
 
     def model_dict(self) -> dict:
         return dataclasses.asdict(self.model)
-
-    def diagnostics_spec(self) -> dict:
-        """What `mini3d.diagnose.session.diagnostics` reads."""
-        return dict(model=self.model_dict(), plan=self.plan.to_dict(), run_dir=self.run_dir,
-                    hang_timeout=self.hang_timeout, inject_fault=self.inject_fault,
-                    memory_budget=self.memory_budget, estimated=self.estimated)
 
 
 def make_spec(cfg: ModelConfig, plan: Plan, **options) -> RunConfig:

@@ -1,91 +1,51 @@
 """`mini3d estimate | plan | calibrate`: the memory estimator, cost model and planner from a shell.
 
-    mini3d estimate --model gpt-22b --tp 8 --global-batch 4 --dtype bf16 --sequence-parallel \
-        --recompute selective --gpu A100-80GB --json
-    mini3d plan --model gpt-70b --gpus 8 --global-batch 32 --gpu A100-80GB --top 5
+    mini3d estimate --model gpt-22b --tp 8 --global-batch 4 --seq-len 2048 --dtype bf16 \
+        --sequence-parallel --recompute selective --gpu A100-80GB --json
+    mini3d plan --model gpt-70b --gpus 8 --global-batch 32 --seq-len 4096 --dtype bf16 --top 5
     mini3d calibrate --out cpu.json        # then: mini3d estimate --model tiny --gpu cpu.json
 
+The model and plan flags are `mini3d train`'s (mini3d.run.flags): the same flags build the same
+ModelConfig and Plan, with the same defaults (float32, seq_len 64, global batch 8: say --dtype bf16
+and the sequence length for a GPU estimate). `plan` searches the layout (SEARCHED), so it takes no
+layout flag; `estimate` derives dp from --gpus when --dp is not given.
+
 Exit status: 0 answered (also for a layout that does not fit: the answer says so); 1 `plan` found
-no fitting layout; 2 bad input, with a message naming every offending value.
+no fitting layout; 2 bad input, with a message naming every offending value (`BadInput`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
-from mini3d.config import ATTENTION, DTYPES, RECOMPUTE, SCHEDULES, PRESETS, ModelConfig, Plan, PlanError
+from mini3d.config import ModelConfig, Plan, PlanError
+from mini3d.exits import BadInput, bad_input
+from mini3d.run import flags
 from mini3d.cost.memory import GB, estimate_all_stages
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.hardware import load_hardware, save_hardware
 
 
-class BadInput(ValueError):
-    pass
-
-
-def _model_args(p):
-    g = p.add_argument_group("model (a preset, or field by field; fields override a preset)")
-    g.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--hidden", type=int)
-    g.add_argument("--heads", type=int)
-    g.add_argument("--vocab", type=int)
-    g.add_argument("--ffn", type=int, help="MLP width d_ff (default 4 * hidden)")
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's max)")
-    from mini3d.run.model_args import add_family_args
-
-    add_family_args(g)
+SEARCHED = ("tp", "pp", "dp", "cp", "zero", "schedule", "virtual_stages", "micro_batches",
+            "recompute", "sequence_parallel", "bucket_mb", "grad_dtype", "compile")  # by `plan`
 
 
 def _hw_args(p):
-    p.add_argument("--gpu", default="A100-80GB", help=f"{' | '.join(GPUS)} | path.json")
-    p.add_argument("--gpus", type=int, help="number of GPUs (default tp*pp*dp)")
-    p.add_argument("--global-batch", type=int, help="sequences per step (default dp * micro-batches)")
-    p.add_argument("--dtype", default="bf16", choices=DTYPES)
-    p.add_argument("--attention", default="explicit", choices=ATTENTION,
-                   help="explicit keeps the s x s attention matrix; sdpa (fused) does not")
-    p.add_argument("--json", action="store_true", help="print the machine-readable answer")
-
-
-def _plan_args(p):
-    g = p.add_argument_group("plan")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--pp", type=int, default=1)
-    g.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention)")
-    g.add_argument("--dp", type=int, help="default: gpus / (tp * cp * pp), or 1")
-    g.add_argument("--zero", type=int, default=0)
-    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    g.add_argument("--virtual-stages", type=int, default=1)
-    g.add_argument("--micro-batches", type=int, default=1)
-    g.add_argument("--recompute", default="none", choices=RECOMPUTE)
-    g.add_argument("--sequence-parallel", action="store_true")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpu", default="A100-80GB", help=f"{' | '.join(GPUS)} | path.json "
+                                                      f"(default: %(default)s)")
+    g.add_argument("--gpus", type=int, help="number of GPUs (default tp*cp*pp*dp)")
+    g.add_argument("--json", action="store_true", help="print the machine-readable answer")
 
 
 def model_from_args(args) -> ModelConfig:
-    fields = {"n_layers": args.layers, "d_model": args.hidden, "n_heads": args.heads,
-              "vocab_size": args.vocab, "d_ff": args.ffn}
-    given = {k: v for k, v in fields.items() if v is not None}
-    from mini3d.run.model_args import family_overrides
-
+    """The model of the flags (mini3d.run.flags, as `mini3d train` builds it), or BadInput."""
     try:
-        given.update(family_overrides(args))
-    except PlanError as e:  # a family flag that contradicts another
+        cfg = flags.model_from_args(args)
+    except PlanError as e:
         raise BadInput("; ".join(e.problems)) from None
-    if args.model:
-        if args.model not in PRESETS:
-            raise BadInput(f"--model {args.model!r} is not a preset (choose from {', '.join(PRESETS)})")
-        cfg = dataclasses.replace(PRESETS[args.model], **given)
-    else:
-        missing = [f"--{n}" for n, k in (("layers", "n_layers"), ("hidden", "d_model"),
-                                         ("heads", "n_heads")) if k not in given]
-        if missing:
-            raise BadInput(f"give --model NAME or the model field by field: missing {', '.join(missing)}")
-        cfg = ModelConfig(**given, max_seq_len=args.seq_len or 128)
-    if given and args.model:
-        cfg = dataclasses.replace(cfg, name=f"{args.model}(modified)")
     problems = cfg.problems()
     if problems:
         raise BadInput("inconsistent model dimensions: " + "; ".join(problems))
@@ -100,18 +60,15 @@ def _hardware(args):
 
 
 def plan_from_args(args, cfg: ModelConfig) -> Plan:
-    dp, model_parallel = args.dp, args.tp * args.pp * args.cp
-    if dp is None:
-        if args.gpus and args.gpus % model_parallel:
+    """The plan of the flags; without --dp, dp = gpus / (tp * cp * pp) when --gpus is given."""
+    derived = {}
+    if args.dp is None and args.gpus:
+        model_parallel = args.tp * args.pp * args.cp
+        if args.gpus % model_parallel:
             raise BadInput(f"--gpus {args.gpus} is not a multiple of tp*pp*cp = {args.tp}*{args.pp}"
                            f"*{args.cp} = {model_parallel}")
-        dp = args.gpus // model_parallel if args.gpus else 1
-    plan = Plan(tp=args.tp, pp=args.pp, dp=dp, zero=args.zero, schedule=args.schedule,
-                virtual_stages=args.virtual_stages, micro_batches=args.micro_batches,
-                recompute=args.recompute, dtype=args.dtype,
-                global_batch=args.global_batch or dp * args.micro_batches,
-                seq_len=args.seq_len or cfg.max_seq_len, sequence_parallel=args.sequence_parallel,
-                attention=args.attention, cp=args.cp)
+        derived["dp"] = args.gpus // model_parallel
+    plan = flags.plan_from_args(args, **derived)
     problems = plan.problems(cfg, args.gpus)
     if problems:
         raise BadInput("inconsistent plan: " + "; ".join(problems))
@@ -155,11 +112,12 @@ def cmd_plan(args) -> int:
     hw = _hardware(args)
     if not args.gpus or args.gpus < 1:
         raise BadInput(f"plan needs --gpus N >= 1 (got {args.gpus})")
-    seq = args.seq_len or cfg.max_seq_len
+    plan = flags.plan_from_args(args)  # the batch, sequence, dtype and attention: the rest is searched
+    seq, batch = plan.seq_len, plan.global_batch
     if seq > cfg.max_seq_len:
         raise BadInput(f"--seq-len {seq} exceeds the model's max_seq_len={cfg.max_seq_len}")
-    batch = args.global_batch or args.gpus
-    res = search(cfg, args.gpus, hw, batch, seq, args.dtype, top_k=args.top, attention=args.attention)
+    res = search(cfg, args.gpus, hw, batch, seq, plan.dtype, top_k=args.top,
+                 attention=plan.attention)
     if args.json:
         print(json.dumps(res.as_dict(), indent=2))
     else:
@@ -206,18 +164,22 @@ def _guard(fn):
             _check_counts(args)
             return fn(args)
         except BadInput as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return bad_input([str(e)], args.command, after="")
     return run
 
 
 def register(subparsers) -> None:
     """Add `estimate`, `plan` and `calibrate` to an argparse subparsers object."""
-    p = subparsers.add_parser("estimate", help="memory, step time and MFU of one plan")
-    _model_args(p), _plan_args(p), _hw_args(p)
-    p.set_defaults(func=_guard(cmd_estimate))
-    p = subparsers.add_parser("plan", help="search the fastest layouts that fit")
-    _model_args(p), _hw_args(p)
+    p = subparsers.add_parser("estimate", help="memory, step time and MFU of one plan",
+                              description="Memory per rank and category, step time, MFU and bytes "
+                                          "per axis of one plan, from the cost model.")
+    flags.add_model_flags(p), flags.add_plan_flags(p), _hw_args(p)
+    p.set_defaults(func=_guard(cmd_estimate), dp=None)  # None: not given (derived from --gpus)
+    p = subparsers.add_parser("plan", help="search the fastest layouts that fit",
+                              description="Search every layout of --gpus GPUs (tp, cp, pp, dp, ZeRO, "
+                                          "schedule, micro-batches, recompute) for the fastest "
+                                          "that fit.")
+    flags.add_model_flags(p), flags.add_plan_flags(p, skip=SEARCHED), _hw_args(p)
     p.add_argument("--top", type=int, default=5, help="how many layouts to show")
     p.set_defaults(func=_guard(cmd_plan))
     p = subparsers.add_parser("calibrate", help="measure this machine into a hardware JSON")

@@ -30,7 +30,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from mini3d.comm import COLLECTIVES, CommLog
+from mini3d.comm import COLLECTIVES
+from mini3d.comm_log import CommLog
 from mini3d.grid import Grid, build_topology
 
 CAP = 2  # tp and dp members kept for the recording (see the module docstring)

@@ -14,15 +14,6 @@ from __future__ import annotations
 
 from mini3d.config import ModelConfig, PlanError, model_from_dict
 
-# (flag, argparse attribute, ModelConfig field): every `mini3d train` flag that sets a model field
-MODEL_FLAGS = (("--layers", "layers", "n_layers"), ("--hidden", "hidden", "d_model"),
-               ("--heads", "heads", "n_heads"), ("--kv-heads", "kv_heads", "n_kv_heads"),
-               ("--ffn", "ffn", "d_ff"), ("--vocab", "vocab", "vocab_size"),
-               ("--max-seq-len", "max_seq_len", "max_seq_len"), ("--family", "family", "family"),
-               ("--rope-base", "rope_base", "rope_base"),
-               ("--tie-embeddings", "tie_embeddings", "tie_embeddings"),
-               ("--head-dim", "head_dim", "explicit_head_dim"), ("--qk-norm", "qk_norm", "qk_norm"),
-               ("--qkv-bias", "qkv_bias", "qkv_bias"))
 IGNORED = ("name", "dropout")  # a report label, and a training option no weight depends on
 
 
@@ -54,10 +45,13 @@ def source_model(args) -> tuple[ModelConfig | None, str | None, list[str]]:
 def _given(args) -> list[tuple[str, object, str]]:
     """(flag as typed, value, field) of every model flag on the command line."""
     out = []
-    for flag, attr, field in MODEL_FLAGS:
-        value = getattr(args, attr, None)
+    from mini3d.run.flags import flag_fields, flag_name
+
+    for field in (f.name for f in flag_fields(ModelConfig) if f.name not in IGNORED):
+        flag, value = flag_name(field), getattr(args, field, None)
+        value = tuple(value) if isinstance(value, list) else value  # --rope-scaling
         if value is not None:
-            out.append(("--no-" + flag[2:] if value is False else flag, value, field))
+            out.append((flag.replace("--", "--no-", 1) if value is False else flag, value, field))
     return out
 
 
@@ -103,4 +97,4 @@ def run_model(args, flags_model) -> tuple[ModelConfig | None, bool, list[str]]:
     return cfg, True, flag_conflicts(args, cfg, source, flags_model)
 
 
-__all__ = ["MODEL_FLAGS", "source_model", "flag_conflicts", "run_model"]
+__all__ = ["source_model", "flag_conflicts", "run_model"]

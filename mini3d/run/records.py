@@ -14,6 +14,7 @@ import torch
 from mini3d.config import Plan
 from mini3d.launch.devices import device_memory
 from mini3d.dp import model_state_ledger
+from mini3d.exits import EXIT_NONFINITE, Mini3dError
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -23,8 +24,10 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(Mini3dError, RuntimeError):
     """The loss became nan or inf: `mini3d train` stops with its own exit code (5)."""
+
+    exit_code = EXIT_NONFINITE
 
 
 def check_finite(loss: float, step: int, topo):

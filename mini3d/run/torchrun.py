@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mini3d.exits import EXIT_FAILED, EXIT_OOM
+from mini3d.exits import EXIT_BAD_INPUT, exit_code_of
 
 
 def train(spec, device: str, derived: bool) -> int:
@@ -41,7 +41,7 @@ def train(spec, device: str, derived: bool) -> int:
         print(f"mini3d train: bad input: torchrun's rendezvous at MASTER_ADDR:MASTER_PORT={where} "
               f"failed ({str(e).splitlines()[0][:200]}); choose a free --master-port / "
               f"--rdzv-endpoint. Nothing was trained.", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
     agree_on_job(run_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
@@ -52,8 +52,7 @@ def train(spec, device: str, derived: bool) -> int:
                 hook(e)
             except Exception:
                 pass
-        mine = (EXIT_OOM if getattr(e, "report", None) is not None else
-                5 if type(e).__name__ == "NonFiniteLoss" else EXIT_FAILED)
+        mine = exit_code_of(e)  # its class's: OutOfMemory 4, NonFiniteLoss 5, else 1
         error = f"{type(e).__name__}: {e}"
         code = claim_marker(abort_marker(run_dir), rank, error.splitlines()[0], mine)
         finish(run_dir, rank, world, code, error, traceback.format_exc())

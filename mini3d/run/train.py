@@ -28,13 +28,13 @@ from mini3d.cp import apply_cp, chunk_micro_batches, set_positions
 from mini3d.data.corpus import Batches, open_tokens
 from mini3d.diagnose.faults import parse_size
 from mini3d.diagnose.oom import check_budget, cuda_oom
-from mini3d.diagnose.session import diagnostics
+from mini3d.diagnose.session import for_run
 from mini3d.dp import DTYPES, make_dp
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
 from mini3d.models.moe import step_load
 from mini3d.models.transformer import set_attention
-from mini3d.optim import WeightDecay, adamw, set_lr  # noqa: F401  (adamw re-exported)
+from mini3d.optim import WeightDecay, adamw, set_lr
 from mini3d.run.periodic import periodic, resumed_schedule, save_checkpoint
 from mini3d.pp.partition import build_stages
 from mini3d.pp.runtime import PipelineRuntime
@@ -208,7 +208,7 @@ def _setup(run: RunConfig) -> dict:
         from mini3d.checkpoint.hf import init_from_hf
 
         init_from_hf(trainer, run.init_from_hf)  # each rank slices its share of the HF weights
-    diag = diagnostics(topo, run.diagnostics_spec())  # mini3d.diagnose: hang watchdog + faults
+    diag = for_run(topo, run)  # mini3d.diagnose: hang watchdog + faults (from the RunConfig)
     if run.stop_on_signal:  # Ctrl-C / SIGTERM: every rank stops at the same boundary (mini3d.run.stop)
         from mini3d.launch.launcher import in_torchrun
 

@@ -92,13 +92,13 @@ def parsed(case: dict, data: str = "DATA"):
 
 
 def model_of(case: dict) -> ModelConfig:
-    from mini3d.cli import model_from_args
+    from mini3d.run.flags import model_from_args
 
     return model_from_args(parsed(case))
 
 
 def plan_of(case: dict) -> Plan:
-    from mini3d.cli import plan_from_args
+    from mini3d.run.flags import plan_from_args
 
     return plan_from_args(parsed(case))
 

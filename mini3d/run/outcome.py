@@ -1,6 +1,7 @@
-"""Pieces of `mini3d train`'s command (mini3d/cli.py): the RunConfig its flags ask for, the resume
-checks (the checkpoint's model, seed, data and batch against this run's), and the one-line reports
-of a failed or interrupted job.
+"""How a launched `mini3d train` job ended, said in one line first: a rank's failure (the
+culprit named by mini3d.diagnose.report, else the launcher's exception), an error that carries its
+own exit code and message (`mini3d.exits.Mini3dError`: a non-finite loss, out of memory), a stop
+by a signal (at a step boundary, or a second Ctrl-C), and the exit code that goes with each.
 """
 
 from __future__ import annotations
@@ -8,7 +9,20 @@ from __future__ import annotations
 import os
 import sys
 
-from mini3d.config import ModelConfig, Plan
+from mini3d.exits import EXIT_FAILED
+
+
+def report_worker_error(exc, got: list, run_dir: str | None) -> int:
+    """The exit code of a job a rank ended (`exc`, a launcher WorkerError), its story printed: a
+    stop while the ranks started, an error with its own exit code (its message is the story),
+    else the failure report."""
+    code = stopped_while_starting(exc, got)
+    if code is not None:
+        return code
+    if exc.exit_code != EXIT_FAILED:
+        print(f"mini3d train: {exc.text}", file=sys.stderr)
+        return exc.exit_code
+    return report_failure(exc, run_dir, EXIT_FAILED)
 
 
 def report_interrupt(stopped: dict, got: list, save: str | None) -> int:
@@ -74,52 +88,5 @@ def report_failure(exc: Exception, run_dir: str | None, code: int) -> int:
     return code
 
 
-def run_from_args(args, cfg: ModelConfig, plan: Plan, diagnose: dict):
-    """The RunConfig that `mini3d train`'s flags ask for (not validated yet: see cmd_train)."""
-    from mini3d.run.config import RunConfig
-
-    return RunConfig(model=cfg, plan=plan, steps=args.steps, lr=args.lr, seed=args.seed,
-                     grad_clip=args.grad_clip, data=args.data, log_jsonl=args.log_jsonl,
-                     progress=not args.no_progress, save=args.save, save_every=args.save_every,
-                     init_from_hf=args.init_from_hf, **diagnose)  # mini3d.diagnose: run_dir, hang_timeout, fault, budget
-
-
-def check_resume(root: str, cfg: ModelConfig, steps: int, args=None,
-                 plan: Plan | None = None) -> tuple[str | None, list[str]]:
-    """(checkpoint directory, problems) for --resume ROOT; with `args` and `plan`, a changed seed,
-    data, global batch or tokenizer too (a warning instead with --allow-change)."""
-    import dataclasses
-
-    from mini3d.checkpoint.store import latest_dir, read_meta
-    from mini3d.checkpoint.verify import shape_mismatch, verify_checkpoint
-
-    ckpt = latest_dir(root)
-    if ckpt is None:
-        what = "is a file, not a checkpoint directory" if os.path.isfile(root) else \
-            "holds no complete checkpoint"
-        return None, [f"--resume {root!r} {what}"]
-    broken = verify_checkpoint(ckpt, cfg)  # checksums, loadability, shapes: before any worker
-    if broken:
-        return ckpt, [f"checkpoint {ckpt!r} cannot be resumed: " + "; ".join(broken)]
-    meta = read_meta(ckpt)
-    out = []
-    diff = shape_mismatch(meta, dataclasses.asdict(cfg))
-    if diff:
-        out.append(f"checkpoint {ckpt!r} is of another model shape ({'; '.join(diff)})")
-    if meta["step"] >= steps:
-        out.append(f"checkpoint {ckpt!r} is at step {meta['step']}, --steps={steps} asks for no more "
-                   f"(--steps is the total number of steps to reach)")
-    if args is not None and plan is not None:
-        from mini3d.run.checks import resume_changes
-
-        changes = resume_changes(meta, args, plan)
-        if changes and not args.allow_change:
-            out += [f"{c} (the resumed run would not see the batches of an uninterrupted one; "
-                    f"pass --allow-change to resume anyway)" for c in changes]
-        for c in changes if args.allow_change else ():
-            print(f"mini3d train: warning: {c}; resuming anyway (--allow-change)", file=sys.stderr)
-    return ckpt, out
-
-
-__all__ = ["run_from_args", "check_resume", "report_failure", "report_interrupt",
-           "checkpoint_mark", "report_twice", "stopped_while_starting"]
+__all__ = ["report_worker_error", "report_failure", "report_interrupt", "checkpoint_mark",
+           "report_twice", "stopped_while_starting"]
