@@ -54,8 +54,8 @@ def test_every_field_has_a_docstring():
 
 @dataclass(frozen=True)
 class _NewFields:
-    n_experts: int = 0
-    """experts per MoE layer (0: dense)"""
+    n_lanterns: int = 0
+    """lanterns per layer (0: none)"""
     moe_router: str = "topk"
     """how tokens choose experts"""
     aux_loss: bool = False
@@ -66,9 +66,9 @@ def test_a_new_field_gets_a_flag_without_code_elsewhere():
     p = argparse.ArgumentParser()
     flags.add_flags(p, _NewFields)
     help_text = p.format_help()
-    assert "--n-experts N" in help_text and "experts per MoE layer (0: dense) (default: 0)" in help_text
-    args = p.parse_args(["--n-experts", "8", "--moe-router", "x", "--aux-loss"])
-    assert (args.n_experts, args.moe_router, args.aux_loss) == (8, "x", True)
+    assert "--n-lanterns N" in help_text and "lanterns per layer (0: none) (default: 0)" in help_text
+    args = p.parse_args(["--n-lanterns", "8", "--moe-router", "x", "--aux-loss"])
+    assert (args.n_lanterns, args.moe_router, args.aux_loss) == (8, "x", True)
     assert p.parse_args(["--no-aux-loss"]).aux_loss is False
 
 

@@ -84,7 +84,7 @@ def moe_from_hf(hf: dict, cfg: ModelConfig, i: int) -> dict:
         router = _get(hf, h + prefix + ".gate.weight", b + "router.weight")
     out = {b + o: t.float().contiguous() for o, t in zip(OURS, parts)}
     out[b + "router.weight"] = router.float().contiguous()
-    out[b + "expert_bias"] = torch.zeros(cfg.n_experts)
+    out[b + "expert_bias"] = torch.zeros(cfg.n_experts, device="cpu")  # (host: the strict-device mode makes bare tensors meta)
     return out
 
 

@@ -26,7 +26,7 @@ import textwrap
 
 from mini3d.config import (ATTENTION, COMPILE, DTYPES, FAMILIES, PRESETS, RECOMPUTE, SCHEDULES,
                            ModelConfig, Plan, model_from_preset)
-from mini3d.models.config import ACTIVATIONS
+from mini3d.models.config import ACTIVATIONS, FAMILY_FEATURES, PlanError
 from mini3d.run.config import RunConfig
 
 DEFAULT_PRESET = "tiny"
@@ -141,6 +141,10 @@ def model_from_args(args) -> ModelConfig:
     if "family" in over:  # the family's own activation, and full attention unless --kv-heads
         over.setdefault("activation", "")
         over.setdefault("n_kv_heads", 0)
+        feature = FAMILY_FEATURES.get(over["family"])  # qwen2's biases, qwen3's q/k norms
+        if feature and over.get(feature) is False:
+            raise PlanError([f"--family {over['family']} --no-{feature.replace('_', '-')}: "
+                             f"{over['family']} is the llama family with {feature} on (use --family llama)"])
     if "n_heads" in over and "n_kv_heads" not in over and base and base.n_kv_heads == base.n_heads:
         over["n_kv_heads"] = 0  # still one key/value head per query head
     if "d_model" in over and "d_ff" not in over:
