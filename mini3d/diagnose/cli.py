@@ -17,7 +17,7 @@ def cmd_explain_hang(args) -> int:
     try:
         result = explain(args.dir)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # a damaged dump
-        print(f"mini3d explain-hang: bad input: {_damaged(args.dir, e)} (a dump cut short or "
+        print(f"mini3d explain-hang: bad input: {_damaged(_chosen(args.dir), e)} (a dump cut short or "
               f"edited?)", file=sys.stderr)
         return 2
     if result is None:
@@ -30,8 +30,29 @@ def cmd_explain_hang(args) -> int:
         print(f"mini3d explain-hang: bad input: DIR={args.dir!r} holds no rank*.json dumps (pass the "
               f"--run-dir of the failed job)", file=sys.stderr)
         return 2
-    print(result.text)
+    print("".join(_job_lines(args.dir)) + result.text)
     return 0
+
+
+def _chosen(run_dir: str) -> str:
+    from .run_dir import pick_job
+
+    return pick_job(run_dir)[0]
+
+
+def _job_lines(run_dir: str) -> list[str]:
+    """The jobs of a shared run directory, oldest first, the explained one marked (each job has its
+    own RUN_DIR/job-<id>; `mini3d explain-hang RUN_DIR/job-<id>` explains another)."""
+    from .run_dir import pick_job
+
+    chosen, found = pick_job(run_dir)
+    if not found:
+        return []
+    lines = [f"{len(found)} job(s) in {run_dir}, oldest first (explain another with mini3d "
+             f"explain-hang {run_dir}/job-<id>):"]
+    lines += [f"  {os.path.basename(p)}: {outcome}" + ("   <- explained below" if p == chosen else "")
+              for p, outcome in found]
+    return [line + "\n" for line in lines]
 
 
 def _damaged(run_dir: str, error: Exception) -> str:

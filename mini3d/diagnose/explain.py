@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .history import describe_op, diverged_behind_abort, own_error, process_state
 from .divergence import first_divergence, shape_mismatch
-from .run_dir import Run, death, doing, entered, load_run, seq_key, who
+from .run_dir import Run, death, doing, entered, load_run, pick_job, seq_key, who
 
 
 
@@ -210,6 +210,7 @@ HEADLINES = {
 
 def explain(run_dir: str) -> Explanation | None:
     """The plain-language explanation of a run directory; None if it holds no dumps."""
+    run_dir = pick_job(run_dir)[0]  # a shared run directory: its latest failed job
     run = load_run(run_dir)
     if not run.dumps:
         return None

@@ -19,6 +19,7 @@ import signal
 
 from .explain import death, explain, load_run, who
 from .history import VICTIM_ERRORS
+from .run_dir import pick_job
 
 CAUSES = {
     "skip": "skipped a collective its group's other members entered",
@@ -116,6 +117,7 @@ def failure_report(run_dir: str | None) -> list[str] | None:
     """The report's lines, culprit first; None when the run directory cannot name a culprit."""
     if not run_dir or not os.path.isdir(run_dir):
         return None
+    run_dir = pick_job(run_dir)[0]
     full = _disk_full(run_dir)
     if full:
         return full
@@ -125,8 +127,9 @@ def failure_report(run_dir: str | None) -> list[str] | None:
     run = load_run(run_dir)
     c = ex.culprit
     step = _step(run, c)
-    lines = [f"{who(run, c)} {_cause(run, c, ex.kind)}" + (f" in step {step}" if step is not None
-                                                           else "")]
+    cause = _cause(run, c, ex.kind)  # (an error's own text may already say its step)
+    said = step is None or f"in step {step}" in cause
+    lines = [f"{who(run, c)} {cause}" + ("" if said else f" in step {step}")]
     victims = victims_line(run, c)
     if victims:
         lines.append(victims)

@@ -220,8 +220,10 @@ class Watchdog:
         self._stop_job(reason.replace(f"rank {self.rank}'s", "its"))
 
     def _stop_job(self, what: str):
-        c = self.topo.coords
-        print(f"mini3d watchdog: rank {self.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}) {what}; "
+        from .run_dir import coords_text
+
+        where = coords_text(self.topo.coords, self.topo.grid.sizes)
+        print(f"mini3d watchdog: rank {self.rank} ({where}) {what}; "
               f"every rank dumps to {self.run_dir}; stopping the job (run: mini3d explain-hang "
               f"{self.run_dir})", file=sys.__stderr__, flush=True)
         # (to RUN_DIR/rank{r}.stderr: the launcher's report names the culprit, not this waiter)

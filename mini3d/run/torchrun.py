@@ -42,7 +42,8 @@ def train(spec, device: str, derived: bool) -> int:
               f"failed ({str(e).splitlines()[0][:200]}); choose a free --master-port / "
               f"--rdzv-endpoint. Nothing was trained.", file=sys.stderr, flush=True)
         return 2
-    agree_on_job(run_dir)
+    root, run_dir = run_dir, agree_on_job(run_dir)  # this job's RUN_DIR/job-<id>
+    spec = spec.replace(run_dir=run_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         result = train_worker(spec)
@@ -72,5 +73,5 @@ def train(spec, device: str, derived: bool) -> int:
     if derived and rank == 0:
         import shutil
 
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return 0
