@@ -45,6 +45,7 @@ def _job_lines(run_dir: str) -> list[str]:
     own RUN_DIR/job-<id>; `mini3d explain-hang RUN_DIR/job-<id>` explains another)."""
     from .run_dir import pick_job
 
+    run_dir = run_dir.rstrip("/") or run_dir
     chosen, found = pick_job(run_dir)
     if not found:
         return []

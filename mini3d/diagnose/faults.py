@@ -222,7 +222,11 @@ class FaultInjector:
             return comm.SKIP
         if kind == "shape":
             flat = tensor.reshape(-1)
-            return torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+            out = torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+            ev.shape = tuple(out.shape)  # what is issued: the black box records it again
+            if self.topo.log.on_issue is not None:
+                self.topo.log.on_issue(ev)
+            return out
         axis = self.topo.axes[ev.axis]  # p2p-order: receive first, then send (if ever)
         comm.recv(torch.empty_like(tensor), axis, ev.peer)
         return tensor

@@ -24,6 +24,7 @@ from .run_dir import pick_job
 CAUSES = {
     "skip": "skipped a collective its group's other members entered",
     "shape": "entered a collective with the wrong tensor shape",
+    "shape-p2p": "sent a point-to-point message with the wrong tensor shape",
     "p2p-order": "is in a point-to-point order deadlock with its pipeline neighbour",
     "straggler": "stopped responding (it never reached the op its peers waited in)",
     "stopped": "stopped responding (its process was frozen, e.g. by SIGSTOP)",

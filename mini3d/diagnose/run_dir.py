@@ -34,6 +34,7 @@ class Run:
     grid: Grid | None = None
     stderr: dict = field(default_factory=dict)  # rank -> what C++ libraries wrote (rank{r}.stderr)
     world: int = 0
+    issued: dict = field(default_factory=dict)  # rank -> its black box's ops (diagnose/blackbox.py)
 
     @property
     def exits(self) -> dict:
@@ -94,7 +95,9 @@ def load_run(run_dir: str) -> Run:
             text = f.read()
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
-    run = Run(dumps, launcher, stacks)
+    from .blackbox import read
+
+    run = Run(dumps, launcher, stacks, issued=read(run_dir))
     for path in glob.glob(os.path.join(run_dir, "rank*.stderr")):
         with open(path, errors="replace") as f:
             run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)

@@ -23,12 +23,11 @@ def train(spec, device: str, derived: bool) -> int:
     from mini3d.diagnose.torchrun import agree_on_job, claim_marker, finish
     from mini3d.diagnose.save_clock import checkpoint_bytes
     from mini3d.diagnose.watchdog import nccl_env
-    from mini3d.launch.launcher import _FAILURE_HOOKS, abort_marker, init_from_env
+    from mini3d.launch.launcher import _FAILURE_HOOKS, abort_marker, choose_device, init_from_env
     from mini3d.run.train import summary_line, train_worker
 
     run_dir = spec.run_dir  # a mini3d.run.config.RunConfig
     os.makedirs(run_dir, exist_ok=True)
-    from mini3d.launch.launcher import choose_device
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = choose_device(device, local, per_process=True)[0]
