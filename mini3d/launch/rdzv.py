@@ -6,7 +6,8 @@ taken by another process before the store binds it again. The launcher removes i
 the job ends; a launcher killed outright (SIGKILL, the OOM killer) cannot, and its ranks die with it
 (PR_SET_PDEATHSIG) before they could. So each directory records its owner (pid and start time, so a
 reused pid is not mistaken for it), and every launch first removes the directories whose owner is
-gone (`sweep`).
+gone (`sweep`). The resource tracker that outlives such a launcher is kept off the terminal
+(`quiet_tracker`).
 """
 
 from __future__ import annotations
@@ -56,8 +57,31 @@ def sweep(tmp: str | None = None) -> list[str]:
     return gone
 
 
+def quiet_tracker():
+    """Start multiprocessing's resource tracker (it tracks the job queue's semaphores) with its
+    stderr on /dev/null: when its launcher is SIGKILLed it outlives it and warns of "leaked
+    semaphore objects" on the terminal, noise about a process that can no longer clean up (the
+    kernel frees the semaphores anyway). A tracker already running is left as it is."""
+    from multiprocessing import resource_tracker
+
+    if getattr(resource_tracker._resource_tracker, "_fd", None) is not None:
+        return
+    saved = os.dup(2)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        resource_tracker.ensure_running()
+    except Exception:
+        pass  # no tracker started here: multiprocessing starts one itself, as before
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def make() -> str:
     """A new private rendezvous directory owned by this process (after removing stale ones)."""
+    quiet_tracker()
     sweep()
     path = tempfile.mkdtemp(prefix=PREFIX)
     pid = os.getpid()
