@@ -3,10 +3,11 @@
 Why. gloo aborts a rank (SIGABRT, from one of its own threads) when a collective's sizes disagree:
 that rank cannot dump, and its peers' dumps alone cannot say whether it skipped an op or changed a
 shape. Its black box survives it: each op (axis, op, seq, shape, step, action, micro-batch) is one
-line `os.write`n to `RUN_DIR/rank{r}.ops{step % 2}` before the op is issued (the kernel has it even
+line `os.write`n to `RUN_DIR/rank{r}.ops{step % 3}` before the op is issued (the kernel has it even
 if the process dies the next instant), a retracted op (a fault's skip) is a line saying so, and a
 shape a fault changed is written again. The file of a new step is truncated when the step begins, so
-the box holds the current and the previous step: what `history.self_divergence` compares.
+the box holds the current step and the two before it: what `history.self_divergence` compares
+(the current with the previous, and the previous, complete, with the one before).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 
 
 class BlackBox:
-    """`CommLog.on_issue` of one rank: appends each op to RUN_DIR/rank{r}.ops{0,1}."""
+    """`CommLog.on_issue` of one rank: appends each op to RUN_DIR/rank{r}.ops{0,1,2}."""
 
     def __init__(self, run_dir: str, rank: int):
         self.run_dir, self.rank = run_dir, rank
@@ -27,7 +28,7 @@ class BlackBox:
     def _file(self, step: int) -> int:
         if step != self.step or self.fd is None:
             self.close()
-            path = os.path.join(self.run_dir, f"rank{self.rank}.ops{step % 2}")
+            path = os.path.join(self.run_dir, f"rank{self.rank}.ops{step % 3}")
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             self.step = step
         return self.fd
@@ -58,8 +59,8 @@ def read(run_dir: str) -> dict[int, list[dict]]:
     """{rank: the ops of its black box, in issue order, retracted ones removed} (event dicts as in
     a dump: `pending` and `blocked` unknown, so False)."""
     out: dict[int, list[dict]] = {}
-    for path in glob.glob(os.path.join(run_dir, "rank*.ops[01]")):
-        rank = int(re.findall(r"rank(\d+)\.ops[01]$", path)[0])
+    for path in glob.glob(os.path.join(run_dir, "rank*.ops[012]")):
+        rank = int(re.findall(r"rank(\d+)\.ops[012]$", path)[0])
         ops: dict[tuple, dict] = {}
         with open(path, errors="replace") as f:
             for line in f:

@@ -196,6 +196,9 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
             return _dead_end(run, end, findings)
         if run.dumps[end]["status"] == "finished":
             return (skip[0] if skip else end), "skip", findings
+        own = diverging_rank(run, [end])  # not a straggler if its own steps differ
+        if own:
+            return own[0], own[1], findings + [own[2]]
         return end, "straggler", findings
     dead = [r for r in range(run.world) if r not in run.dumps]
     frozen = [r for r in dead if process_state(run, r) in ("stopped", "running")]

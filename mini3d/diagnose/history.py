@@ -60,8 +60,11 @@ def self_divergence(run, r: int) -> tuple[str, str] | None:
     if not box and steps[0] == prev and len(events) >= 256:  # the dump's ring may have cut it
         return None
     before = _step_ops([e for e in events if (e.get("context") or {}).get("step") == prev], prev)
-    return (_per_key(r, before, _step_ops(events, cur), cur, prev)
-            or _in_order(r, _flat(events, prev), _flat(events, cur), cur, prev))
+    found = (_per_key(r, before, _step_ops(events, cur), cur, prev)
+             or _in_order(r, _flat(events, prev), _flat(events, cur), cur, prev))
+    if found or len(steps) < 3 or steps[-3] != prev - 1:
+        return found
+    return _in_order(r, _flat(events, prev - 1), _flat(events, prev), prev, prev - 1, whole=True)
 
 
 def _per_key(r, before: dict, now: dict, cur: int, prev: int):
@@ -93,7 +96,14 @@ def _flat(events: list[dict], step: int) -> list[tuple]:
     return out
 
 
-def _in_order(r, before: list, now: list, cur: int, prev: int):
+def _in_order(r, before: list, now: list, cur: int, prev: int, whole: bool = False):
+    """A skip in `now` against `before`, both in issue order; `whole`: `now` is a complete step,
+    so an op of `before` missing at its end is a skip too."""
+    if whole and len(now) < len(before) and before[:len(now)] == now:
+        axis, name, _, _, ctx = before[len(now)]
+        where = ", ".join(f"{k} {v}" for k, v in ctx)
+        return "skip", (f"rank {r} skipped one {name} on the {axis} group in step {cur}: step "
+                        f"{prev} ended with that {name} ({where}), step {cur} ended without it")
     for i, op in enumerate(now):
         if i < len(before) and before[i] == op:
             continue
