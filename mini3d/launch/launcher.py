@@ -253,8 +253,8 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     job = job or new_job()
     env = {**(env or {}), JOB_ENV: job}
     ctx = mp.get_context("spawn")
+    rdzv = _rendezvous_dir()  # (first: it starts the resource tracker the queue would start)
     q = ctx.Queue()
-    rdzv = _rendezvous_dir()
     store_path = os.path.join(rdzv, "store")
     from mini3d.launch.boot import run as boot  # the spawn target: arms die-with-parent before importing torch
 
