@@ -70,7 +70,7 @@ def test_killing_the_launcher_during_start_up_leaves_no_worker(tmp_path):
     assert not survivors, f"workers survived the launcher killed at these moments (s): {survivors}"
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_a_killed_launcher_leaves_no_noise_and_its_rendezvous_dir_is_swept(tmp_path):
     """SIGKILL of a training launcher: its ranks die with it (PDEATHSIG) and print no traceback (no
     EOFError, no resource_tracker warning) on the terminal, and the private rendezvous directory it
@@ -89,11 +89,11 @@ def test_a_killed_launcher_leaves_no_noise_and_its_rendezvous_dir_is_swept(tmp_p
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 100
+        deadline = time.monotonic() + 200  # (start-up on 2 busy cores)
         while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.1)
-        assert log.read_text(), "the job never trained"
+        assert log.exists() and log.read_text(), "the job never trained"
         stale = [p for p in tmp.iterdir() if p.name.startswith(rdzv.PREFIX)]
         assert len(stale) == 1 and rdzv.owner_alive(str(stale[0]))
         proc.kill()
