@@ -116,7 +116,7 @@ def fault_trials(layouts, repeats):
                 subprocess.run(["rm", "-rf", run])
 
 
-def signal_trials(repeats, delays=(1.0, 2.5, 4.0)):
+def signal_trials(repeats, delays=(1.0, 4.0, 8.0)):  # import, spawn, rank start-up (loaded host)
     for r in range(repeats):
         for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
             for delay in delays:
