@@ -237,15 +237,15 @@ def cmd_train(args) -> int:
         return report_failure(e, spec.run_dir, EXIT_FAILED)
     except LaunchTimeout as e:
         return report_failure(e, spec.run_dir, EXIT_HUNG)
+    if not args.run_dir:  # the default (temporary) run directory served its purpose (no failure)
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
     stopped = next((r["interrupted"] for r in results if r.get("interrupted")), None)
     if stopped:
         return report_interrupt(stopped, got or [stopped["signal"]], args.save)
     reporter = next(r for r in results if r["reporter"])
     print(summary_line(reporter["records"], plan, reporter["device"]), flush=True)
-    if not args.run_dir:  # the default (temporary) run directory served its purpose
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
     return EXIT_OK
 
 
