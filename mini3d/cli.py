@@ -131,31 +131,35 @@ def cmd_train(args) -> int:
         from mini3d.run import torchrun as under_torchrun
 
         return under_torchrun.train(spec, args.device, derived)
+    from mini3d.launch.jobs import job_dir, new_job
     from mini3d.run.stop import launcher_signals
 
+    root, job = spec.run_dir, new_job()  # this job's own RUN_DIR/job-<id>: never another job's
+    spec = spec.replace(run_dir=job_dir(root, job))
     before, got = checkpoint_mark(args.save), []
     try:
         with launcher_signals() as got:
-            results = launch_train(spec, world, args.device, args.timeout)
+            results = launch_train(spec, world, args.device, args.timeout, job)
     except KeyboardInterrupt:  # a second Ctrl-C: the ranks were stopped at once
         return report_twice(args.save, before)
     except WorkerError as e:  # a rank's error, with its class's exit code (mini3d.exits)
         return report_worker_error(e, got, spec.run_dir)
     except LaunchTimeout as e:
         return report_failure(e, spec.run_dir, EXIT_HUNG)
+    if not args.run_dir:  # the default (temporary) run directory served its purpose (no failure)
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
     stopped = next((r["interrupted"] for r in results if r.get("interrupted")), None)
     if stopped:
         return report_interrupt(stopped, got or [stopped["signal"]], args.save)
     reporter = next(r for r in results if r["reporter"])
     print(summary_line(reporter["records"], plan, reporter["device"]), flush=True)
-    if not args.run_dir:  # the default (temporary) run directory served its purpose
-        import shutil
-
-        shutil.rmtree(spec.run_dir, ignore_errors=True)
     return EXIT_OK
 
 
-def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
+def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600,
+                 job: str | None = None):
     """Spawn `world` local processes running `train_worker(spec)` (a RunConfig)."""
     from mini3d.diagnose.save_clock import checkpoint_bytes
     from mini3d.diagnose.watchdog import nccl_env
@@ -166,7 +170,8 @@ def launch_train(spec, world: int, device: str = "auto", timeout: float = 3600):
     backend = choose_device(device, world)[0]
     save_bytes = checkpoint_bytes(spec.model.n_params()) if spec.save else 0  # its barriers' timeout
     env = nccl_env(spec.hang_timeout, run_dir, backend, save_bytes) if run_dir else None
-    return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env)
+    return launch(train_worker, world, spec, device=device, timeout=timeout, run_dir=run_dir, env=env,
+                  job=job)
 
 
 def main(argv=None) -> int:

@@ -90,6 +90,8 @@ class CommLog:
         self.context: dict = {}  # set by the trainer / pipeline runtime (step, action, micro-batch)
         self.lock = threading.Lock()  # the watchdog thread reads `pending`
         self.fault = None  # optional callable(event, tensor) -> tensor, or SKIP to drop the op
+        self.on_issue = None  # optional callable(event, retracted=False): each op as it is begun
+        # and each retracted (the watchdog's black box, mini3d.diagnose.blackbox)
 
     def reset_counters(self):
         self.bytes_by_axis.clear()
@@ -114,6 +116,8 @@ class CommLog:
             self.pending[eid] = ev
             self.events.append(ev)
         _p2p_entry("issue", eid, self, ev)
+        if self.on_issue is not None:
+            self.on_issue(ev)
         return eid, ev
 
     def end(self, eid: int, ev: Event):
@@ -157,6 +161,8 @@ class CommLog:
                 self.events.pop()
             if P2P_RECORD.entries and P2P_RECORD.entries[-1][1] == (self.serial, eid):
                 P2P_RECORD.entries.pop()
+        if self.on_issue is not None:
+            self.on_issue(ev, retracted=True)
 
     def seq_counts(self) -> dict[str, int]:
         """Ops issued so far per "axis/op-kind" key (p2p keys name the peer, e.g. "pp/p2p->3").

@@ -39,5 +39,28 @@ def test_the_first_line_names_the_culprit(tmp_path, capfd, fault, rc_want, kind,
     assert lines[0].startswith("mini3d train: " + first), err
     assert "step" in lines[0] and "the other ranks stopped because of it: rank 0" in lines[1], err
     assert "terminate called" not in err and "Traceback" not in err.split("---")[0], err
+    assert "in step 1 in step 1" not in err and "in step 2 in step 2" not in err, err
     ex = explain(str(run))
     assert (ex.culprit, ex.kind) == (1, kind), ex.text
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_rank_costs_only_the_hang_timeout(tmp_path):
+    """A rank stopped by SIGSTOP can never dump, so the launcher must not wait its dump grace for it
+    (it did: hang-timeout + 8-21 s). Measured from the op its peer waited in (its dump's wall time
+    less the op's age) to the end of `mini3d train`: under hang-timeout + 6 s, a generous bound
+    (the launcher's own grace is 5 s); start-up is not counted."""
+    import json
+    import glob
+
+    run = tmp_path / "run"
+    hang = 3.0
+    rc = main(["train", *ZERO3, "--run-dir", str(run), "--inject-fault", "freeze:1:1"])
+    end = time.time()
+    assert rc == 3
+    assert _children() == [], "a rank survived the job"
+    dump, = glob.glob(str(run / "job-*" / "rank0.json"))
+    with open(dump) as f:
+        d = json.load(f)
+    began = d["time"] - d["blocked"]["age_s"]
+    assert end - began < hang + 6, (end - began, d["status"])

@@ -50,6 +50,34 @@ def test_fault_in_a_3d_training_job_is_explained(tmp_path, capfd, fault, rc_want
     assert needle in ex.text, ex.text
 
 
+TWO = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--steps", "3", "--no-progress",
+       "--hang-timeout", str(HANG_TIMEOUT), "--timeout", "120"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout,fault,first", [
+    # --cp 2 used to refuse skip and shape ("a single process issues no collective")
+    (["--cp", "2"], "skip:1:1", "rank 1 (tp=0, cp=1, pp=0, dp=0) skipped a collective"),
+    (["--cp", "2"], "shape:1:1", "rank 1 (tp=0, cp=1, pp=0, dp=0) sent a point-to-point message "
+                                 "with the wrong tensor shape in step 1"),
+    # the issue's case: exit 0 and clean losses (the extra row went into a broadcast's receiver)
+    (["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches", "2"],
+     "shape:0:1", "rank 0 (tp=0, pp=0, dp=0) sent a point-to-point message with the wrong tensor "
+                  "shape in step 1"),
+    # a skip gloo answers with SIGABRT (the skipper leaves no dump: its black box tells)
+    (["--tp", "2"], "skip:1:1", "rank 1 (tp=1, pp=0, dp=0) skipped a collective"),
+    # a skip that ends in a cycle of two collectives (was named a point-to-point order deadlock)
+    (["--dp", "2", "--zero", "2"], "skip:1:1", "rank 1 (tp=0, pp=0, dp=1) skipped a collective"),
+])
+def test_skip_and_shape_are_named_on_two_rank_layouts(tmp_path, capfd, layout, fault, first):
+    rc = main(["train", *TWO, *layout, "--run-dir", str(tmp_path / "run"), "--inject-fault", fault])
+    err = capfd.readouterr().err
+    assert rc in (1, 3), (rc, err)
+    assert err.splitlines()[0].startswith("mini3d train: " + first), err
+    assert "Traceback" not in err and "terminate called" not in err, err
+    assert _children() == [], "a rank survived the job"
+
+
 @pytest.mark.timeout(150)
 def test_a_straggler_only_makes_the_job_later(tmp_path):
     logs = {}

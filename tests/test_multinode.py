@@ -117,7 +117,8 @@ def test_a_failure_under_torchrun_is_handled_as_in_a_plain_run(tmp_path, fault, 
     reports = [line for line in both.splitlines() if line.startswith("mini3d train: rank")]
     assert len(reports) == 1 and reports[0].startswith("mini3d train: " + first), both
     assert f"exitcode  : {code}" in both, both  # torchrun's summary of the failed worker(s)
-    assert (run / "rank0.json").exists() and (run / "rank1.json").exists()
+    job, = run.glob("job-*")  # the job's own directory in the shared run directory
+    assert (job / "rank0.json").exists() and (job / "rank1.json").exists()
     assert "terminate called" not in both
 
 

@@ -68,3 +68,44 @@ def test_killing_the_launcher_during_start_up_leaves_no_worker(tmp_path):
     finally:
         kill_all(marked(marker))
     assert not survivors, f"workers survived the launcher killed at these moments (s): {survivors}"
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_launcher_leaves_no_noise_and_its_rendezvous_dir_is_swept(tmp_path):
+    """SIGKILL of a training launcher: its ranks die with it (PDEATHSIG) and print no traceback (no
+    EOFError, no resource_tracker warning) on the terminal, and the private rendezvous directory it
+    could not remove is removed by the next launch (`rdzv.sweep`), the owner being gone."""
+    from mini3d.launch import rdzv
+
+    value = uuid.uuid4().hex
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    log = tmp_path / "log.jsonl"
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MINI3D_TEST_ORPHAN=value,
+               TMPDIR=str(tmp))
+    marker = f"MINI3D_TEST_ORPHAN={value}".encode()
+    cmd = [sys.executable, "-m", "mini3d", "train", "--dp", "2", "--global-batch", "4", "--steps",
+           "500", "--no-progress", "--log-jsonl", str(log)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 200  # (start-up on 2 busy cores)
+        while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        assert log.exists() and log.read_text(), "the job never trained"
+        stale = [p for p in tmp.iterdir() if p.name.startswith(rdzv.PREFIX)]
+        assert len(stale) == 1 and rdzv.owner_alive(str(stale[0]))
+        proc.kill()
+        err = proc.communicate(timeout=30)[1]
+        deadline = time.monotonic() + 10
+        while marked(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # what a dying rank or resource tracker prints comes now
+        assert not marked(marker)
+    finally:
+        kill_all(marked(marker))
+    assert "Traceback" not in err and "EOFError" not in err and "resource_tracker" not in err, err
+    assert not rdzv.owner_alive(str(stale[0]))
+    assert rdzv.sweep(str(tmp)) == [str(stale[0])]
+    assert not stale[0].exists()

@@ -52,3 +52,29 @@ def test_a_default_run_dir_is_removed_when_the_job_succeeds(monkeypatch, tmp_pat
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes the default
     assert main(["train", *SMALL, "--steps", "1"]) == 0
     assert glob.glob(str(tmp_path / "mini3d-run-*")) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_jobs_post_mortem_survives_a_second_job_in_its_run_dir(tmp_path, capsys):
+    """Two jobs, one --run-dir: the first fails (rank 1 crashes), the second succeeds afterwards.
+    Each has its own RUN_DIR/job-<id>; explain-hang RUN_DIR lists both and explains the failed one
+    (it used to say "no hang: every rank finished", the second job having cleared the dumps)."""
+    run = tmp_path / "run"
+    rc = main(["train", *SMALL, "--dp", "2", "--steps", "3", "--run-dir", str(run),
+               "--inject-fault", "crash:1:1", "--hang-timeout", "3", "--timeout", "90"])
+    assert rc in (1, 3)
+    assert main(["train", *SMALL, "--steps", "1", "--run-dir", str(run)]) == 0
+    jobs = sorted(glob.glob(str(run / "job-*")))
+    assert len(jobs) == 2, jobs
+    failed, ok = jobs
+    assert {"launcher.json", "rank0.json"} <= set(os.listdir(failed))  # the first job's, intact
+    capsys.readouterr()
+    assert main(["explain-hang", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"{os.path.basename(failed)}: failed   <- explained below" in out, out
+    assert f"{os.path.basename(ok)}: finished" in out, out
+    assert "culprit: rank 1 (tp=0, pp=0, dp=1) crashed" in out, out
+    assert "no hang" not in out
+    assert main(["explain-hang", ok]) == 0  # a job's own directory is explained as itself
+    assert "no hang: every rank finished" in capsys.readouterr().out
+    assert _children() == []

@@ -179,3 +179,19 @@ def test_interrupted_twice_names_the_checkpoint_that_was_written(tmp_path):
     if "interrupted twice" in out:  # (else the stop finished between the two: the usual line)
         assert "without a checkpoint" not in out, out
         assert f"the last complete checkpoint is {ckpt}" in out, out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_python_imports_torch_is_the_signals_exit(signum):
+    """Before `mini3d train` installs its handlers (Python still importing torch) a signal used to
+    kill the process outright (-15) or print a KeyboardInterrupt traceback (the campaign's finding);
+    now 143 / 130 and one line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "mini3d", "train", "--steps", "5"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(0.5)  # inside `import torch` (seconds, more on a busy host)
+    proc.send_signal(signum)
+    out = proc.communicate(timeout=50)[0]
+    assert proc.returncode == 128 + signum, out
+    assert "Traceback" not in out and out.strip().startswith("mini3d: stopped by"), out

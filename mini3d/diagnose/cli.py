@@ -16,7 +16,7 @@ def cmd_explain_hang(args) -> int:
     try:
         result = explain(args.dir)
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:  # a damaged dump
-        return bad_input([f"{_damaged(args.dir, e)} (a dump cut short or edited?)"], "explain-hang",
+        return bad_input([f"{_damaged(_chosen(args.dir), e)} (a dump cut short or edited?)"], "explain-hang",
                          after="")
     if result is None:
         from mini3d.diagnose.flight_recorder import summary_lines
@@ -27,8 +27,30 @@ def cmd_explain_hang(args) -> int:
             return 0
         return bad_input([f"DIR={args.dir!r} holds no rank*.json dumps (pass the --run-dir of the "
                           f"failed job)"], "explain-hang", after="")
-    print(result.text)
+    print("".join(_job_lines(args.dir)) + result.text)
     return 0
+
+
+def _chosen(run_dir: str) -> str:
+    from .run_dir import pick_job
+
+    return pick_job(run_dir)[0]
+
+
+def _job_lines(run_dir: str) -> list[str]:
+    """The jobs of a shared run directory, oldest first, the explained one marked (each job has its
+    own RUN_DIR/job-<id>; `mini3d explain-hang RUN_DIR/job-<id>` explains another)."""
+    from .run_dir import pick_job
+
+    run_dir = run_dir.rstrip("/") or run_dir
+    chosen, found = pick_job(run_dir)
+    if not found:
+        return []
+    lines = [f"{len(found)} job(s) in {run_dir}, oldest first (explain another with mini3d "
+             f"explain-hang {run_dir}/job-<id>):"]
+    lines += [f"  {os.path.basename(p)}: {outcome}" + ("   <- explained below" if p == chosen else "")
+              for p, outcome in found]
+    return [line + "\n" for line in lines]
 
 
 def _damaged(run_dir: str, error: Exception) -> str:

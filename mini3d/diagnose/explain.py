@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .history import describe_op, diverged_behind_abort, own_error, process_state
+from .history import describe_op, diverged_behind_abort, diverging_rank, own_error, process_state
 from .divergence import first_divergence, shape_mismatch
-from .run_dir import Run, death, doing, entered, load_run, seq_key, who
+from .run_dir import Run, death, doing, entered, load_run, pick_job, seq_key, who
 
 
 
@@ -27,7 +27,7 @@ from .run_dir import Run, death, doing, entered, load_run, seq_key, who
 class Explanation:
     text: str
     culprit: int | None = None  # world rank judged responsible
-    kind: str = "unknown"  # crash, error, stopped, skip, shape, p2p-order, straggler, oom, save,
+    kind: str = "unknown"  # crash, error, stopped, skip, shape(-p2p), p2p-order, straggler, oom, save,
     # finished, unknown
     findings: list = field(default_factory=list)
 
@@ -77,6 +77,10 @@ def follow(run: Run, start: int) -> tuple[list[int], str]:
             return path, "end"
 
 
+def _all_p2p(run: Run, cycle: list[int]) -> bool:
+    return all(run.dumps[r]["blocked"]["op"] in ("send", "recv") for r in cycle)
+
+
 def _p2p_cycle_text(run: Run, cycle: list[int]) -> tuple[int, str]:
     ops = {r: run.dumps[r]["blocked"]["op"] for r in cycle}
     kind = "recv" if all(o == "recv" for o in ops.values()) else (
@@ -101,6 +105,8 @@ HINTS = {
             "condition on rank {c} (e.g. `if rank == ...`, an early `continue`) around that step",
     "shape": "tensors in one collective must have the same shape on every member; rank {c}'s "
              "differs (a per-rank batch or padding size?)",
+    "shape-p2p": "a send and its recv must have the same shape: rank {c}'s send differs from what "
+                 "its pipeline neighbour expects (a micro-batch or sequence length that varies?)",
     "p2p-order": "pair every send with a recv posted in a compatible order: the lower pipeline "
                  "index sends first, the higher receives first (see mini3d.pp.p2p.PipeP2P.exchange)",
     "straggler": "rank {c} is slow or stuck outside communication: compare its step time, or "
@@ -137,6 +143,20 @@ def _self_reported(run: Run) -> tuple[int, str, list[str]] | None:
     return (saves[0], "save", [run.dumps[saves[0]]["reason"]]) if saves else None
 
 
+def _dead_end(run: Run, end: int, findings: list[str]) -> tuple[int, str, list[str]]:
+    """The wait-for graph ends at a rank without a dump: it departed from its own previous step
+    (its black box), it is frozen, a live rank departed (the dead one a victim), or it crashed."""
+    own = diverging_rank(run, [end]) if end in run.issued else None
+    if own:  # it skipped an op or changed a shape before it went silent
+        return own[0], own[1], findings + [own[2]]
+    if process_state(run, end) in ("stopped", "running"):
+        return end, "stopped", findings
+    diverged = diverged_behind_abort(run, end)
+    if diverged:
+        return diverged[0], diverged[1], findings + [diverged[2]]
+    return end, "crash", findings
+
+
 def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
     """(culprit rank, kind, finding lines), strongest evidence first."""
     findings = []
@@ -165,19 +185,20 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
             return skip[0], "skip", findings
     for path, how in ends:
         if how == "cycle":
+            own = None if _all_p2p(run, path) else diverging_rank(run, path)
+            if own:  # collectives in a cycle: a member that departed from its own previous step
+                return own[0], own[1], findings + [own[2]]
             c, text = _p2p_cycle_text(run, path)
             return c, "p2p-order", findings + [text]
     for path, how in ends:
         end = path[-1]
         if end not in run.dumps:
-            if process_state(run, end) in ("stopped", "running"):
-                return end, "stopped", findings
-            diverged = diverged_behind_abort(run, end)
-            if diverged:
-                return diverged[0], diverged[1], findings + [diverged[2]]
-            return end, "crash", findings
+            return _dead_end(run, end, findings)
         if run.dumps[end]["status"] == "finished":
             return (skip[0] if skip else end), "skip", findings
+        own = diverging_rank(run, [end])  # not a straggler if its own steps differ
+        if own:
+            return own[0], own[1], findings + [own[2]]
         return end, "straggler", findings
     dead = [r for r in range(run.world) if r not in run.dumps]
     frozen = [r for r in dead if process_state(run, r) in ("stopped", "running")]
@@ -200,6 +221,7 @@ HEADLINES = {
     "crash": "{w} crashed; the ranks that needed it could not go on",
     "skip": "{w} skipped a collective its group's other members entered",
     "shape": "{w} entered a collective with the wrong tensor shape",
+    "shape-p2p": "{w} sent a point-to-point message with the wrong tensor shape",
     "p2p-order": "{w} is in a point-to-point order deadlock",
     "straggler": "{w} did not reach the op its peers wait in (slow or stuck outside communication)",
     "stopped": "{w} stopped responding (its process was frozen); its peers waited for it",
@@ -210,12 +232,15 @@ HEADLINES = {
 
 def explain(run_dir: str) -> Explanation | None:
     """The plain-language explanation of a run directory; None if it holds no dumps."""
+    run_dir = pick_job(run_dir)[0]  # a shared run directory: its latest failed job
     run = load_run(run_dir)
     if not run.dumps:
         return None
     culprit, kind, findings = _culprit(run)
     g = run.grid.sizes
-    lines = [f"run {run_dir}: {run.world} ranks, grid tp={g['tp']} pp={g['pp']} dp={g['dp']}; "
+    axes = " ".join(f"{a}={g[a]}" for a in ("tp", "cp", "ep", "pp", "dp")
+                    if a in g and (a in ("tp", "pp", "dp") or g[a] > 1))
+    lines = [f"run {run_dir}: {run.world} ranks, grid {axes}; "
              f"dumps from ranks {sorted(run.dumps)}"]
     if kind == "finished":
         lines.append("no hang: every rank finished (a slow run, if it was slow, was only late)")

@@ -6,7 +6,8 @@ Each kind reproduces one way a real 3D-parallel job fails, on rank RANK during o
     crash      the rank dies at the start of the step (SIGKILL, as the kernel's OOM killer would)
     skip       the rank skips its first collective of the step (ARG: the axis, e.g. dp); its
                group's other members wait in an op it never enters
-    shape      its first all_reduce / broadcast of the step carries one extra row (ARG: the axis)
+    shape      its first all_reduce, broadcast (as the source) or send of the step carries one
+               extra row (ARG: the axis)
     p2p-order  its first send of the step becomes "recv first, then send": with a pipeline
                neighbour that also receives first, both wait forever (a real deadlock)
     slow       the rank sleeps ARG seconds (default 2) at the start of the step: a straggler; the
@@ -89,7 +90,7 @@ def fault_problems(fault: Fault, plan, steps: int | None = None) -> list[str]:
                    f"{plan.world_size})")
     if steps is not None and fault.step >= steps:
         out.append(f"--inject-fault {fault}: step {fault.step} is never reached (--steps {steps})")
-    if fault.kind in ("skip", "shape") and plan.tp == plan.pp == plan.dp == 1:
+    if fault.kind in ("skip", "shape") and plan.world_size == 1:  # (cp's ring counts: cp=2 is 2)
         out.append(f"--inject-fault {fault}: a single process issues no collective to {fault.kind}")
     if fault.kind == "p2p-order" and plan.pp < 2:
         out.append(f"--inject-fault {fault}: p2p-order needs pipeline neighbours (pp >= 2, got "
@@ -209,8 +210,9 @@ class FaultInjector:
             return False
         if kind == "skip":
             return ev.op in COLLECTIVES
-        if kind == "shape":
-            return ev.op in ("all_reduce", "broadcast")
+        if kind == "shape":  # an op whose wrong size a peer notices: gloo lets a broadcast's
+            # receiver (or a recv) take a message shorter than its buffer, so not those
+            return ev.op in ("all_reduce", "send") or (ev.op == "broadcast" and ev.wire_bytes > 0)
         return kind == "p2p-order" and ev.op == "send"
 
     def __call__(self, ev, tensor: torch.Tensor):
@@ -223,7 +225,11 @@ class FaultInjector:
             return comm.SKIP
         if kind == "shape":
             flat = tensor.reshape(-1)
-            return torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+            out = torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+            ev.shape = tuple(out.shape)  # what is issued: the black box records it again
+            if self.topo.log.on_issue is not None:
+                self.topo.log.on_issue(ev)
+            return out
         axis = self.topo.axes[ev.axis]  # p2p-order: receive first, then send (if ever)
         comm.recv(torch.empty_like(tensor), axis, ev.peer)
         return tensor

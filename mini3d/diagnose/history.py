@@ -45,19 +45,29 @@ def _step_ops(events: list[dict], step: int) -> dict[tuple, list]:
 
 def self_divergence(run, r: int) -> tuple[str, str] | None:
     """(kind, text) when rank r's ops in its last step are not a prefix of its previous step's:
-    "skip" when an op of the previous step is missing, "shape" when one has another shape."""
+    "skip" when an op of the previous step is missing, "shape" when one has another shape
+    ("shape-p2p" for a send or recv). Compared per (axis, op, peer), then in issue order (a skip
+    whose kind of op the rank never reached again in the step)."""
     d = run.dumps.get(r)
-    if not d or not d.get("events"):
+    box = getattr(run, "issued", {}).get(r)  # its black box: both steps whole (a dump keeps 256)
+    events = box or (d.get("events") if d else None)
+    if not events:
         return None
-    events = d["events"]
     steps = sorted({(e.get("context") or {}).get("step") for e in events} - {None})
     if len(steps) < 2 or steps[-2] != steps[-1] - 1:
         return None
     cur, prev = steps[-1], steps[-2]
-    before = _step_ops([e for e in events if (e.get("context") or {}).get("step") == prev], prev)
-    now = _step_ops(events, cur)
-    if steps[0] == prev and len(events) >= 256:  # the ring buffer may have cut the previous step
+    if not box and steps[0] == prev and len(events) >= 256:  # the dump's ring may have cut it
         return None
+    before = _step_ops([e for e in events if (e.get("context") or {}).get("step") == prev], prev)
+    found = (_per_key(r, before, _step_ops(events, cur), cur, prev)
+             or _in_order(r, _flat(events, prev), _flat(events, cur), cur, prev))
+    if found or len(steps) < 3 or steps[-3] != prev - 1:
+        return found
+    return _in_order(r, _flat(events, prev - 1), _flat(events, prev), prev, prev - 1, whole=True)
+
+
+def _per_key(r, before: dict, now: dict, cur: int, prev: int):
     for key, ops in now.items():
         ref = before.get(key, [])
         for i, (shape, ctx) in enumerate(ops):
@@ -69,9 +79,41 @@ def self_divergence(run, r: int) -> tuple[str, str] | None:
                 return "skip", (f"rank {r} skipped one {op} on the {axis} group in step {cur}: its "
                                 f"{op} #{i + 1} of the step ({where}) is its #{i + 2} of step {prev}")
             if i < len(ref) and ref[i][1] == ctx:
-                return "shape", (f"rank {r} sent shape {shape} in its {op} #{i + 1} of step {cur} "
-                                 f"({where}) on the {axis} group, where step {prev} had {ref[i][0]}")
+                kind = "shape-p2p" if op in ("send", "recv") else "shape"
+                return kind, (f"rank {r} sent shape {shape} in its {op} #{i + 1} of step {cur} "
+                              f"({where}) on the {axis} group, where step {prev} had {ref[i][0]}")
             break
+    return None
+
+
+def _flat(events: list[dict], step: int) -> list[tuple]:
+    """(axis, op, peer, shape, context without step) of one step's ops, in issue order."""
+    out = []
+    for e in events:
+        ctx = dict(e.get("context") or {})
+        if ctx.pop("step", None) == step:
+            out.append((e["axis"], e["op"], e.get("peer"), tuple(e["shape"]), tuple(ctx.items())))
+    return out
+
+
+def _in_order(r, before: list, now: list, cur: int, prev: int, whole: bool = False):
+    """A skip in `now` against `before`, both in issue order; `whole`: `now` is a complete step,
+    so an op of `before` missing at its end is a skip too."""
+    if whole and len(now) < len(before) and before[:len(now)] == now:
+        axis, name, _, _, ctx = before[len(now)]
+        where = ", ".join(f"{k} {v}" for k, v in ctx)
+        return "skip", (f"rank {r} skipped one {name} on the {axis} group in step {cur}: step "
+                        f"{prev} ended with that {name} ({where}), step {cur} ended without it")
+    for i, op in enumerate(now):
+        if i < len(before) and before[i] == op:
+            continue
+        if i + 1 < len(before) and before[i + 1] == op:
+            axis, name, _, _, ctx = before[i]
+            where = ", ".join(f"{k} {v}" for k, v in ctx)
+            return "skip", (f"rank {r} skipped one {name} on the {axis} group in step {cur}: its op "
+                            f"#{i + 1} of step {prev} was that {name} ({where}); in step {cur} its "
+                            f"op #{i + 1} is the {op[1]} that followed it")
+        return None
     return None
 
 
@@ -85,12 +127,13 @@ def diverging_rank(run, candidates) -> tuple[int, str, str] | None:
 
 
 def diverged_behind_abort(run, dead: int):
-    """A rank the library aborted (SIGABRT: gloo's size check) is a victim when a live rank's step
-    departs from its own previous one (it skipped an op or changed a shape): (rank, kind, text)."""
+    """A rank the library aborted (SIGABRT: gloo's size check) departed from its own previous step
+    (its black box shows it skipped an op or changed a shape), or is a victim when a live rank's
+    step departs from its own previous one: (rank, kind, text)."""
     if (run.exits.get(dead, {}).get("exitcode") != -signal.SIGABRT
             and "terminate called" not in run.stderr.get(dead, "")):
         return None
-    return diverging_rank(run, sorted(run.dumps))
+    return diverging_rank(run, [dead, *sorted(run.dumps)])  # the dead rank's black box first
 
 
 def describe_op(ev: dict) -> str:

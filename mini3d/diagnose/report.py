@@ -19,10 +19,12 @@ import signal
 
 from .explain import death, explain, load_run, who
 from .history import VICTIM_ERRORS
+from .run_dir import pick_job
 
 CAUSES = {
     "skip": "skipped a collective its group's other members entered",
     "shape": "entered a collective with the wrong tensor shape",
+    "shape-p2p": "sent a point-to-point message with the wrong tensor shape",
     "p2p-order": "is in a point-to-point order deadlock with its pipeline neighbour",
     "straggler": "stopped responding (it never reached the op its peers waited in)",
     "stopped": "stopped responding (its process was frozen, e.g. by SIGSTOP)",
@@ -116,6 +118,7 @@ def failure_report(run_dir: str | None) -> list[str] | None:
     """The report's lines, culprit first; None when the run directory cannot name a culprit."""
     if not run_dir or not os.path.isdir(run_dir):
         return None
+    run_dir = pick_job(run_dir)[0]
     full = _disk_full(run_dir)
     if full:
         return full
@@ -125,8 +128,9 @@ def failure_report(run_dir: str | None) -> list[str] | None:
     run = load_run(run_dir)
     c = ex.culprit
     step = _step(run, c)
-    lines = [f"{who(run, c)} {_cause(run, c, ex.kind)}" + (f" in step {step}" if step is not None
-                                                           else "")]
+    cause = _cause(run, c, ex.kind)  # (an error's own text may already say its step)
+    said = step is None or f"in step {step}" in cause
+    lines = [f"{who(run, c)} {cause}" + ("" if said else f" in step {step}")]
     victims = victims_line(run, c)
     if victims:
         lines.append(victims)

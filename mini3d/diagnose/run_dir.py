@@ -4,6 +4,9 @@
 are what `explain.py` reasons over. The files: `rank{r}.json` (each rank's watchdog, see
 watchdog.py), `launcher.json` (every rank's exit status, from `launch(run_dir=...)`) and
 `rank{r}.stack` (the Python stack of a rank the communication library aborted).
+
+`mini3d train` gives each job its own `RUN_DIR/job-<id>` (ids sort by start time), so jobs that
+share a `--run-dir` keep each other's post-mortems; `pick_job` chooses the one to explain.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import re
 import signal
 from dataclasses import dataclass, field
+
+from mini3d.launch.jobs import JOB_PREFIX
 
 from ..grid import Grid
 from .history import describe_op, process_state
@@ -29,17 +34,54 @@ class Run:
     grid: Grid | None = None
     stderr: dict = field(default_factory=dict)  # rank -> what C++ libraries wrote (rank{r}.stderr)
     world: int = 0
+    issued: dict = field(default_factory=dict)  # rank -> its black box's ops (diagnose/blackbox.py)
 
     @property
     def exits(self) -> dict:
         return {r["rank"]: r for r in (self.launcher or {}).get("ranks", [])}
 
 
+def _dumps_in(path: str) -> list[str]:
+    return [p for p in glob.glob(os.path.join(path, "rank*.json"))
+            if re.fullmatch(r"rank\d+\.json", os.path.basename(p))]
+
+
+def job_outcome(path: str) -> str:
+    """'failed' (a launcher record, or a rank that did not finish), 'finished', or 'no dumps'."""
+    statuses = set()
+    for p in _dumps_in(path):
+        try:
+            with open(p) as f:
+                statuses.add(json.load(f).get("status"))
+        except (OSError, ValueError, AttributeError):
+            statuses.add("damaged")
+    if os.path.exists(os.path.join(path, "launcher.json")) or statuses - {"finished"}:
+        return "failed"
+    return "finished" if statuses else "no dumps"
+
+
+def jobs(run_dir: str) -> list[tuple[str, str]]:
+    """(job directory, outcome) of every job in a shared run directory, oldest first."""
+    names = sorted(n for n in os.listdir(run_dir) if n.startswith(JOB_PREFIX)
+                   and os.path.isdir(os.path.join(run_dir, n)))
+    return [(os.path.join(run_dir, n), job_outcome(os.path.join(run_dir, n))) for n in names]
+
+
+def pick_job(run_dir: str) -> tuple[str, list[tuple[str, str]]]:
+    """(the directory to explain, the jobs found): `run_dir` itself when it holds dumps (a job's
+    own directory), else its latest failed job, else its latest job."""
+    if _dumps_in(run_dir) or not os.path.isdir(run_dir):
+        return run_dir, []
+    found = jobs(run_dir)
+    failed = [p for p, outcome in found if outcome == "failed"]
+    chosen = failed[-1] if failed else (found[-1][0] if found else run_dir)
+    return chosen, found
+
+
 def load_run(run_dir: str) -> Run:
+    run_dir = pick_job(run_dir)[0]
     dumps = {}
-    for path in glob.glob(os.path.join(run_dir, "rank*.json")):
-        if not re.fullmatch(r"rank\d+\.json", os.path.basename(path)):
-            continue  # rank{r}.exit.json (torchrun's exit records) are read through launcher.json
+    for path in _dumps_in(run_dir):  # (rank{r}.exit.json, torchrun's, are read via launcher.json)
         with open(path) as f:
             d = json.load(f)
         dumps[int(d["rank"])] = d
@@ -53,7 +95,9 @@ def load_run(run_dir: str) -> Run:
             text = f.read()
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
-    run = Run(dumps, launcher, stacks)
+    from .blackbox import read
+
+    run = Run(dumps, launcher, stacks, issued=read(run_dir))
     for path in glob.glob(os.path.join(run_dir, "rank*.stderr")):
         with open(path, errors="replace") as f:
             run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)
@@ -65,8 +109,16 @@ def load_run(run_dir: str) -> Run:
 
 
 def who(run: Run, r: int) -> str:
+    """'rank 3 (tp=1, pp=1, dp=0)', with cp= (and ep=) when that axis is split."""
     c = run.grid.coords(r)
-    return f"rank {r} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']})"
+    return f"rank {r} ({coords_text(c, run.grid.sizes)})"
+
+
+def coords_text(c: dict, sizes: dict) -> str:
+    """'tp=1, pp=1, dp=0': tp, pp and dp always, cp and ep where the grid splits them."""
+    names = [a for a in ("tp", "cp", "ep", "pp", "dp") if a in c and (
+        a in ("tp", "pp", "dp") or sizes.get(a, 1) > 1)]
+    return ", ".join(f"{a}={c[a]}" for a in names)
 
 
 def seq_key(ev: dict) -> str:

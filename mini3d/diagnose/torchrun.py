@@ -12,6 +12,7 @@ A failing rank (its own exception, or its watchdog seeing a hang or another rank
    code in it (the first failure decides: 3 a hang, 4 out of memory, 1 otherwise), so every other
    rank's watchdog dumps and ends with that code too;
 2. records its own exit in `rank{r}.exit.json`;
+   (all of it in the job's own directory RUN_DIR/job-<id>, see `agree_on_job`);
 3. the first to create `REPORT-<job>` waits (up to GRACE s) for every rank's dump, writes
    launcher.json from the exit records and prints the culprit-first report; the others wait for
    it (`REPORTED-<job>`) before exiting, so that torchrun's agent, which stops the whole group when
@@ -54,21 +55,20 @@ def run_dir_for(run_dir: str | None) -> tuple[str | None, str | None]:
 
 
 def agree_on_job(run_dir: str) -> str:
-    """Collective: one job id for every rank (rank 0 draws it), set as MINI3D_JOB_ID; rank 0 also
-    clears the dumps a previous job left in the run directory."""
-    import uuid
-
+    """Collective: one job id for every rank (rank 0 draws it), set as MINI3D_JOB_ID; returns the
+    job's own directory RUN_DIR/job-<id> (made by rank 0), where the ranks dump and report, so that
+    a later job sharing the run directory never clears this one's post-mortem."""
     import torch.distributed as dist
 
-    from mini3d.launch.launcher import JOB_ENV, _clear_run_dir
+    from mini3d.launch.jobs import JOB_ENV, job_dir, new_job
 
-    box = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    box = [new_job() if dist.get_rank() == 0 else None]
     if dist.get_rank() == 0:
-        _clear_run_dir(run_dir)
+        job_dir(run_dir, box[0])
     dist.broadcast_object_list(box, src=0)
     os.environ[JOB_ENV] = box[0]
     os.environ[MODE_ENV] = "1"
-    return box[0]
+    return job_dir(run_dir, box[0])
 
 
 def marker_code(path: str, default: int = EXIT_FAILED) -> int:

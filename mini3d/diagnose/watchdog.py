@@ -19,7 +19,7 @@ when a rank fails in another way (`launch(..., run_dir=...)`), and the watchdog 
 "error" when the rank's own function raises (e.g. gloo's "Connection closed by peer" after a peer
 died), "oom" for `OutOfMemory`, and "finished" when the rank returns normally. A rank killed by the
 communication library itself (gloo aborts on a size mismatch) cannot dump; `faulthandler` then leaves
-its Python stack in `rank{r}.stack`. `mini3d explain-hang RUN_DIR` reads all of these.
+its Python stack in `rank{r}.stack`, and its black box (diagnose/blackbox.py) the ops it issued. `mini3d explain-hang RUN_DIR` reads all of these.
 
 PyTorch's own flight recorder (NCCL's; gloo's too in recent torch) and NCCL's timeouts are
 configured by `nccl_env` (diagnose/flight_recorder.py), the one place that sets those variables;
@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 
+from .blackbox import BlackBox
 from .flight_recorder import FLIGHT_RECORDER_PREFIX, nccl_env, write_dump
 from .history import describe_op
 from .save_clock import SaveClock, save_bound
@@ -83,6 +84,7 @@ class Watchdog:
         keep_library_noise_in(self.run_dir, self.rank)  # gloo's abort text: not the first line
         self._stack_file = open(os.path.join(self.run_dir, f"rank{self.rank}.stack"), "w")
         faulthandler.enable(file=self._stack_file, all_threads=True)  # SIGABRT/SIGSEGV stacks
+        self.topo.log.on_issue = BlackBox(self.run_dir, self.rank)  # survives a library abort
         on_failure(self._on_error)
         self._thread.start()
         return self
@@ -93,6 +95,9 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(2)
         self.dump("finished", "the rank's function returned")
+        box, self.topo.log.on_issue = self.topo.log.on_issue, None
+        if isinstance(box, BlackBox):
+            box.close()
         faulthandler.disable()
         if self._stack_file is not None:
             self._stack_file.close()
@@ -220,8 +225,10 @@ class Watchdog:
         self._stop_job(reason.replace(f"rank {self.rank}'s", "its"))
 
     def _stop_job(self, what: str):
-        c = self.topo.coords
-        print(f"mini3d watchdog: rank {self.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}) {what}; "
+        from .run_dir import coords_text
+
+        where = coords_text(self.topo.coords, self.topo.grid.sizes)
+        print(f"mini3d watchdog: rank {self.rank} ({where}) {what}; "
               f"every rank dumps to {self.run_dir}; stopping the job (run: mini3d explain-hang "
               f"{self.run_dir})", file=sys.__stderr__, flush=True)
         # (to RUN_DIR/rank{r}.stderr: the launcher's report names the culprit, not this waiter)

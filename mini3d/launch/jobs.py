@@ -57,6 +57,25 @@ def abort_marker(run_dir: str, job: str | None = None) -> str:
     return os.path.join(run_dir, f"{ABORT_MARKER}-{job}" if job else ABORT_MARKER)
 
 
+JOB_PREFIX = "job-"  # a job's own directory inside a shared run directory: RUN_DIR/job-<id>
+
+
+def new_job() -> str:
+    """A job id that sorts by start time (UTC, to the second) and is unique: 20261202-021530-3fa9c1."""
+    import time
+    import uuid
+
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
+def job_dir(run_dir: str, job: str) -> str:
+    """RUN_DIR/job-<id>, made if missing: where one job's ranks dump and its launcher records, so
+    that a later job sharing RUN_DIR never clears or mixes with an earlier job's post-mortem."""
+    path = os.path.join(run_dir, JOB_PREFIX + job)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def _clear_run_dir(run_dir: str):
     """Remove a previous job's marker and dumps, so that they cannot abort or confuse this one."""
     os.makedirs(run_dir, exist_ok=True)
@@ -85,5 +104,5 @@ def forward_stop(reset: bool = False):
                 pass
 
 
-__all__ = ["HANG_EXIT", "ABORTED_EXIT", "ABORT_MARKER", "JOB_ENV", "WorkerError", "LaunchTimeout",
+__all__ = ["JOB_PREFIX", "new_job", "job_dir", "HANG_EXIT", "ABORTED_EXIT", "ABORT_MARKER", "JOB_ENV", "WorkerError", "LaunchTimeout",
            "HangDetected", "abort_marker", "STOP_SIGNALS", "forward_stop"]

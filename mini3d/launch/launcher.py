@@ -39,7 +39,7 @@ from mini3d.launch.devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_dev
                                    visible_gpus)  # (re-exported)
 from mini3d.launch.jobs import (_ASKED, _CHILDREN, ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, JOB_ENV,
                                 STOP_SIGNALS, HangDetected, LaunchTimeout, WorkerError, _clear_run_dir,
-                                abort_marker, forward_stop)
+                                abort_marker, forward_stop, new_job)
 from mini3d.exits import exit_code_of
 from mini3d.launch.p2p_record import P2POrderError, check_saved, save_worker_record, start_worker_record
 
@@ -60,12 +60,10 @@ LOOPBACK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # gloo's and NCCL's
 
 
 def _rendezvous_dir() -> str:
-    """A private (0700) directory for the job's FileStore. Local ranks meet through a file, not a
-    TCPStore: rank 0's TCPStore would listen on every interface, unauthenticated, and a port picked
-    by `free_port` can be taken by another process before the store binds it again."""
-    import tempfile
+    """A private directory for the job's FileStore (see mini3d.launch.rdzv: no listening socket)."""
+    from mini3d.launch import rdzv
 
-    return tempfile.mkdtemp(prefix="mini3d-rdzv-")
+    return rdzv.make()
 
 
 def in_torchrun() -> bool:
@@ -178,8 +176,8 @@ def _abort_and_record(procs, q, run_dir: str, grace: float, first, job: str) -> 
             json.dump({"by": "launcher", "reason": str(first).splitlines()[0]}, f)
     except FileExistsError:
         pass  # a watchdog wrote it first
-    deadline = time.monotonic() + grace
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+    deadline = time.monotonic() + grace  # a stopped (SIGSTOP) rank can never dump: not waited for
+    while any(_process_state(p) == "running" for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
     errors, tracebacks = {}, {}
     while True:
@@ -241,22 +239,24 @@ def _collect(procs, q, world_size: int, deadline: float, timeout: float) -> dict
 
 def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None = None,
            timeout: float = 600.0, threads: int = 1, env: dict | None = None,
-           run_dir: str | None = None, grace: float = 5.0) -> list:
+           run_dir: str | None = None, grace: float = 5.0, job: str | None = None) -> list:
     """Run `fn(*args)` on `world_size` new local processes; return their results in rank order.
 
     With `run_dir`, a failure first writes the abort marker there and waits up to `grace` seconds
     for the ranks' watchdogs to dump their state, records every rank's exit in `launcher.json`, and
-    reports a watchdog's exit (`HANG_EXIT`) as `HangDetected`."""
+    reports a watchdog's exit (`HANG_EXIT`) as `HangDetected`. `job`: this job's id, with `run_dir`
+    its own directory (`jobs.job_dir`: nothing to clear); without it a new id, and `run_dir`'s
+    previous dumps are cleared."""
     backend, device_type = choose_device(device, world_size, backend)
-    if run_dir is not None:
+    if run_dir is not None and job is None:
         _clear_run_dir(run_dir)
-    import uuid
-
-    job = uuid.uuid4().hex[:12]
+    elif run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+    job = job or new_job()
     env = {**(env or {}), JOB_ENV: job}
     ctx = mp.get_context("spawn")
+    rdzv = _rendezvous_dir()  # (first: it starts the resource tracker the queue would start)
     q = ctx.Queue()
-    rdzv = _rendezvous_dir()
     store_path = os.path.join(rdzv, "store")
     from mini3d.launch.boot import run as boot  # the spawn target: arms die-with-parent before importing torch
 

@@ -23,12 +23,11 @@ def train(spec, device: str, derived: bool) -> int:
     from mini3d.diagnose.torchrun import agree_on_job, claim_marker, finish
     from mini3d.diagnose.save_clock import checkpoint_bytes
     from mini3d.diagnose.watchdog import nccl_env
-    from mini3d.launch.launcher import _FAILURE_HOOKS, abort_marker, init_from_env
+    from mini3d.launch.launcher import _FAILURE_HOOKS, abort_marker, choose_device, init_from_env
     from mini3d.run.train import summary_line, train_worker
 
     run_dir = spec.run_dir  # a mini3d.run.config.RunConfig
     os.makedirs(run_dir, exist_ok=True)
-    from mini3d.launch.launcher import choose_device
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend = choose_device(device, local, per_process=True)[0]
@@ -42,7 +41,8 @@ def train(spec, device: str, derived: bool) -> int:
               f"failed ({str(e).splitlines()[0][:200]}); choose a free --master-port / "
               f"--rdzv-endpoint. Nothing was trained.", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
-    agree_on_job(run_dir)
+    root, run_dir = run_dir, agree_on_job(run_dir)  # this job's RUN_DIR/job-<id>
+    spec = spec.replace(run_dir=run_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         result = train_worker(spec)
@@ -71,5 +71,5 @@ def train(spec, device: str, derived: bool) -> int:
     if derived and rank == 0:
         import shutil
 
-        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     return 0
