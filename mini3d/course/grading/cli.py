@@ -12,6 +12,8 @@ import os
 import random
 import sys
 
+from mini3d.exits import bad_input
+
 from .core import ensure_importable
 from .runner import find, grade, score_table
 
@@ -21,16 +23,14 @@ def cmd_grade(args) -> int:
     try:
         find(args.exercise)
     except KeyError as e:
-        print(f"mini3d grade: bad input: {e.args[0]}", file=sys.stderr)
-        return 2
+        return bad_input([e.args[0]], "grade", after="")
     impl = args.impl
     try:
         ensure_importable()
         importlib.import_module(impl)
     except ImportError:
-        print(f"mini3d grade: bad input: --impl {impl!r} is not importable from {os.getcwd()} "
-              f"(run from the repository root, which holds exercises/ and solutions/)", file=sys.stderr)
-        return 2
+        return bad_input([f"--impl {impl!r} is not importable from {os.getcwd()} (run from the "
+                          f"repository root, which holds exercises/ and solutions/)"], "grade", after="")
     print(f"grading {impl} with seed {seed} (rerun with --seed {seed} to reproduce)", flush=True)
     outcomes = grade(impl, args.exercise, seed)
     print(score_table(outcomes, seed))
