@@ -283,3 +283,24 @@ def test_zero_bubble_kinds_in_the_explorer_and_the_gantt():
     assert _trace(fig, "weight").marker.color != _trace(fig, "backward").marker.color
     plain = pipeline.gantt_figure(widgets.schedule_view(sim, "1f1b", 4, 8, 1, 2.0)["timeline"])
     assert "weight" not in [t.name for t in plain.data]
+
+
+def test_figure_widget_opens_with_its_plotly_module(monkeypatch):
+    """Every explorer figure is our FigureWidget, and the state its comm opens with carries plotly's
+    bundle and a per-figure key (the browser loader's `initialize` reads both from that state; set
+    after construction they would arrive only behind the deadline they exist to meet)."""
+    import ipywidgets.widgets.widget as ipw
+    import plotly.graph_objects as go
+
+    from mini3d.course.viz.figure_widget import LOADER_ESM, FigureWidget, plotly_widget_bundle
+
+    opened = []
+    real = ipw.comm.create_comm
+    monkeypatch.setattr(ipw.comm, "create_comm", lambda **kw: opened.append(kw["data"]["state"]) or real(**kw))
+    a, b = FigureWidget(go.Figure(go.Bar(y=[1]))), FigureWidget()
+    states = [s for s in opened if s.get("_anywidget_id", "").endswith("figure_widget.FigureWidget")]
+    assert len(states) == 2 and states[0]["_esm"] == LOADER_ESM
+    assert all(s["_plotly_esm"] == plotly_widget_bundle() and len(s["_plotly_esm"]) > 1e6 for s in states)
+    assert states[0]["_figure_key"] != states[1]["_figure_key"]
+    box = widgets.schedule_explorer(pp_simulate_fn(), kind="gpipe", p=2, m=2)
+    assert isinstance(box.figure, FigureWidget) and isinstance(a, go.FigureWidget) and b.data == ()

@@ -49,12 +49,11 @@ def synced(update, figs):
     Why: a FigureWidget nested in a box is never displayed itself, so plotly never runs its
     `_repr_mimebundle_`, the one place that copies the figure into the synced `_widget_data` /
     `_widget_layout` traits; they keep the figure as it was built (empty here). The browser's copy
-    follows only through plotly's `_py2js_*` delta messages, applied by listeners that the widget's
-    5 MB JavaScript module registers once it has loaded. Deltas sent before that (the explorer's
-    first `update()`, while the browser still loads the module) are dropped, and a view created
-    afterwards draws the stale state: empty axes under a status line that did update (ch09's
-    symptom). Synced traits are state, not events, so the browser keeps their last value whenever
-    it arrives, and every view draws from them (the same copy `_repr_mimebundle_` makes)."""
+    otherwise follows only through plotly's `_py2js_*` delta messages, applied by listeners that
+    plotly's model code registers once its module has loaded; deltas that arrive earlier are lost
+    to them (our `figure_widget.FigureWidget` loads that module in the background, so its model
+    accepts messages at once). Synced traits are state, not events: the model keeps their last
+    value whenever it arrives, and every view draws from them when it is created."""
     import copy
 
     import plotly.graph_objects as go
