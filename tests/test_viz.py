@@ -50,7 +50,7 @@ def fake_estimate(model="gpt-7b", tp=1, pp=1, dp=1, zero=0, micro_batches=1, rec
             "optimizer": 12 * n / (dp if zero >= 1 else 1), "activations": act, "comm_buffers": 0.5 * GIB}
 
 
-def fake_plan(model="gpt-70b", gpus=64, gpu_mem_gib=80):
+def fake_plan(model="llama-3.1-70b", gpus=64, gpu_mem_gib=80):
     """Every (tp, pp) with tp*pp | gpus; step time falls with dp, memory with tp*pp."""
     rows = []
     for t in (1, 2, 4, 8):

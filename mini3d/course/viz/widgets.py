@@ -169,7 +169,7 @@ def cluster_line(tp: int, pp: int, dp: int, gpus_per_node: int = 8) -> str:
             + (": " + "; ".join(parts) if parts else ""))
 
 
-def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"), model="gpt-70b",
+def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "llama-3.1-70b", "gpt-175b"), model="llama-3.1-70b",
                       capacity_gib: float = 80, tp: int = 1, pp: int = 1, dp: int = 8, gpus_per_node: int = 8):
     """Model, tp, pp, dp, ZeRO, micro-batches and recomputation controls over one rank's memory bar;
     the status line gives the GPU count (tp x pp x dp), the nodes and which groups cross them."""
@@ -244,7 +244,7 @@ def planner_view(plan_fn, **query) -> dict:
     return dict(rows=rows, best=best)
 
 
-def planner_explorer(plan_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"), model="gpt-70b"):
+def planner_explorer(plan_fn, models=("gpt-7b", "gpt-22b", "llama-3.1-70b", "gpt-175b"), model="llama-3.1-70b"):
     """Model, GPU count and GPU memory controls over every candidate (tp, pp, dp): step time vs memory."""
     controls = dict(
         model=W.Dropdown(options=list(models), value=model, description="model"),
