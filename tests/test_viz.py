@@ -304,3 +304,13 @@ def test_figure_widget_opens_with_its_plotly_module(monkeypatch):
     assert states[0]["_figure_key"] != states[1]["_figure_key"]
     box = widgets.schedule_explorer(pp_simulate_fn(), kind="gpipe", p=2, m=2)
     assert isinstance(box.figure, FigureWidget) and isinstance(a, go.FigureWidget) and b.data == ()
+
+
+def test_gantt_panels_legend_clear_of_panel_titles():
+    """Chapter 05's three-schedule panels: the panel titles sit on top of each panel, so the legend
+    goes right of the plots (a horizontal legend at y=1 was drawn over the first panel's title)."""
+    from mini3d.course.viz.pipeline_measured import gantt_panels
+
+    fig = gantt_panels({"a": pipeline.gpipe_timeline(2, 2), "b": pipeline.gpipe_timeline(2, 2)}, title="t")
+    titles = [a for a in fig.layout.annotations if a.text.startswith(("a:", "b:"))]
+    assert titles and fig.layout.legend.orientation != "h" and (fig.layout.legend.x is None or fig.layout.legend.x >= 1)
