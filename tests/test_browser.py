@@ -14,7 +14,9 @@ token auth and all Jupyter state in a temp dir. Two tests share it:
   moved to its extreme positions (End, Home). After each move the figure must have changed (for at least one move per
   explorer), no Python error may appear, and no two text boxes of the rendered SVG may overlap
   (bar totals, annotations, titles, legend, tick labels against the others). Screenshots of every
-  explorer at every extreme go to a temp dir, printed in the test log.
+  explorer at every extreme go to a temp dir, printed in the test log. anywidget's "Failed to
+  initialize model" in the browser console fails it too (such a model drops every later update:
+  see mini3d/course/viz/figure_widget.py).
 
 Every process it started (server, kernels, browser) is ended by id, pass or fail. Skipped only when
 /usr/bin/chromium or the playwright package is absent.
@@ -274,7 +276,10 @@ def test_every_chapter_widget_moves(lab, browser, shots):
     base, token, _ = lab
     n_widgets = len(widgets_notebook().cells) // 2
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    problems = []
+    problems, console = [], []
+    # anywidget logs a model whose module missed its deadline; such a model drops every update
+    page.on("console", lambda msg: console.append(msg.text) if "[anywidget]" in msg.text else None)
+    page.on("pageerror", lambda err: console.append(str(err)) if "[anywidget]" in str(err) else None)
     try:
         # reset: a fresh workspace, so the tabs the first test opened do not come back in front
         page.goto(f"{base}/lab/tree/course/widgets.ipynb?reset&token={token}", timeout=90_000)
@@ -308,6 +313,7 @@ def test_every_chapter_widget_moves(lab, browser, shots):
                 problems.append(f"explorer {k}: no slider move changed the figure")
         errors = _python_errors(page)
         assert not errors, errors
+        problems += [f"browser console: {m}" for m in console if "Failed to initialize" in m]
         assert not problems, "\n".join(problems)
     except Exception:
         _fail_with_context(page, shots, "widgets")

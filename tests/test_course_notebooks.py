@@ -93,3 +93,38 @@ def test_predict_before_the_explorer_and_the_70b_story(path):
         prev = nb.cells[i - 1]  # a question in markdown, or a multiple choice revealing a computed answer
         assert ("**Predict first.**" in prev.source if prev.cell_type == "markdown"
                 else "predict(" in prev.source), (path.name, i)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_every_marked_number_is_computed_by_its_chapter(path):
+    """Each `<!--=name-->text<!--/-->` span in a chapter's prose is published by a `told("name", ...)`
+    call in one of its code cells (the call checks the text when the chapter runs under nbmake),
+    and that call's `Told` reads this chapter's own file."""
+    import re
+
+    from mini3d.course.viz.prose import notebook_spans
+
+    nb = nbformat.read(path, as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    spans = notebook_spans(path)
+    published = set(re.findall(r"""\btold\(\s*["'](\w+)["']""", code))
+    assert not set(spans) - published, f"{path.name}: spans no cell publishes: {sorted(set(spans) - published)}"
+    if spans:
+        assert f'Told("{path.name}")' in code, f"{path.name}: Told(...) must name this notebook"
+
+
+def test_told_fails_on_prose_that_disagrees(tmp_path):
+    """The checker can fail: a span that reads otherwise, and a value with no span, are errors."""
+    from mini3d.course.viz.prose import Told, marked_spans
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("keeps <!--=kept-->84%<!--/--> of it, **<!--=n-->1943<!--/-->** layouts"),
+                nbformat.v4.new_markdown_cell("again <!--=kept-->84%<!--/-->")]
+    nbformat.write(nb, tmp_path / "ch.ipynb")
+    told = Told(str(tmp_path / "ch.ipynb"))
+    assert told("kept", "84%") == "84%" and told("n", 1943) == "1943"
+    with pytest.raises(AssertionError, match=r"says \['84%', '84%'\] where the cell computes '83%'"):
+        told("kept", "83%")
+    with pytest.raises(AssertionError, match="no <!--=gone--> span"):
+        told("gone", "1")
+    assert marked_spans("a <!--=x-->1\n2<!--/--> b <!--=y-->3<!--/-->") == [("x", "1\n2"), ("y", "3")]

@@ -57,7 +57,7 @@ def fake_estimate(model="gpt-7b", tp=1, pp=1, dp=1, zero=0, micro_batches=1, rec
             "optimizer": 12 * n / (dp if zero >= 1 else 1), "activations": act, "comm_buffers": 0.5 * GIB}
 
 
-def fake_plan(model="gpt-70b", gpus=64, gpu_mem_gib=80):
+def fake_plan(model="llama-3.1-70b", gpus=64, gpu_mem_gib=80):
     """Every (tp, pp) with tp*pp | gpus; step time falls with dp, memory with tp*pp."""
     rows = []
     for t in (1, 2, 4, 8):
@@ -289,3 +289,34 @@ def test_zero_bubble_kinds_in_the_explorer_and_the_gantt():
     assert _trace(fig, "weight").marker.color != _trace(fig, "backward").marker.color
     plain = pipeline.gantt_figure(widgets.schedule_view(sim, "1f1b", 4, 8, 1, 2.0)["timeline"])
     assert "weight" not in [t.name for t in plain.data]
+
+
+def test_figure_widget_opens_with_its_plotly_module(monkeypatch):
+    """Every explorer figure is our FigureWidget, and the state its comm opens with carries plotly's
+    bundle and a per-figure key (the browser loader's `initialize` reads both from that state; set
+    after construction they would arrive only behind the deadline they exist to meet)."""
+    import ipywidgets.widgets.widget as ipw
+    import plotly.graph_objects as go
+
+    from mini3d.course.viz.figure_widget import LOADER_ESM, FigureWidget, plotly_widget_bundle
+
+    opened = []
+    real = ipw.comm.create_comm
+    monkeypatch.setattr(ipw.comm, "create_comm", lambda **kw: opened.append(kw["data"]["state"]) or real(**kw))
+    a, b = FigureWidget(go.Figure(go.Bar(y=[1]))), FigureWidget()
+    states = [s for s in opened if s.get("_anywidget_id", "").endswith("figure_widget.FigureWidget")]
+    assert len(states) == 2 and states[0]["_esm"] == LOADER_ESM
+    assert all(s["_plotly_esm"] == plotly_widget_bundle() and len(s["_plotly_esm"]) > 1e6 for s in states)
+    assert states[0]["_figure_key"] != states[1]["_figure_key"]
+    box = widgets.schedule_explorer(pp_simulate_fn(), kind="gpipe", p=2, m=2)
+    assert isinstance(box.figure, FigureWidget) and isinstance(a, go.FigureWidget) and b.data == ()
+
+
+def test_gantt_panels_legend_clear_of_panel_titles():
+    """Chapter 05's three-schedule panels: the panel titles sit on top of each panel, so the legend
+    goes right of the plots (a horizontal legend at y=1 was drawn over the first panel's title)."""
+    from mini3d.course.viz.pipeline_measured import gantt_panels
+
+    fig = gantt_panels({"a": pipeline.gpipe_timeline(2, 2), "b": pipeline.gpipe_timeline(2, 2)}, title="t")
+    titles = [a for a in fig.layout.annotations if a.text.startswith(("a:", "b:"))]
+    assert titles and fig.layout.legend.orientation != "h" and (fig.layout.legend.x is None or fig.layout.legend.x >= 1)

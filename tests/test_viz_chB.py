@@ -76,7 +76,7 @@ def test_tp_link_explorer_directions():
     assert b["tp=1 one GPU"] < a["tp=1 one GPU"]
     comm = lambda d: d["tp=2 across nodes"] - d["tp=2 NVLink"]  # noqa: E731
     w.controls["hardware"].value = "A100-80GB"
-    w.controls["model"].value = "gpt-70b"  # wider layers: compute grows faster than the all-reduces
+    w.controls["model"].value = "llama-3.1-70b"  # wider layers: compute grows faster than the all-reduces
     c = tot()
     assert c["tp=2 across nodes"] < c["tp=1 one GPU"] and "faster" in w.status.value
     assert comm(c) > comm(a)

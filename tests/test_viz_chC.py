@@ -178,3 +178,20 @@ def test_predicted_vs_measured_and_scaling():
     eff = [r["efficiency"] for r in sc]
     assert eff[0] == 1.0 and eff[0] > eff[1] > eff[2]  # the communication / bubble tax grows with dp
     assert sc[0]["bubble_fraction"] < sc[-1]["bubble_fraction"]
+
+
+def test_pending_labels_sit_outside_the_hatching_and_oom_advice_fits_the_category():
+    """Chapter 08's prediction reads the pending ops' labels: outside the hatched bar, inside the
+    x range; the OOM report's advice names what lowers the failing category (ZeRO for the optimizer
+    state, not the activations' remedies)."""
+    from mini3d.diagnose.faults import oom_report
+
+    dumps = {0: {"coords": {"pp": 0}, "events": [_event(0, "send", 1, 0.0, 1.0, "pp"),
+                                                 _event(0, "recv", 2, 1.0, None, "pp", age=4.0)]}}
+    fig = failures.hang_timeline_figure(dumps)
+    assert _trace(fig, "pp PENDING").textposition == "outside" and _trace(fig, "pp completed").textposition == "inside"
+    assert fig.layout.xaxis.range[1] > 5.0
+    args = dict(rank=0, coords={"dp": 0}, measured={"optimizer": 3 * MIB}, estimated=None, budget=MIB, requested=0)
+    opt, act = oom_report(category="optimizer", **args), oom_report(category="activations", **args)
+    assert "ZeRO" in opt.splitlines()[-1] and "recompute" not in opt.splitlines()[-1]
+    assert "recompute" in act.splitlines()[-1]

@@ -114,6 +114,17 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+# What lowers each category per rank (chapters 03-07): the model states shard with ZeRO and split
+# with tp and pp; only the activations answer to micro-batches and recomputation.
+REMEDIES = {
+    "params": "ZeRO-3, tp or pp",
+    "grads": "ZeRO-2 or -3, tp or pp",
+    "optimizer": "ZeRO-1 or higher, tp or pp",
+    "activations": "more micro-batches, recompute, tp or pp",
+    "comm_buffers": "smaller gradient buckets, bucket_mb",
+}
+
+
 def oom_report(rank: int, coords: dict, measured: dict, estimated: dict | None, budget: int,
                category: str, requested: int, fits: list[str] | None = None) -> str:
     """The OOM report: which rank, which category, measured vs estimated per category, what fits."""
@@ -133,7 +144,7 @@ def oom_report(rank: int, coords: dict, measured: dict, estimated: dict | None, 
     if fits:
         lines.append("plans that would fit: " + "; ".join(fits))
     else:
-        lines.append(f"to fit: lower {category} (more micro-batches, recompute, tp or pp) or raise "
+        lines.append(f"to fit: lower {category} ({REMEDIES.get(category, 'tp or pp')}) or raise "
                      f"the budget; `mini3d plan` lists plans that fit")
     return "\n".join(lines)
 

@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from .figure_widget import FigureWidget
 from .theme import AXIS_COLORS, new_figure
 
 
@@ -157,7 +158,7 @@ def scaling_explorer(rows_fn, models=("gpt-1.3b", "gpt-7b"), model="gpt-1.3b", g
     )
     for c in controls.values():
         c.style.description_width = "initial"
-    fig = go.FigureWidget(scaling_efficiency_figure([], []))
+    fig = FigureWidget(scaling_efficiency_figure([], []))
     status = W.HTML()
 
     def update():

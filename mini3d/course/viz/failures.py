@@ -38,6 +38,7 @@ def _label(rank: int, dump: dict) -> str:
 # Pending ops: black hatching on pale yellow, told apart from every axis colour (the pp axis is a red)
 # by lightness and pattern, not by hue alone, so colour-blind readers see the difference too.
 PENDING_COLOR, PENDING_PATTERN = "#ffe98a", "/"
+PENDING_LOOK = "hatched in black on pale yellow, labelled to the right of the bar"  # chapter 08 quotes it
 
 
 def _op_marker(axis: str, done: bool) -> dict:
@@ -50,7 +51,8 @@ def _op_marker(axis: str, done: bool) -> dict:
 def hang_timeline_figure(dumps: dict, world: int | None = None,
                          title: str = "What each rank was doing when the job stopped"):
     """One row per rank, one bar per logged op (start to end, seconds since the first op of any
-    rank). Pending ops run to `start + age_s` (the dump) and are hatched yellow; ranks without a dump (killed)
+    rank). Pending ops run to `start + age_s` (the dump), drawn as PENDING_LOOK says (their label outside
+    the bar, where the hatching cannot hide it); ranks without a dump (killed)
     get an empty, labelled row. `fig.layout.meta['pending']` lists (rank, op, axis, seq)."""
     fig = new_figure(title, "time since the first logged op (s)", "rank")
     events = [e for d in dumps.values() for e in d.get("events", [])]
@@ -69,7 +71,8 @@ def hang_timeline_figure(dumps: dict, world: int | None = None,
                         y=[labels.get(e["rank"], f"rank {e['rank']}") for e in sel], orientation="h",
                         name=f"{axis} {'completed' if done else 'PENDING'}",
                         marker=_op_marker(axis, done),
-                        text=[f"{e['op']} #{e['seq']}" for e in sel],
+                        text=[f"{e['op']} #{e['seq']}" for e in sel], cliponaxis=False,
+                        textposition="inside" if done else "outside",
                         hovertemplate="%{y}<br>%{text}<br>from %{base:.3f} s for %{x:.3f} s<extra></extra>")
             if not done:
                 pending += [(e["rank"], e["op"], e["axis"], e["seq"]) for e in sel]
@@ -79,6 +82,9 @@ def hang_timeline_figure(dumps: dict, world: int | None = None,
         if not any(e["rank"] == r for e in events):
             fig.add_scatter(x=[0], y=[labels[r]], mode="markers", marker=dict(symbol="x", size=12,
                             color="#222"), name=f"rank {r}: no ops logged", showlegend=True)
+    right = max((e["start"] + (e.get("age_s") or 0.0) if e.get("end") is None else e["end"] for e in events),
+                default=t0 + 1.0) - t0
+    fig.update_xaxes(range=[0, 1.3 * right])  # room for the pending ops' labels right of their bars
     fig.update_layout(barmode="overlay", meta={"pending": sorted(pending)})
     return fig
 
@@ -102,4 +108,4 @@ def oom_figure(oom: dict, title: str = "Out of memory: what the rank held, and w
     return fig
 
 
-__all__ = ["load_dumps", "hang_timeline_figure", "oom_figure"]
+__all__ = ["PENDING_LOOK", "load_dumps", "hang_timeline_figure", "oom_figure"]

@@ -12,6 +12,7 @@ import html
 
 import ipywidgets as W
 
+from .figure_widget import FigureWidget
 from .grid2d import rank_grid_2d_figure
 from .grid3d import rank_cube_figure
 
@@ -67,9 +68,7 @@ def rank_grid_explorer(tp: int = 2, pp: int = 2, dp: int = 2, color_by: str = "t
         order=W.Dropdown(options=["tp-dp-pp", "dp-tp-pp", "pp-dp-tp"], value=order,
                          description="order (fastest first)"),
     )
-    import plotly.graph_objects as go
-
-    fig = go.FigureWidget(rank_cube_figure(Grid(tp, pp, dp, order), color_by, gpus_per_node))
+    fig = FigureWidget(rank_cube_figure(Grid(tp, pp, dp, order), color_by, gpus_per_node))
     flat = rank_grid_2d_figure(Grid(tp, pp, dp, order), color_by, gpus_per_node, widget=True)
     status = W.HTML()
 

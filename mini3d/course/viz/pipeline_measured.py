@@ -116,8 +116,7 @@ def gantt_panels(panels: dict, time_unit: str = "units of one forward", title: s
             fig.update_xaxes(title_text=f"time ({time_unit})", row=i, col=1)
     rows = sum(len(panels[n]) for n in names)
     fig.update_layout(template=TEMPLATE_NAME, title=title, barmode="overlay", bargap=0.15,
-                      height=140 + 45 * rows + 60 * len(names),
-                      legend=dict(orientation="h", x=0, y=1.0, xanchor="left", yanchor="bottom"))
+                      height=140 + 45 * rows + 60 * len(names))  # legend at the right: clear of the panel titles
     fig.layout.meta = {"bubbles": bubbles}
     return fig
 

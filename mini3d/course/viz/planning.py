@@ -136,7 +136,7 @@ def _fill_breakdown(fig, rows):
                       yaxis=dict(autorange="reversed", automargin=True, title=dict(text="layout", standoff=12)))
 
 
-def plan_explorer(plan_fn, models=("gpt-1.3b", "gpt-7b", "gpt-22b", "gpt-70b"), model="gpt-7b",
+def plan_explorer(plan_fn, models=("gpt-1.3b", "gpt-7b", "gpt-22b", "llama-3.1-70b"), model="gpt-7b",
                   hardware=("A100-40GB", "A100-80GB", "H100-80GB"), gpus: int = 8,
                   global_batch: int = 32):
     """Model, cluster (GPU kind), GPU count and global batch over the layout scatter and the
@@ -208,7 +208,7 @@ def planner_explorer_fn(hardware: str = "A100-80GB", global_batch: int = 32, dty
 
     from mini3d.cost.hardware import load_hardware, save_hardware
 
-    def fn(model="gpt-70b", gpus=64, gpu_mem_gib=80):
+    def fn(model="llama-3.1-70b", gpus=64, gpu_mem_gib=80):
         hw = dataclasses.replace(load_hardware(hardware), memory_bytes=gpu_mem_gib * 2**30,
                                  name=f"{hardware}@{gpu_mem_gib}GiB")
         with tempfile.TemporaryDirectory() as d:  # planner_fn loads hardware by name or JSON path

@@ -69,7 +69,7 @@ def story_lines(rows: list[dict]) -> str:
     for r in rows:
         total = sum(r["memory"].values())
         fit = "fits" if r["fits"] else "does NOT fit"
-        out.append(f"{r['label']} ({r['gpus']} GPUs): {to_gib(total):,.1f} GiB per GPU ({fit} in "
+        out.append(f"{r['label']} ({r['gpus']} GPU{'' if r['gpus'] == 1 else 's'}): {to_gib(total):,.1f} GiB per GPU ({fit} in "
                    f"{to_gib(r['capacity_bytes']):.0f} GiB), step {r['step_time_s']:.2f} s, "
                    f"bubble {r['bubble_fraction']:.0%}")
     return "\n".join(out)

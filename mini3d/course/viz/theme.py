@@ -11,6 +11,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from .figure_widget import FigureWidget
+
 TEMPLATE_NAME = "mini3d"
 GIB = 1024 ** 3
 
@@ -64,7 +66,7 @@ pio.templates[TEMPLATE_NAME] = _build_template()
 
 def new_figure(title: str, x_title: str, y_title: str, widget: bool = False, **layout) -> go.Figure:
     """An empty figure in the mini3d template; axis titles must name their unit."""
-    cls = go.FigureWidget if widget else go.Figure
+    cls = FigureWidget if widget else go.Figure
     fig = cls()
     fig.update_layout(template=TEMPLATE_NAME, title=title, xaxis_title=x_title, yaxis_title=y_title,
                       **layout)

@@ -176,7 +176,7 @@ def tp_link_view(model: str = "gpt2-small", hardware: str = "A100-80GB", seq_len
     return dict(rows=rows, figure=fig, verdict=verdict)
 
 
-def tp_link_explorer(models=("gpt2-small", "gpt-1.3b", "gpt-7b", "gpt-70b"), model: str = "gpt2-small",
+def tp_link_explorer(models=("gpt2-small", "gpt-1.3b", "gpt-7b", "llama-3.1-70b"), model: str = "gpt2-small",
                      hardware: str = "A100-80GB", seq_len: int = 1024):
     """Model, hardware and sequence-length controls over `tp_link_figure`."""
     from mini3d.cost.hardware import PRESETS as HW

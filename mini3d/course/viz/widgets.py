@@ -51,12 +51,11 @@ def synced(update, figs):
     Why: a FigureWidget nested in a box is never displayed itself, so plotly never runs its
     `_repr_mimebundle_`, the one place that copies the figure into the synced `_widget_data` /
     `_widget_layout` traits; they keep the figure as it was built (empty here). The browser's copy
-    follows only through plotly's `_py2js_*` delta messages, applied by listeners that the widget's
-    5 MB JavaScript module registers once it has loaded. Deltas sent before that (the explorer's
-    first `update()`, while the browser still loads the module) are dropped, and a view created
-    afterwards draws the stale state: empty axes under a status line that did update (ch09's
-    symptom). Synced traits are state, not events, so the browser keeps their last value whenever
-    it arrives, and every view draws from them (the same copy `_repr_mimebundle_` makes)."""
+    otherwise follows only through plotly's `_py2js_*` delta messages, applied by listeners that
+    plotly's model code registers once its module has loaded; deltas that arrive earlier are lost
+    to them (our `figure_widget.FigureWidget` loads that module in the background, so its model
+    accepts messages at once). Synced traits are state, not events: the model keeps their last
+    value whenever it arrives, and every view draws from them when it is created."""
     import copy
 
     import plotly.graph_objects as go
@@ -172,7 +171,7 @@ def cluster_line(tp: int, pp: int, dp: int, gpus_per_node: int = 8) -> str:
             + (": " + "; ".join(parts) if parts else ""))
 
 
-def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"), model="gpt-70b",
+def memory_calculator(estimate_fn, models=("gpt-7b", "gpt-22b", "llama-3.1-70b", "gpt-175b"), model="llama-3.1-70b",
                       capacity_gib: float = 80, tp: int = 1, pp: int = 1, dp: int = 8, gpus_per_node: int = 8):
     """Model, tp, pp, dp, ZeRO, micro-batches and recomputation controls over one rank's memory bar;
     the status line gives the GPU count (tp x pp x dp), the nodes and which groups cross them."""
@@ -247,7 +246,7 @@ def planner_view(plan_fn, **query) -> dict:
     return dict(rows=rows, best=best)
 
 
-def planner_explorer(plan_fn, models=("gpt-7b", "gpt-22b", "gpt-70b", "gpt-175b"), model="gpt-70b"):
+def planner_explorer(plan_fn, models=("gpt-7b", "gpt-22b", "llama-3.1-70b", "gpt-175b"), model="llama-3.1-70b"):
     """Model, GPU count and GPU memory controls over every candidate (tp, pp, dp): step time vs memory."""
     controls = dict(
         model=W.Dropdown(options=list(models), value=model, description="model"),
