@@ -96,15 +96,15 @@ def validated_train(args):
     spec = RunConfig(model=cfg, plan=plan, **{**run_fields(args), "tokenizer": tokenizer})
     problems = spec.problems(world) + problems + early
     problems += diagnose_problems(args, plan)  # mini3d.diagnose: fault, budget and timeout flags
+    if args.resume:  # (before the dry run: its verdict covers the checkpoint too)
+        resume, resume_problems = check_resume(args.resume, cfg, args.steps, args, plan)
+        problems += resume_problems
+        spec = spec.replace(resume=resume)
     if args.dry_run:  # validate, map, the recorded step's comm verdict, memory; starts nothing
         from mini3d.run.dryrun import dry_run
 
         return bad_input(problems) if problems else dry_run(cfg, plan, args.gpus_per_node,
                                                             grad_clip=args.grad_clip)
-    if args.resume:
-        resume, resume_problems = check_resume(args.resume, cfg, args.steps, args, plan)
-        problems += resume_problems
-        spec = spec.replace(resume=resume)
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
         choose_device(args.device, local, per_process=torchrun)

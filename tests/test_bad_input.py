@@ -18,6 +18,10 @@ from mini3d.launch.devices import visible_gpus
 from mini3d.run import torchrun
 
 CASES = [  # (flags, a piece of the message that names the value)
+    # second campaign (benchmarks/RELIABILITY.md): a traceback, or accepted, under --dry-run too
+    ("--family llama --rope-base nan", "rope_base=nan must be a finite number > 0"),
+    ("--norm-eps -1", "norm_eps=-1.0 must be a finite number > 0"),
+    ("--global-batch 1000000000000", "GiB of activations over the job's ranks, more than this host"),
     # campaign: tracebacks after the workers started
     ("--lr nan", "--lr nan must be a finite number"),
     ("--lr -1", "--lr -1.0 must be > 0"),
@@ -216,3 +220,15 @@ def test_a_refused_or_dry_run_leaves_no_run_directory(tmp_path, capsys, monkeypa
         code = cli.main(["train", "--no-progress", *flags.split()])
         assert code == (0 if "--dry-run" in flags else 2), (flags, capsys.readouterr())
         assert not [n for n in os.listdir(tmp_path) if n.startswith("mini3d-run-")], flags
+
+
+@pytest.mark.parametrize("flags,needle", [
+    ("--resume {missing}", "holds no complete checkpoint"),
+    ("--global-batch 1000000000000", "GiB of activations over the job's ranks"),
+    ("--family llama --rope-base nan", "rope_base=nan must be a finite number > 0"),
+])
+def test_dry_run_checks_the_same_inputs(flags, needle, paths, capsys):
+    """The dry run's verdict covers what a real run would refuse (the checkpoint of --resume, a
+    batch the host cannot hold): exit 2 before it records the step."""
+    assert cli.main(["train", "--dry-run", *_fill(flags, paths).split()]) == 2
+    assert needle.format(**paths) in capsys.readouterr().err

@@ -8,6 +8,7 @@ exit 2).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from mini3d.exits import BadInput
@@ -239,6 +240,9 @@ class ModelConfig:
                        f"high_freq_factor, original context) of a llama-family model")
         if not 0.0 <= self.dropout < 1.0:
             out.append(f"dropout={self.dropout} must be in [0, 1)")
+        for name in ("rope_base", "norm_eps"):  # nan passes every comparison below: name it here
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                out.append(f"{name}={getattr(self, name)} must be a finite number > 0")
         return out + self._moe_problems()
 
     def _moe_problems(self) -> list[str]:

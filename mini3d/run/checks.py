@@ -27,25 +27,34 @@ def _finite(flag: str, value, positive: bool = True) -> list[str]:
     return []
 
 
-STATE_BYTES_PER_PARAM = 16  # fp32 weights, gradients and AdamW's two moments, each held once
-
-
-def host_memory_problem(args, cfg) -> list[str]:
-    """A CPU run whose model cannot fit this host: the weights, gradients and AdamW moments of
-    every parameter (16 bytes each, however the layout splits them) against its physical memory.
-    (GPU runs are the memory estimator's and the OOM report's.)"""
+def host_memory_problem(args, cfg, plan=None) -> list[str]:
+    """A CPU run that cannot fit this host: the model states of every parameter (weights,
+    gradients and AdamW moments at `cost.memory.state_bytes` of float32, 16 bytes, however the
+    layout splits them), and every rank's activations of its micro-batches at their peak (the
+    estimator's), against its physical memory. (GPU runs are the memory estimator's and the OOM
+    report's.)"""
     from mini3d.launch.devices import visible_gpus
 
     if cfg.problems() or args.device not in ("cpu", "auto") or (args.device == "auto" and
                                                                  visible_gpus()):
         return []  # (an inconsistent model is named by its own check)
-    need = cfg.n_params() * STATE_BYTES_PER_PARAM
+    from mini3d.cost.memory import estimate_all_stages, state_bytes
+
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need <= ram:
+    need = cfg.n_params() * sum(state_bytes("float32"))
+    if need > ram:
+        return [f"the model ({cfg.n_params():,} parameters, d_model={cfg.d_model}, n_layers="
+                f"{cfg.n_layers}) needs at least {need / 2**30:,.1f} GiB for its weights, gradients "
+                f"and AdamW moments, more than this host's {ram / 2**30:,.1f} GiB of memory"]
+    if plan is None or plan.problems(cfg):
         return []
-    return [f"the model ({cfg.n_params():,} parameters, d_model={cfg.d_model}, n_layers="
-            f"{cfg.n_layers}) needs at least {need / 2**30:,.1f} GiB for its weights, gradients "
-            f"and AdamW moments, more than this host's {ram / 2**30:,.1f} GiB of memory"]
+    acts = sum(e.activations for e in estimate_all_stages(cfg, plan)) * plan.tp * plan.cp * plan.dp
+    if acts > ram:
+        return [f"--global-batch {plan.global_batch} --seq-len {plan.seq_len} (micro-batches of "
+                f"{plan.micro_batch_size:,} sequences) need about {acts / 2**30:,.1f} GiB of "
+                f"activations over the job's ranks, more than this host's {ram / 2**30:,.1f} GiB "
+                f"of memory (more --micro-batches, a smaller --global-batch or --seq-len)"]
+    return []
 
 
 def run_problems(args, plan, cfg) -> list[str]:
@@ -63,7 +72,7 @@ def run_problems(args, plan, cfg) -> list[str]:
         out.append(f"--save-every {args.save_every} needs --save DIR (where the checkpoints go)")
     if plan.sequence_parallel and plan.tp == 1:
         out.append("--sequence-parallel needs --tp > 1 (it shards the LayerNorm regions over tp)")
-    out += host_memory_problem(args, cfg)
+    out += host_memory_problem(args, cfg, plan)
     out += _file_target("--log-jsonl", args.log_jsonl)
     out += _dir_target("--save", args.save)
     out += _dir_target("--run-dir", args.run_dir)
