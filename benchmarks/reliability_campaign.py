@@ -34,6 +34,8 @@ import time
 import uuid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tests.test_orphans import marked  # noqa: E402  (live processes carrying a job's marker)
 SMALL = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--no-progress"]
 LAYOUTS = {
     "tp2": ["--tp", "2"],
@@ -45,21 +47,6 @@ LAYOUTS = {
 FAULTS = {"crash": (1, 3), "skip": (1, 3), "shape": (1, 3), "freeze": (3,), "raise": (1,),
           "p2p-order": (3,)}
 HANG = 3.0
-
-
-def marked(marker: bytes) -> list[int]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker in f.read():
-                    out.append(int(pid))
-        except OSError:
-            pass
-    return out
 
 
 def trial(args: list[str], kill_after: float | None = None, sig=None, timeout: float = 240):
