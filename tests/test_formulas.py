@@ -30,7 +30,8 @@ import pytest
 from mini3d.comm import ring_steps, ring_wire_bytes
 from mini3d.config import PRESETS, Plan
 from mini3d.cost.hardware import PRESETS as GPUS
-from mini3d.cost.memory import inflight_microbatches, stage_layers
+from mini3d.cost.activations import inflight_microbatches
+from mini3d.cost.memory import stage_layers
 from mini3d.pp.partition import partition_layers, stage_specs
 from mini3d.pp.rules import check
 from mini3d.pp.schedules import in_flight_bound, make_schedule
@@ -183,7 +184,7 @@ def test_bubble_and_in_flight_have_one_owner(kind, p, m, v):
 def test_timeline_bubble_and_head_in_flight_have_one_owner(kind, p, m, v):
     """The course's bubble of a drawn (or measured) timeline is the simulator's, exactly on a
     simulated one; the estimator's head micro-batches and its zbv text are the registry's."""
-    from mini3d.cost.memory import head_microbatches
+    from mini3d.cost.activations import head_microbatches
     from mini3d.course.viz.pipeline import bubble_from_timeline, bubble_formula_text, idle_gaps
     from mini3d.pp.simulator import simulate
     from mini3d.run.dryrun import bubble_line

@@ -51,7 +51,7 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     * qkv input 2sbh and MLP fc input 2sbh -> 2 * sbh*e (the LayerNorm outputs); same tp rule.
     * Q, K (4sbh) and V (2sbh) -> 3 * sbh*e / t (the qkv output, saved by the attention core).
     * softmax 2as^2b + its dropout mask as^2b + dropout output 2as^2b: mini3d has no dropout and
-      writes the attention core out (mini3d.models.transformer.attention_core), so it keeps the softmax
+      writes the attention core out (mini3d.models.attention.attention_core), so it keeps the softmax
       probabilities: a*s^2*b*e / t (`plan.attention="explicit"`, the default). A fused kernel
       (`plan.attention="sdpa"`: scaled_dot_product_attention's flash path) keeps only its output
       and the fp32 log-sum-exp (4*a*s*b / t); the output is laid out (b, s, a, h/a), so the

@@ -24,10 +24,11 @@ import functools
 import inspect
 import textwrap
 
-from mini3d.config import (ATTENTION, COMPILE, DTYPES, FAMILIES, PRESETS, RECOMPUTE, SCHEDULES,
-                           ModelConfig, Plan, model_from_preset)
+from mini3d.config import (ATTENTION, COMPILE, DTYPES, FAMILIES, PRESETS, RECOMPUTE, ModelConfig,
+                           Plan, model_from_preset)
 from mini3d.models.config import ACTIVATIONS, FAMILY_FEATURES, PlanError
 from mini3d.run.config import RunConfig
+from mini3d.schedule_kinds import SCHEDULES
 
 DEFAULT_PRESET = "tiny"
 RENAMED = {"n_layers": "--layers", "d_model": "--hidden", "n_heads": "--heads",

@@ -33,7 +33,7 @@ from mini3d.dp import DTYPES, make_dp
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
 from mini3d.models.moe import step_load
-from mini3d.models.transformer import set_attention
+from mini3d.models.attention import set_attention
 from mini3d.optim import WeightDecay, adamw, set_lr
 from mini3d.run.periodic import periodic, resumed_schedule, save_checkpoint
 from mini3d.pp.partition import build_stages
