@@ -257,3 +257,27 @@ def test_bytes_per_parameter_have_one_owner():
     assert (est.params, est.grads, est.optimizer) == tuple(b * est.n_params for b in state_bytes("bf16"))
     big = estimate_cost(PRESETS["gpt-70b"], Plan(tp=8, dtype="bf16", global_batch=1, seq_len=128), A100)
     assert not big.fits and "2+4+12 = 18 bytes each" in why_not(big)
+
+
+def test_the_loss_average_is_one_owner_s_8_bytes(monkeypatch):
+    """The logged loss averaged over cp x dp is one `dp.loss.LOSS_DTYPE` element, `LOSS_BYTES` (8):
+    what `mean_over_replicas` sends (the trainer's only way to average it) and what the host-share
+    cost model charges; neither the trainer nor the cost model restates the dtype or the 8."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mini3d import comm
+    from mini3d.dp.loss import LOSS_BYTES, LOSS_DTYPE, mean_over_replicas
+
+    assert LOSS_BYTES == 8 == torch.zeros(1, dtype=LOSS_DTYPE).nbytes
+    sent = []
+    monkeypatch.setattr(comm, "all_reduce", lambda t, axis, op: sent.append((t.dtype, t.nbytes, op)))
+    assert mean_over_replicas(2.5, SimpleNamespace(size=2), "cpu") == 2.5
+    assert sent == [(LOSS_DTYPE, LOSS_BYTES, "avg")]
+    root = Path(__file__).resolve().parents[1] / "mini3d"
+    assert "mean_over_replicas(" in (root / "run" / "train.py").read_text()
+    assert "float64" not in (root / "run" / "train.py").read_text()
+    calls = [n for n in ast.walk(ast.parse((root / "cost" / "host_share.py").read_text()))
+             if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "collective_s"]
+    assert calls and all(ast.unparse(c.args[2]) == "LOSS_BYTES" for c in calls)
