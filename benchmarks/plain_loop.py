@@ -26,7 +26,8 @@ import torch
 
 from mini3d.config import ModelConfig, model_from_preset
 from mini3d.data.corpus import Batches, load_tokens
-from mini3d.models.transformer import GPT, set_attention
+from mini3d.models.attention import set_attention
+from mini3d.models.transformer import GPT
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "amp": torch.float32}  # parameter dtype
 

@@ -23,7 +23,7 @@ from mini3d.run.outcome import (checkpoint_mark, report_failure, report_interrup
                                 report_worker_error)
 
 # Subcommands that live next to the code they drive; each module exposes register(subparsers).
-SUBCOMMAND_MODULES = ("mini3d.run.cost_cli", "mini3d.pp.cli", "mini3d.diagnose.cli", "mini3d.data.prepare",
+SUBCOMMAND_MODULES = ("mini3d.run.cost_cli", "mini3d.run.schedule_cli", "mini3d.diagnose.cli", "mini3d.data.prepare",
                       "mini3d.run.sample", "mini3d.checkpoint.hf")
 
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from mini3d.models.config import (ACTIVATIONS, FAMILIES, ModelConfig, PlanError, _divisors,
                                   model_from_dict)
 from mini3d.models.presets import ALIASES, PRESETS, model_from_preset
-from mini3d.schedule_kinds import (MULTI_CHUNK, SCHEDULES, schedule_kind,  # noqa: F401 (re-exported)
-                                   schedule_problems)
+from mini3d.schedule_kinds import SCHEDULES, schedule_kind, schedule_problems
 
 RECOMPUTE = ("none", "selective", "full")
 DTYPES = ("float32", "bf16", "float64")  # float64: exact parity checks (tests/matrix.py)
@@ -210,5 +209,5 @@ def plan_from_dict(d: dict) -> Plan:
     return Plan(**{k: v for k, v in d.items() if k in names})
 
 
-__all__ = ["ModelConfig", "Plan", "PlanError", "schedule_problems", "MULTI_CHUNK", "PRESETS", "ALIASES", "FAMILIES", "SCHEDULES", "RECOMPUTE", "DTYPES", "ATTENTION", "COMPILE",
+__all__ = ["ModelConfig", "Plan", "PlanError", "PRESETS", "ALIASES", "FAMILIES", "RECOMPUTE", "DTYPES", "ATTENTION", "COMPILE",
            "model_from_preset", "plan_from_dict", "model_from_dict"]

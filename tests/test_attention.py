@@ -11,8 +11,9 @@ import torch
 
 from mini3d.cli import main
 from mini3d.config import ModelConfig, Plan
-from mini3d.cost.memory import layer_activation_bytes
-from mini3d.models.transformer import GPT, attention_core, sdpa_core, set_attention
+from mini3d.cost.activations import layer_activation_bytes
+from mini3d.models.attention import attention_core, sdpa_core, set_attention
+from mini3d.models.transformer import GPT
 from tests.test_recompute import CFG, _run as run_policy
 
 

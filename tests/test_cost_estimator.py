@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 
 from mini3d.config import PRESETS, ModelConfig, Plan
-from mini3d.cost.memory import (estimate_all_stages, estimate_memory, inflight_microbatches,
-                                       layer_activation_bytes, model_state_bytes, state_bytes,
-                                       paper_layer_activation_bytes, stage_layers, stage_param_count)
+from mini3d.cost.activations import (inflight_microbatches, layer_activation_bytes,
+                                     paper_layer_activation_bytes)
+from mini3d.cost.memory import (estimate_all_stages, estimate_memory, model_state_bytes, state_bytes,
+                                stage_layers, stage_param_count)
 from mini3d.models.transformer import GPT
 
 

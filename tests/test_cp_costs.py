@@ -12,7 +12,8 @@ from mini3d.config import ModelConfig, Plan
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.model import estimate_cost
 from mini3d.cost.planner import search
-from mini3d.cost.memory import estimate_memory, layer_activation_bytes
+from mini3d.cost.activations import layer_activation_bytes
+from mini3d.cost.memory import estimate_memory
 from mini3d.launch.launcher import launch
 from mini3d.run.train import make_spec
 from tests.cp_workers import measured_ring

@@ -227,8 +227,13 @@ def test_the_launcher_carries_the_exit_code_of_the_class_a_rank_raised():
 
 
 def test_schedule_flags_are_plan_fields():
-    """`mini3d schedule` (mini3d.pp.cli, in the engine: it cannot import the run shell's builder)
-    names its flags as the builder does, so the same words mean the same Plan fields."""
-    opts = _options(_subparser("schedule"))
-    for field in ("pp", "micro_batches", "schedule", "virtual_stages"):
-        assert opts[field].option_strings == _options(_subparser("train"))[field].option_strings
+    """`mini3d schedule` (mini3d.run.schedule_cli) builds its four flags from Plan's fields through
+    the flag builder: the same words, dests and help as `mini3d train`'s."""
+    opts, train, docs = _options(_subparser("schedule")), _options(_subparser("train")), flags.field_docs(Plan)
+    assert set(opts) == {"help", "pp", "micro_batches", "schedule", "virtual_stages", "transfers", "json"}
+    for field in ("pp", "micro_batches", "schedule"):
+        assert opts[field].option_strings == train[field].option_strings
+        assert opts[field].help == train[field].help and opts[field].help.startswith(docs[field])
+        assert opts[field].default == getattr(Plan(), field) and "(default: " in opts[field].help
+    assert opts["virtual_stages"].option_strings == train["virtual_stages"].option_strings
+    assert opts["virtual_stages"].default is None and "(default: the kind's" in opts["virtual_stages"].help

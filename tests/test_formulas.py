@@ -30,7 +30,8 @@ import pytest
 from mini3d.comm import ring_steps, ring_wire_bytes
 from mini3d.config import PRESETS, Plan
 from mini3d.cost.hardware import PRESETS as GPUS
-from mini3d.cost.memory import inflight_microbatches, stage_layers
+from mini3d.cost.activations import inflight_microbatches
+from mini3d.cost.memory import stage_layers
 from mini3d.pp.partition import partition_layers, stage_specs
 from mini3d.pp.rules import check
 from mini3d.pp.schedules import in_flight_bound, make_schedule
@@ -183,7 +184,7 @@ def test_bubble_and_in_flight_have_one_owner(kind, p, m, v):
 def test_timeline_bubble_and_head_in_flight_have_one_owner(kind, p, m, v):
     """The course's bubble of a drawn (or measured) timeline is the simulator's, exactly on a
     simulated one; the estimator's head micro-batches and its zbv text are the registry's."""
-    from mini3d.cost.memory import head_microbatches
+    from mini3d.cost.activations import head_microbatches
     from mini3d.course.viz.pipeline import bubble_from_timeline, bubble_formula_text, idle_gaps
     from mini3d.pp.simulator import simulate
     from mini3d.run.dryrun import bubble_line
@@ -256,3 +257,27 @@ def test_bytes_per_parameter_have_one_owner():
     assert (est.params, est.grads, est.optimizer) == tuple(b * est.n_params for b in state_bytes("bf16"))
     big = estimate_cost(PRESETS["gpt-70b"], Plan(tp=8, dtype="bf16", global_batch=1, seq_len=128), A100)
     assert not big.fits and "2+4+12 = 18 bytes each" in why_not(big)
+
+
+def test_the_loss_average_is_one_owner_s_8_bytes(monkeypatch):
+    """The logged loss averaged over cp x dp is one `dp.loss.LOSS_DTYPE` element, `LOSS_BYTES` (8):
+    what `mean_over_replicas` sends (the trainer's only way to average it) and what the host-share
+    cost model charges; neither the trainer nor the cost model restates the dtype or the 8."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mini3d import comm
+    from mini3d.dp.loss import LOSS_BYTES, LOSS_DTYPE, mean_over_replicas
+
+    assert LOSS_BYTES == 8 == torch.zeros(1, dtype=LOSS_DTYPE).nbytes
+    sent = []
+    monkeypatch.setattr(comm, "all_reduce", lambda t, axis, op: sent.append((t.dtype, t.nbytes, op)))
+    assert mean_over_replicas(2.5, SimpleNamespace(size=2), "cpu") == 2.5
+    assert sent == [(LOSS_DTYPE, LOSS_BYTES, "avg")]
+    root = Path(__file__).resolve().parents[1] / "mini3d"
+    assert "mean_over_replicas(" in (root / "run" / "train.py").read_text()
+    assert "float64" not in (root / "run" / "train.py").read_text()
+    calls = [n for n in ast.walk(ast.parse((root / "cost" / "host_share.py").read_text()))
+             if isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "collective_s"]
+    assert calls and all(ast.unparse(c.args[2]) == "LOSS_BYTES" for c in calls)

@@ -12,7 +12,8 @@ import torch
 
 from mini3d.cli import build_parser
 from mini3d.config import ModelConfig
-from mini3d.models.transformer import GPT, attention_core, set_attention
+from mini3d.models.attention import attention_core, set_attention
+from mini3d.models.transformer import GPT
 from mini3d.run.sample import generate, sample_problems
 
 GPT2 = ModelConfig(n_layers=3, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16)

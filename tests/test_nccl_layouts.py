@@ -10,7 +10,8 @@ import pytest
 from mini3d.cli import main
 from mini3d.comm import send, recv
 from mini3d.config import ModelConfig, Plan
-from mini3d.diagnose.p2p_order import pair_mismatch, program_deadlock
+from mini3d.diagnose.p2p_order import program_deadlock
+from mini3d.launch.p2p_record import pair_mismatch
 from mini3d.launch.launcher import launch
 from tests import p2p_workers
 

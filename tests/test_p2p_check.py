@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mini3d.launch import launcher as launch_mod
-from mini3d.diagnose.p2p_order import P2POrderError, pair_mismatch
+from mini3d.launch.p2p_record import P2POrderError, pair_mismatch
 from mini3d.launch.launcher import launch
 from tests import p2p_workers
 

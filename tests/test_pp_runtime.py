@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.cost.memory import head_microbatches, inflight_microbatches
+from mini3d.cost.activations import head_microbatches, inflight_microbatches
 from mini3d.launch.launcher import launch
 from mini3d.models.transformer import GPT
 from mini3d.pp.rules import check

@@ -185,7 +185,7 @@ def test_plan_problems_name_the_pipeline_values():
 
 
 def _cli(argv):
-    from mini3d.pp.cli import register
+    from mini3d.run.schedule_cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="cmd"))

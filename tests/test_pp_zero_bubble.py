@@ -118,7 +118,7 @@ def test_zbv_and_looped_bfs_bubbles():
 
 
 def _cli(argv):
-    from mini3d.pp.cli import register
+    from mini3d.run.schedule_cli import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="cmd"))

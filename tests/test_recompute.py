@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig
-from mini3d.models.transformer import GPT, set_attention
+from mini3d.models.attention import set_attention
+from mini3d.models.transformer import GPT
 from mini3d.config import Plan
-from mini3d.cost.memory import layer_activation_bytes
+from mini3d.cost.activations import layer_activation_bytes
 from mini3d.recompute import apply_recompute, measure_activations
 
 CFG = ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64)

@@ -41,3 +41,18 @@ def test_no_function_over_60_lines():
 def test_hot_files_exist():
     """The exemptions name real files (a renamed file must leave the list)."""
     assert all((ROOT / rel).is_file() for rel in HOT_FILES)
+
+
+def test_no_docstring_dwarfs_its_function():
+    """A function's docstring says what it does and where its formula comes from; a derivation or a
+    history longer than the code (more than 8 lines and twice the body) belongs in the module's
+    docstring, docs/ or benchmarks/RESULTS.md."""
+    long = []
+    for rel, text in _modules():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+                doc, body = len(ast.get_docstring(node).splitlines()), node.body[1:]
+                lines = body[-1].end_lineno - body[0].lineno + 1 if body else 0
+                if doc > 8 and doc > 2 * lines:
+                    long.append(f"{rel}:{node.lineno} {node.name}: {doc} docstring lines, {lines} of code")
+    assert not long, long

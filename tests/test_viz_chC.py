@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mini3d.config import PRESETS, Plan
-from mini3d.cost.memory import layer_activation_bytes
+from mini3d.cost.activations import layer_activation_bytes
 from mini3d.course.viz import failures, planning, recompute_tradeoff
 
 pytestmark = pytest.mark.timeout(120)

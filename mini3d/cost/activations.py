@@ -5,6 +5,31 @@ Each function is the one source of its formula: `layer_activation_bytes` (Korthi
 adapted term by term to mini3d's layers, both families, with recomputation, sequence and context
 parallelism), `inflight_microbatches` (from the schedules' own `in_flight_bound`),
 `head_activation_bytes` and the ring attention message `ring_block_bytes`.
+
+The terms of `layer_activation_bytes`, Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) at 16 bits, with
+e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
+
+* LayerNorm inputs 4sbh -> 2 * sbh*e (ln1, ln2); replicated over tp unless sequence parallel.
+* qkv input 2sbh and MLP fc input 2sbh -> 2 * sbh*e (the LayerNorm outputs); same tp rule.
+* Q, K (4sbh) and V (2sbh) -> 3 * sbh*e / t (the qkv output, saved by the attention core).
+* softmax 2as^2b + its dropout mask as^2b + dropout output 2as^2b: mini3d has no dropout and
+  writes the attention core out (mini3d.models.attention.attention_core), so it keeps the softmax
+  probabilities: a*s^2*b*e / t (`plan.attention="explicit"`, the default). A fused kernel
+  (`plan.attention="sdpa"`: scaled_dot_product_attention's flash path) keeps only its output
+  and the fp32 log-sum-exp (4*a*s*b / t); the output is laid out (b, s, a, h/a), so the
+  projection's input below is a view of it, not a second copy (measured: tests/test_attention.py).
+* attention projection input 2sbh -> sbh*e / t (the core's output, made contiguous).
+* attention and MLP dropout masks (sbh each): absent (no dropout).
+* GELU input 8sbh and MLP projection input 8sbh -> 2 * sbf*e / t (Korthikanti has f = 4h).
+
+* ring attention (cp > 1, either block math): its float32 output and log-sum-exp,
+  4*s*b*h/t + 4*a*s*b/t with s the local s/cp tokens (the output is laid out (b, a, s, h/a), so
+  the projection's input is a second tensor); q, k, v are views of the qkv output above.
+
+Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
+keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
+With e = 2, f = 4h, a math kernel and dropout masks added back, the sum is the paper's
+formula (tested).
 """
 
 from __future__ import annotations
@@ -42,34 +67,11 @@ def paper_layer_activation_bytes(s, b, h, a, tp=1, sp=False, recompute="none") -
 
 def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool | None = None,
                            recompute: str | None = None) -> dict:
-    """Bytes one transformer block keeps for backward, one micro-batch, on one tp rank.
-
-    Adapted from Korthikanti et al. 2022 (s*b*h*(34 + 5*a*s/h) at 16 bits), term by term, with
-    e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
-
-    * LayerNorm inputs 4sbh -> 2 * sbh*e (ln1, ln2); replicated over tp unless sequence parallel.
-    * qkv input 2sbh and MLP fc input 2sbh -> 2 * sbh*e (the LayerNorm outputs); same tp rule.
-    * Q, K (4sbh) and V (2sbh) -> 3 * sbh*e / t (the qkv output, saved by the attention core).
-    * softmax 2as^2b + its dropout mask as^2b + dropout output 2as^2b: mini3d has no dropout and
-      writes the attention core out (mini3d.models.transformer.attention_core), so it keeps the softmax
-      probabilities: a*s^2*b*e / t (`plan.attention="explicit"`, the default). A fused kernel
-      (`plan.attention="sdpa"`: scaled_dot_product_attention's flash path) keeps only its output
-      and the fp32 log-sum-exp (4*a*s*b / t); the output is laid out (b, s, a, h/a), so the
-      projection's input below is a view of it, not a second copy (measured: tests/test_attention.py).
-      `fused_attention` overrides the plan.
-    * attention projection input 2sbh -> sbh*e / t (the core's output, made contiguous).
-    * attention and MLP dropout masks (sbh each): absent (no dropout).
-    * GELU input 8sbh and MLP projection input 8sbh -> 2 * sbf*e / t (Korthikanti has f = 4h).
-
-    * ring attention (cp > 1, either block math): its float32 output and log-sum-exp,
-      4*s*b*h/t + 4*a*s*b/t with s the local s/cp tokens (the output is laid out (b, a, s, h/a), so
-      the projection's input is a second tensor); q, k, v are views of the qkv output above.
-    Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
-    keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
-    With e = 2, f = 4h, a math kernel and dropout masks added back, the sum is the paper's
-    formula (tested). Returns {"stored": bytes kept per layer per micro-batch, "full": bytes
-    the block keeps without recompute (the transient peak while one block is recomputed)}.
-    """
+    """Bytes one transformer block keeps for backward, one micro-batch, on one tp rank:
+    Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) adapted term by term to mini3d's layers (the
+    terms: the module docstring). `fused_attention` overrides `plan.attention`, `recompute`
+    `plan.recompute`. Returns {"stored": bytes kept per layer per micro-batch, "full": bytes the
+    block keeps without recompute (the transient peak while one block is recomputed)}."""
     s, b, h, a, f = local_seq_len(plan), plan.micro_batch_size, cfg.d_model, cfg.n_heads, cfg.d_ff
     t, e = plan.tp, ELEMENT_BYTES[plan.dtype]
     if fused_attention is None:

@@ -14,7 +14,8 @@ import math
 from ..comm import ring_steps, ring_wire_bytes
 from ..dp.zero import zero_stage
 from ..tp.layout import comm_per_layer
-from .memory import ELEMENT_BYTES, head_rank, local_seq_len, ring_block_bytes, sharding_degree
+from .activations import ELEMENT_BYTES, local_seq_len, ring_block_bytes
+from .memory import head_rank, sharding_degree
 
 
 def members_per_node(plan, hw) -> dict:

@@ -83,13 +83,10 @@ class Hardware:
                      per_node: int | None = None) -> float:
         """Seconds of one `op` ("all_reduce", "all_gather", "reduce_scatter", "send") of a full
         tensor of `nbytes` over n members on links of `bandwidth` bytes/s, `per_node` of them in
-        each node (None: all in one node). Inside a node, a ring: each of its sequential steps pays
-        `latency_s` and each rank sends its ring wire bytes (`mini3d.comm.ring_steps` /
-        `ring_wire_bytes`, the event log's conventions), so a ring all-reduce pays 2(n-1)
-        latencies: n-1 reduce-scatter steps then n-1 all-gather steps. Across nodes every ring step
-        waits for a network hop (`internode_latency_s`), and an all-reduce may take NCCL's tree
-        instead (`tree_allreduce_s`), whichever is faster: at 1024 ranks a ring all-reduce pays
-        2046 network latencies, a tree 2(7 + 7) hops."""
+        each node (None: all in one node): a ring, `latency_s` per step (`internode_latency_s`
+        across nodes) plus its wire bytes over `bandwidth` (`mini3d.comm.ring_steps`,
+        `ring_wire_bytes`); across nodes an all-reduce takes NCCL's tree (`tree_allreduce_s`)
+        when that is faster, as NCCL's tuner does."""
         if n <= 1 and op != "send":
             return 0.0
         spans = per_node is not None and n > per_node and not self.shared_host

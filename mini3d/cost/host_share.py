@@ -45,6 +45,7 @@ event is the earliest completion. The schedule's dependencies are the pipeline s
 
 from __future__ import annotations
 
+from ..dp.loss import LOSS_BYTES
 from ..pp.simulator import Stuck, _dependency
 
 EPS = 1e-12
@@ -226,8 +227,8 @@ def shared_host_step(cfg, plan, hw, rank_terms, adam_bytes_per_param: float) -> 
         comm, waits = recv + send, hw.host_msg_wait_s if probed else 0.0
     if plan.dp * plan.cp > 1:  # and averaged over the replicas
         d = plan.dp * plan.cp
-        comm += cpu_hw.collective_s("all_reduce", d, 8, k0["bw"]["dp"])
-        waits += wait_hw.collective_s("all_reduce", d, 8, float("inf")) if probed else 0.0
+        comm += cpu_hw.collective_s("all_reduce", d, LOSS_BYTES, k0["bw"]["dp"])
+        waits += wait_hw.collective_s("all_reduce", d, LOSS_BYTES, float("inf")) if probed else 0.0
     return sim["makespan"] + (tail + comm / contention) / rate(n, cores, contention) + waits
 
 

@@ -14,7 +14,7 @@ MLP proj) split the weight and replicate the bias; norms are replicated.
 Layers are split over the pp * virtual_stages model chunks as evenly as possible, the first chunks
 taking one extra layer when the split is uneven (`mini3d.pp.partition_layers`, the split the
 pipeline builds); chunk c lives on pipeline rank c % pp, or in a V for the zbv schedule
-(`mini3d.pp.partition.stage_rank`: rank 0 then holds the head too). The vocabulary is padded by
+(`mini3d.pp.placement.stage_rank`: rank 0 then holds the head too). The vocabulary is padded by
 `mini3d.tp.layers.padded_size`, micro-batches in flight come from
 `mini3d.pp.schedules.in_flight_bound`: the functions the engine itself runs.
 
@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig, Plan
 from ..dp.buckets import largest_bucket_numel, transient_grad_bytes
-from ..pp.partition import local_specs, stage_rank
+from ..pp.partition import local_specs
+from ..pp.placement import stage_rank
 from ..schedule_kinds import schedule_kind
 from ..tp.layers import padded_size
-from .activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatches,  # noqa: F401
+from .activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatches,
                           inflight_microbatches, layer_activation_bytes, local_seq_len,
-                          paper_layer_activation_bytes, ring_block_bytes)
+                          ring_block_bytes)
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
@@ -273,5 +274,4 @@ def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
 __all__ = ["MemoryEstimate", "CATEGORIES", "STATE_BYTES", "state_bytes", "estimate_memory", "estimate_stage", "estimate_all_stages",
            "model_state_bytes", "stage_param_count", "grad_bucket_numel", "largest_param_numel",
            "stage_layers", "layer_params",
-           "layer_activation_bytes", "paper_layer_activation_bytes",
-           "inflight_microbatches", "local_seq_len", "ring_block_bytes", "sharding_degree"]
+           "sharding_degree"]

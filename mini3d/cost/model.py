@@ -85,10 +85,10 @@ from ..pp.schedules import make_schedule
 from ..pp.simulator import bubble_formula, simulate
 from .comm_time import cp_time, dp_time, members_per_node, tp_time
 from .hardware import Hardware
-from .activations import score_traffic_s
+from .activations import ELEMENT_BYTES, local_seq_len, score_traffic_s
 from .host_share import shared_host_step
-from .memory import (ELEMENT_BYTES, MemoryEstimate, estimate_memory, head_rank, local_seq_len,  # noqa: F401
-                     ring_block_bytes, sharding_degree, stage_layers, stage_param_count)
+from .memory import (MemoryEstimate, estimate_memory, head_rank, sharding_degree, stage_layers,
+                     stage_param_count)
 
 FLOPS_CONVENTION = "full attention square (not causal-halved), Megatron-LM's and torchtitan's"
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
-from mini3d.diagnose import p2p_order  # noqa: F401  (registers the full p2p check for `mini3d train`)
+from mini3d.diagnose.p2p_order import register as register_p2p_judge
 from mini3d.exits import bad_input
+
+register_p2p_judge()  # the full p2p check judges every job `mini3d train` launches
 
 
 def cmd_explain_hang(args) -> int:

@@ -3,15 +3,15 @@
 the pair communicators' joins: a rank that blocks on a receive before posting the send its peer
 waits for, or a ring of first sends (each joining a pair communicator) at cp >= 3.
 
-Importing this module registers `program_deadlock` as a judge of every checked job
-(`mini3d.launch.p2p_record.add_judge`). tests/conftest.py imports it, so every multi-process test gets
-both checks, and so does `mini3d.diagnose.cli` (the CLI's `mini3d train`). The strict reading is
+`register()` adds `program_deadlock` to the judges of every checked job
+(`mini3d.launch.p2p_record.add_judge`). tests/conftest.py calls it, so every multi-process test gets
+both checks, and so does `mini3d.diagnose.cli` when imported (the CLI's `mini3d train`). The strict reading is
 used (`device_id=False`: pair communicators joined on first use).
 """
 
 from __future__ import annotations
 
-from mini3d.launch.p2p_record import P2POrderError, add_judge, pair_mismatch  # noqa: F401  (re-exported)
+from mini3d.launch.p2p_record import add_judge
 from .rendezvous import simulate
 
 def program_deadlock(records: list, device_id: bool = False) -> str | None:
@@ -26,6 +26,8 @@ def program_deadlock(records: list, device_id: bool = False) -> str | None:
     return simulate(progs, None, "nccl", device_id)
 
 
-add_judge(program_deadlock)
+def register() -> None:
+    """Judge every checked job with `program_deadlock` too (once: a repeat is ignored)."""
+    add_judge(program_deadlock)
 
-__all__ = ["program_deadlock", "P2POrderError", "pair_mismatch"]
+__all__ = ["program_deadlock", "register"]

@@ -119,16 +119,11 @@ class InFlight:
 
 
 def transient_grad_bytes(bucket_bytes: float, dp: int, zero: int) -> float:
-    """Gradient bytes one rank holds during backward on top of its persistent gradients (the full
-    buffers for ZeRO-0/1, the 1/dp shard for ZeRO-2/3), for buckets (ZeRO-3: units' pieces) of at
-    most `bucket_bytes` in the gradient dtype, at any micro-batch count: ZeRO-0/1 none (the
-    all-reduce and the reduce-scatter work in place in the persistent buffers); ZeRO-2/3 the full
-    buffers of the GRAD_BUCKETS_IN_FLIGHT buckets in flight (each reduce-scatters in place, into
-    its own shard-sized slice, and is added into the shard and freed when that completes).
-    A bound, reached within one bucket: the measured peak is the largest sum of that many
-    consecutive buckets, more than (GRAD_BUCKETS_IN_FLIGHT - 1) full-size ones (the buckets
-    around a small one, e.g. a LayerNorm's, sum to less), and the estimator does not see the
-    layout. The one formula for the estimator and the tests of the measured `peak_grad_bytes`."""
+    """Gradient bytes one rank holds during backward beyond its persistent gradients, buckets of at
+    most `bucket_bytes`: none for ZeRO-0/1 (they reduce in place), the GRAD_BUCKETS_IN_FLIGHT
+    buckets' full buffers for ZeRO-2/3 (each freed once reduce-scattered into the shard). A bound
+    within one bucket: the measured `peak_grad_bytes` is the largest sum of that many consecutive
+    buckets (a small one, e.g. a LayerNorm's, lowers it), a layout the estimator does not see."""
     return GRAD_BUCKETS_IN_FLIGHT * bucket_bytes if zero >= 2 and dp > 1 else 0.0
 
 

@@ -12,9 +12,8 @@ ops when
   not match one for one: a's k-th is a send iff b's k-th is a receive, of the same shape and dtype.
   The ops of one batch (`comm.batch_p2p`) progress together, so their order within the batch is
   free: each side's batch is put in one canonical order before the comparison;
-* or a registered judge (`add_judge`) reports a problem: `mini3d.diagnose.p2p_order` registers
-  the full simulation of the programs under NCCL's rules (`mini3d.diagnose.rendezvous`) when
-  imported; registered from above, since the diagnostics layer sits above the launcher.
+* or a registered judge (`add_judge`) reports a problem: `mini3d.diagnose.p2p_order.register`
+  adds the full simulation of the programs under NCCL's rules (`mini3d.diagnose.rendezvous`); registered from above, since the diagnostics layer sits above the launcher.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 
 def offset_attention(q, k, v):
     """Causal attention of T new queries at positions S-T..S-1 over S keys at 0..S-1; q (B, nh, T,
-    hd), k and v (B, nkv, S, hd). The same arithmetic as `mini3d.models.transformer.attention_core` (g = nh / nkv
+    hd), k and v (B, nkv, S, hd). The same arithmetic as `mini3d.models.attention.attention_core` (g = nh / nkv
     query heads of one key/value head stacked along the sequence), with the causal mask shifted by
     the S - T positions already cached; for S == T it is attention_core itself."""
     B, nh, T, hd = q.shape

@@ -36,8 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mini3d.models.attention import (CORES, Attention, attention_core, dropout, rotary,  # noqa: F401
-                                     rotary_frequencies, sdpa_core, set_attention)  # (re-exported)
+from mini3d.models.attention import Attention, dropout
 from mini3d.models.config import ModelConfig
 from mini3d.models.moe import MoE, router_loss
 from mini3d.wgrad import Linear

@@ -53,7 +53,7 @@ class BlockStage(nn.Module):
 def stages_from_blocks(blocks, pp_rank: int, p: int, v: int = 1, loss_fn=None,
                        boundaries=None, placement: str = "loop") -> dict:
     """{global stage id: BlockStage} for pipeline rank `pp_rank` (v chunks; `placement` "v" for
-    the zbv schedule, see `partition.stage_rank`)."""
+    the zbv schedule, see `placement.stage_rank`)."""
     blocks = list(blocks)
     out = {}
     for spec in local_specs(pp_rank, len(blocks), p, v, boundaries, placement):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .placement import PLACEMENTS, stage_rank  # noqa: F401  (re-exported)
+from .placement import stage_rank
 
 
 @dataclass(frozen=True)
@@ -107,5 +107,5 @@ def build_stages(cfg, seed: int, pp_rank: int, p: int, v: int = 1, boundaries=No
     return out
 
 
-__all__ = ["StageSpec", "PLACEMENTS", "stage_rank", "partition_layers", "partition_problems", "stage_specs", "local_specs",
+__all__ = ["StageSpec", "partition_layers", "partition_problems", "stage_specs", "local_specs",
            "build_stages"]

@@ -21,7 +21,7 @@ B is the whole backward. So SEND_F(s) pairs with RECV_F(s+1) and SEND_B(s) with 
 
 Placement: by default stage s lives on rank s % p ("loop"); the V-shaped schedule (zbv) places
 chunk c of rank r at stage c p + r for even c and (c + 1) p - 1 - r for odd c ("v": rank 0 holds the
-first and the last stage), see `partition.stage_rank`. A transfer between two stages on
+first and the last stage), see `placement.stage_rank`. A transfer between two stages on
 the same rank (only when p == 1) needs no action: the runtime hands the tensor over locally.
 
 What a kind is (its chunks per rank, rules, placement, in-flight bounds, bubble) is an object of the
@@ -41,13 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule_kinds import MULTI_CHUNK, SCHEDULES as KINDS, schedule_kind, schedule_problems
-from .partition import stage_rank
+from .placement import stage_rank
 from .actions import COMPUTE, TRANSFERS, Action, B, F, W
 from .zero_bubble import zb_h1_orders, zbv_orders
 
 
 def placement_of(kind: str) -> str:
-    """How `kind` places stages on ranks ("loop" or "v", see partition.stage_rank): the registry's
+    """How `kind` places stages on ranks ("loop" or "v", see placement.stage_rank): the registry's
     `ScheduleKind.placement`."""
     return schedule_kind(kind).placement
 
@@ -62,7 +62,7 @@ class Schedule:
     v: int  # model chunks (virtual stages) per rank
     actions: tuple  # actions[r] is rank r's tuple of Actions, in execution order
     in_flight_bound: tuple = ()  # promised peak of micro-batches alive (F to last B/W) per rank
-    placement: str = "loop"  # "loop": stage s on rank s % p; "v": see partition.stage_rank
+    placement: str = "loop"  # "loop": stage s on rank s % p; "v": see placement.stage_rank
 
     @property
     def n_stages(self) -> int:

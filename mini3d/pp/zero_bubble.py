@@ -13,7 +13,7 @@ needs stay alive until then (a micro-batch is "in flight" from its F to its W).
   (p-1)(t_F+t_B+t_W) per rank to (p-1)(t_F+t_B-2 t_W)... see `bubble` in the tests: the simulator
   gives the exact value for any costs.
 * `zbv_orders(p, m)`: ZB-V (the paper's section 6): two chunks per rank placed in a V (rank r holds stages
-  r and 2p-1-r, so rank 0 holds the first and the last one, see `partition.stage_rank`); the
+  r and 2p-1-r, so rank 0 holds the first and the last one, see `placement.stage_rank`); the
   handcrafted order below keeps at most 2p chunk activations (p micro-batches' worth of a rank's
   layers, 1F1B's peak) and, for t_F = t_B = t_W, idles only while the V fills and drains.
 

@@ -5,8 +5,8 @@ dataclass default shown. A field added to one of them is a flag of every command
 with no code here; `NOT_FLAGS` names the fields that are not, and why.
 
 `configs_from_args(args)` is the one way from parsed flags to (ModelConfig, Plan): `mini3d train`,
-its dry run, `estimate` and `plan` all call it (`mini3d schedule` lives in the engine, mini3d.pp.cli,
-which cannot import the run shell: its four flags carry the same names and dests). The model is a preset (`--model`,
+its dry run, `estimate` and `plan` all call it; `mini3d schedule` (mini3d.run.schedule_cli) builds
+its four Plan flags here too. The model is a preset (`--model`,
 default tiny) with the given fields overridden; the rest of the model follows the way it always
 did in `mini3d train`: `d_ff` is 4 x `d_model` when `--hidden` is given without `--ffn`, and a
 preset with one key/value head per query head keeps that when `--heads` changes.
@@ -24,10 +24,11 @@ import functools
 import inspect
 import textwrap
 
-from mini3d.config import (ATTENTION, COMPILE, DTYPES, FAMILIES, PRESETS, RECOMPUTE, SCHEDULES,
-                           ModelConfig, Plan, model_from_preset)
+from mini3d.config import (ATTENTION, COMPILE, DTYPES, FAMILIES, PRESETS, RECOMPUTE, ModelConfig,
+                           Plan, model_from_preset)
 from mini3d.models.config import ACTIVATIONS, FAMILY_FEATURES, PlanError
 from mini3d.run.config import RunConfig
+from mini3d.schedule_kinds import SCHEDULES
 
 DEFAULT_PRESET = "tiny"
 RENAMED = {"n_layers": "--layers", "d_model": "--hidden", "n_heads": "--heads",
@@ -89,19 +90,20 @@ def _metavar(f: dataclasses.Field) -> str:
     return METAVARS.get(f.name) or {"int": "N", "float": "X"}.get(_type(f), "TEXT")
 
 
-def add_flags(group, cls, defaults: bool = True, skip=()):
+def add_flags(group, cls, defaults: bool = True, skip=(), given_only=None):
     """A flag per field of `cls` (dest: the field's name). `defaults`: the dataclass's own;
-    without, every flag defaults to None (not given) and the help shows the default preset's."""
-    docs = field_docs(cls)
+    without, every flag defaults to None (not given) and the help shows the default preset's.
+    `given_only` adds {field: the help's default text} to GIVEN_ONLY's None-unless-given fields."""
+    docs, given_only_ = field_docs(cls), {**GIVEN_ONLY, **(given_only or {})}
     for f in flag_fields(cls):
         if f.name in skip:
             continue
         shown = _default(f) if defaults else getattr(PRESETS[DEFAULT_PRESET], f.name, None)
         help_ = docs.get(f.name, f.name).replace("%", "%%")
-        help_ += f" (default: {GIVEN_ONLY.get(f.name, repr(shown))})" if defaults else \
+        help_ += f" (default: {given_only_.get(f.name, repr(shown))})" if defaults else \
             f" ({DEFAULT_PRESET}: {shown!r})"
         kw = dict(dest=f.name, help=help_,
-                  default=_default(f) if defaults and f.name not in GIVEN_ONLY else None)
+                  default=_default(f) if defaults and f.name not in given_only_ else None)
         if _type(f) == "bool":
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -116,8 +118,8 @@ def add_model_flags(p):
     add_flags(g, ModelConfig, defaults=False)
 
 
-def add_plan_flags(p, skip=()):
-    add_flags(p.add_argument_group("parallel plan"), Plan, skip=skip)
+def add_plan_flags(p, skip=(), given_only=None):
+    add_flags(p.add_argument_group("parallel plan"), Plan, skip=skip, given_only=given_only)
 
 
 def add_run_flags(p):

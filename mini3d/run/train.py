@@ -30,10 +30,11 @@ from mini3d.diagnose.faults import parse_size
 from mini3d.diagnose.oom import check_budget, cuda_oom
 from mini3d.diagnose.session import for_run
 from mini3d.dp import DTYPES, make_dp
+from mini3d.dp.loss import mean_over_replicas
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
 from mini3d.models.moe import step_load
-from mini3d.models.transformer import set_attention
+from mini3d.models.attention import set_attention
 from mini3d.optim import WeightDecay, adamw, set_lr
 from mini3d.run.periodic import periodic, resumed_schedule, save_checkpoint
 from mini3d.pp.partition import build_stages
@@ -120,11 +121,7 @@ class Trainer:
 
     def mean_loss_over_dp(self, loss: float) -> float:
         """The mean over the replicas (and the cp ranks' equal chunks) of their mean losses."""
-        if self.topo.dp_cp.size == 1:
-            return loss
-        t = torch.tensor([loss], dtype=torch.float64, device=self.topo.device)
-        comm.all_reduce(t, self.topo.dp_cp, op="avg")
-        return float(t.item())
+        return mean_over_replicas(loss, self.topo.dp_cp, self.topo.device)
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, root: str, step: int, meta: dict, keep_last: int = 0):

@@ -65,7 +65,7 @@ def full_is_selective(model, policy):
 
 def fresh_core(model, policy):
     """'selective' checkpoints mini3d's attention_core, not the function installed in block.attn.core."""
-    from mini3d.models.transformer import attention_core
+    from mini3d.models.attention import attention_core
 
     def selective(b):
         b.attn.core = functools.partial(checkpoint, attention_core, use_reentrant=False)

@@ -15,8 +15,8 @@ refuses is covered by an exit-2 case whose message must name the offending value
 
 from __future__ import annotations
 
-from mini3d.config import SCHEDULES, ModelConfig, Plan
-from mini3d.config import MULTI_CHUNK
+from mini3d.config import ModelConfig, Plan
+from mini3d.schedule_kinds import MULTI_CHUNK, SCHEDULES
 
 # Every option value the matrix covers in pairs (float64 stands for float32: its bounds are tight and
 # machine-independent; bf16 has its rounding bounds). pp=4 (8 layers) only in the random campaign.

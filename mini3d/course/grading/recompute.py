@@ -19,7 +19,8 @@ from .core import Check, Exercise, expect
 def _recompute_run(ctx, policy):
     """Loss, grads, attention-core calls, bytes saved for backward, and attention-projection calls
     (qkv and output Linear) of one step under `policy`."""
-    from mini3d.models.transformer import GPT, attention_core
+    from mini3d.models.attention import attention_core
+    from mini3d.models.transformer import GPT
 
     cfg = ModelConfig(2, 16, 2, 32, 16)
     seed = ctx.rng.randint(0, 10**6)

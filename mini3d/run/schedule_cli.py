@@ -7,7 +7,8 @@
 Forward and backward are costed 1 and 2 units per full-model slice (a backward computes two
 matmuls per forward matmul); split schedules (zb-h1, zbv) cost B (input gradient) and W (weight
 gradients) 1 unit each; with v chunks per rank each chunk costs 1/v of that. The grid itself
-draws every action one unit wide.
+draws every action one unit wide. The four schedule flags are `Plan`'s, built by mini3d.run.flags
+(help from the field docstrings); an omitted --virtual-stages is the kind's default v.
 """
 
 from __future__ import annotations
@@ -16,24 +17,23 @@ import json
 import sys
 from fractions import Fraction
 
+from mini3d.config import Plan
 from mini3d.exits import EXIT_BAD_INPUT
+from mini3d.pp.rules import check
+from mini3d.pp.schedules import make_schedule, schedule_problems
+from mini3d.pp.simulator import bubble_formula, simulate
+from mini3d.run.flags import add_plan_flags, flag_fields
+from mini3d.schedule_kinds import KINDS as KINDS_BY_NAME
 
-from .rules import check
-from ..schedule_kinds import KINDS as KINDS_BY_NAME
-from .schedules import KINDS, make_schedule, schedule_problems
-from .simulator import bubble_formula, simulate
+FLAGS = ("pp", "micro_batches", "schedule", "virtual_stages")  # the Plan fields this command reads
 
 
 def register(subparsers):
     """Add the `schedule` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser("schedule", help="print, check and time a pipeline schedule",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks p")
-    p.add_argument("--micro-batches", type=int, required=True, help="micro-batches m per step")
-    p.add_argument("--schedule", default="1f1b", help=f"one of {', '.join(KINDS)}")
-    p.add_argument("--virtual-stages", type=int, default=None,
-                   help="model chunks per rank v (interleaved, looped-bfs: default 2; zbv: 2; "
-                        "else 1)")
+    add_plan_flags(p, skip={f.name for f in flag_fields(Plan)} - set(FLAGS),
+                   given_only={"virtual_stages": "the kind's: interleaved, looped-bfs, zbv 2; else 1"})
     p.add_argument("--transfers", action="store_true", help="list every rank's sends/receives too")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
