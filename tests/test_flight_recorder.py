@@ -97,7 +97,10 @@ def test_a_real_gloo_hang_leaves_torchs_flight_recorder_for_explain_hang(tmp_pat
                "--inject-fault", "slow:1:1:60"])
     assert rc == 3
     assert _children() == []
-    dumps = fr.read_dumps(str(run))
+    from mini3d.diagnose.run_dir import pick_job
+
+    job, _ = pick_job(str(run))  # the job's own RUN_DIR/job-<id>, where its ranks dump
+    dumps = fr.read_dumps(job)
     assert sorted(dumps) == [0, 1]  # written by torch (c10d._dump_fr_trace), one per rank
     assert all(e["profiling_name"].startswith("gloo:") for d in dumps.values() for e in d["entries"])
     waiting = fr.oldest_unfinished(dumps[0])
