@@ -52,7 +52,8 @@ def test_a_local_job_listens_on_loopback_only(tmp_path):
     seen = []
     try:
         deadline = time.monotonic() + 90
-        while not all((run / f"rank{r}.stack").exists() for r in (0, 1)):  # both watchdogs up:
+        while not any(all((job / f"rank{r}.stack").exists() for r in (0, 1))  # both watchdogs up
+                      for job in run.glob("job-*")):  # (in the job's own RUN_DIR/job-<id>):
             assert proc.poll() is None and time.monotonic() < deadline   # past the rendezvous
             time.sleep(0.1)
         for _ in range(10):  # while it trains
