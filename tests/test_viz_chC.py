@@ -150,6 +150,22 @@ def test_plan_explorer_directions():
     _units(bars, "x")
 
 
+def test_time_breakdown_bars_add_up_to_the_step_time_with_cp():
+    """Chapter 09 draws "the same numbers" as its list: each layout's stacked bar must reach its step
+    time, a cp > 1 layout included (its ring was once left out of the stack, drawing 4 s short)."""
+    from mini3d.config import PRESETS, Plan
+    from mini3d.cost.hardware import PRESETS as GPUS
+    from mini3d.cost.model import estimate_cost
+
+    for plan in (Plan(tp=2, cp=4, dp=4, zero=3, global_batch=32, seq_len=4096, dtype="bf16",
+                      sequence_parallel=True),
+                 Plan(tp=4, pp=4, dp=2, global_batch=32, micro_batches=8, seq_len=4096, dtype="bf16")):
+        est = estimate_cost(PRESETS["llama-3.1-70b"], plan, GPUS["A100-80GB"])
+        fig = planning.time_breakdown_figure([planning._row(est, "x")])
+        drawn = sum(t.x[0] for t in fig.data)
+        assert drawn == pytest.approx(est.step_time_s, rel=1e-9), (plan, drawn, est.step_time_s)
+
+
 def test_planner_fn_real_search_ranks_and_covers_layouts():
     view = planning.plan_view(planning.planner_fn(), model="gpt-1.3b", hardware="A100-40GB", gpus=4, global_batch=8)
     times = [r["step_time_s"] for r in view["ranked"]]

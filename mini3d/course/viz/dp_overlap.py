@@ -68,7 +68,8 @@ def dp_overlap_figure(runs: Mapping[str, Sequence[dict]],
                 buckets["y"].append(row), buckets["text"].append(f"bucket {i}: {nbytes / 2**20:.2f} MiB")
     fig.add_bar(orientation="h", name="step (forward, backward, optimizer)", marker_color="#e6e6e6",
                 width=0.8, hovertemplate="step: %{x:.1f} ms<extra></extra>", **steps)
-    fig.add_bar(orientation="h", name="gradient all-reduce (issued -> waited for)", width=0.4,
+    # textposition="none": the bucket names only in the hover (drawn, dozens of them covered each other)
+    fig.add_bar(orientation="h", name="gradient all-reduce (issued -> waited for)", width=0.4, textposition="none",
                 marker=dict(color=AXIS_COLORS["dp"], opacity=0.75, line=dict(color="white", width=1)),
                 hovertemplate="%{text}<br>issued at %{base:.1f} ms, lasted %{x:.1f} ms<extra></extra>",
                 **buckets)

@@ -76,8 +76,12 @@ def rank_cube_figure(grid_or_points, color_by: str = "tp", gpus_per_node: int | 
         title=title or f"Rank grid: {len(pts)} ranks, coloured by {color_by} group",
         scene=dict(xaxis_title="tp coordinate (rank index)", yaxis_title="pp coordinate (stage)",
                    zaxis_title="dp coordinate (replica)",
-                   xaxis=dict(dtick=1), yaxis=dict(dtick=1), zaxis=dict(dtick=1)),
-        legend=dict(itemsizing="constant"), height=520)
+                   xaxis=dict(dtick=1), yaxis=dict(dtick=1), zaxis=dict(dtick=1),
+                   # the camera back from the cube and the scene a cube: every corner and axis title
+                   # stays inside the scene at a notebook cell's width (plotly's default eye clipped it)
+                   aspectmode="cube", camera=dict(eye=dict(x=1.9, y=1.9, z=1.3))),
+        legend=dict(itemsizing="constant", x=1.0, xanchor="right", y=1.0),
+        margin=dict(l=10, r=10, t=60, b=10), height=560, autosize=True)
     fig.layout.meta = {"color_by": color_by, "axis_color": AXIS_COLORS[color_by]}
     return fig
 

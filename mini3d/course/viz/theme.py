@@ -77,6 +77,13 @@ def to_gib(nbytes: float) -> float:
     return float(nbytes) / GIB
 
 
+def gib(nbytes: float, digits: int = 1) -> str:
+    """THE memory formatter of the course: bytes as GiB (2**30), e.g. gib(85899345920) -> '80.0 GiB'.
+    Every memory number a chapter prints, draws or quotes in its prose goes through it, so GB (1e9) and
+    GiB never mix; bandwidths (GB/s) and FLOP/s keep their decimal units."""
+    return f"{to_gib(nbytes):.{digits}f} GiB"
+
+
 def human_bytes(nbytes: float) -> str:
     """1536 -> '1.5 KiB'; used in hover text and annotations."""
     n = float(nbytes)

@@ -42,6 +42,8 @@ def wire(controls: dict, status, update):
     for c in controls.values():
         if hasattr(c, "continuous_update"):
             c.continuous_update = False
+        if hasattr(getattr(c, "style", None), "description_width"):
+            c.style.description_width = "initial"  # the whole label ("global batch"), never cut to "global b..."
         c.observe(on_change, names="value")
 
 
