@@ -17,6 +17,6 @@ def _early(signum, frame):
 for _s in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_s, _early)
 
-from .cli import main  # noqa: E402  (after the handlers: importing torch takes seconds)
+from mini3d.cli import main  # noqa: E402  (after the handlers: importing torch takes seconds)
 
 sys.exit(main())

@@ -63,3 +63,15 @@ def test_every_written_mini3d_name_resolves():
     (the house moved by idea: `mini3d.launch.launch`, `mini3d.model.GPT` went stale)."""
     stale = sorted({f"{where}: {name}" for where, name in _written_names() if not _resolves(name)})
     assert not stale, "\n".join(stale)
+
+
+def test_one_import_style():
+    """The package imports itself absolutely (`from mini3d.x import y`): a module reads the same
+    wherever it sits, and a move is a rename, not a rewrite of its imports."""
+    import ast
+    from pathlib import Path
+
+    relative = [f"{p.relative_to(Path(__file__).parents[1])}:{n.lineno}"
+                for p in sorted((Path(__file__).parents[1] / "mini3d").rglob("*.py"))
+                for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ImportFrom) and n.level]
+    assert not relative, relative

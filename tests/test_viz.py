@@ -317,6 +317,6 @@ def test_gantt_panels_legend_clear_of_panel_titles():
     goes right of the plots (a horizontal legend at y=1 was drawn over the first panel's title)."""
     from mini3d.course.viz.pipeline_measured import gantt_panels
 
-    fig = gantt_panels({"a": pipeline.gpipe_timeline(2, 2), "b": pipeline.gpipe_timeline(2, 2)}, title="t")
+    fig = gantt_panels({"a": gpipe_timeline(2, 2), "b": gpipe_timeline(2, 2)}, title="t")
     titles = [a for a in fig.layout.annotations if a.text.startswith(("a:", "b:"))]
     assert titles and fig.layout.legend.orientation != "h" and (fig.layout.legend.x is None or fig.layout.legend.x >= 1)

@@ -34,10 +34,10 @@ formula (tested).
 
 from __future__ import annotations
 
-from ..config import ModelConfig, Plan
-from ..pp.schedules import in_flight_bound
-from ..schedule_kinds import schedule_kind
-from ..tp.layers import padded_size
+from mini3d.config import ModelConfig, Plan
+from mini3d.pp.schedules import in_flight_bound
+from mini3d.schedule_kinds import schedule_kind
+from mini3d.tp.layers import padded_size
 
 ELEMENT_BYTES = {"float32": 4, "bf16": 2, "float64": 8}
 

@@ -22,13 +22,13 @@ import time
 
 import torch
 
-from ..comm import ring_steps
-from ..config import PRESETS as MODELS
-from ..config import Plan
-from .hardware import PRESETS as GPUS
-from .hardware import Hardware
-from .host_probe import host_cores
-from .model import Efficiency, estimate_cost
+from mini3d.comm import ring_steps
+from mini3d.config import PRESETS as MODELS
+from mini3d.config import Plan
+from mini3d.cost.hardware import PRESETS as GPUS
+from mini3d.cost.hardware import Hardware
+from mini3d.cost.host_probe import host_cores
+from mini3d.cost.model import Efficiency, estimate_cost
 
 
 def calibration_rows() -> list[dict]:
@@ -126,8 +126,8 @@ def allreduce_probe(sizes: list[int], repeats: int) -> list[tuple[int, float]]:
 
     import torch.distributed as dist
 
-    from .. import comm
-    from ..grid import Grid, build_topology
+    from mini3d import comm
+    from mini3d.grid import Grid, build_topology
 
     topo = build_topology(Grid(1, 1, dist.get_world_size()), dist.get_rank())
     dev = topo.device  # explicit: a launched worker's default device may be meta (strict mode)
@@ -175,9 +175,9 @@ def measure_layer_overhead(peak_flops: float, half_width: float,
     FLOPs fitted as a line in the token count: the intercept is the per-op cost (Python, autograd,
     dispatch) that dominates tiny CPU runs; the slope the memory-bound work per token the matmul
     FLOPs leave out (softmax over the s x s scores, GELU, LayerNorm, the batched per-head matmuls)."""
-    from ..config import ModelConfig
+    from mini3d.config import ModelConfig
     from mini3d.models.transformer import Block
-    from .model import Efficiency, flops_per_token
+    from mini3d.cost.model import Efficiency, flops_per_token
 
     cfg = ModelConfig(1, 64, 4, 256, 64)
     rate = peak_flops * Efficiency(1.0, half_width).at(cfg.d_model)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 
-from ..comm import ring_steps, ring_wire_bytes
-from ..dp.zero import zero_stage
-from ..tp.layout import comm_per_layer
-from .activations import ELEMENT_BYTES, local_seq_len, ring_block_bytes
-from .memory import head_rank, sharding_degree
+from mini3d.comm import ring_steps, ring_wire_bytes
+from mini3d.dp.zero import zero_stage
+from mini3d.tp.layout import comm_per_layer
+from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, ring_block_bytes
+from mini3d.cost.memory import head_rank, sharding_degree
 
 
 def members_per_node(plan, hw) -> dict:

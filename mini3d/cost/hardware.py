@@ -30,7 +30,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from ..comm import ring_steps, ring_wire_bytes
+from mini3d.comm import ring_steps, ring_wire_bytes
 
 GiB = 2**30
 

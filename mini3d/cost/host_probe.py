@@ -57,7 +57,7 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
     Pairs only with an even world size greater than 1."""
     import torch.distributed as dist
 
-    from ..config import ModelConfig
+    from mini3d.config import ModelConfig
     from mini3d.models.transformer import Block
 
     torch.set_num_threads(1)
@@ -70,8 +70,8 @@ def probe_worker(repeats: int, nbytes: int = PAIR_BYTES) -> dict:
     rank = dist.get_rank() if world > 1 else 0
     pair, buf = None, torch.ones(max(1, nbytes // 4), device=dev)
     if world > 1 and world % 2 == 0:  # the pairs are a tp axis, and talk through mini3d.comm
-        from .. import comm  # as a step's collectives do (its checks and event log cost CPU too)
-        from ..grid import Grid, build_topology
+        from mini3d import comm  # as a step's collectives do (its checks and event log cost CPU too)
+        from mini3d.grid import Grid, build_topology
 
         pair = build_topology(Grid(tp=2, dp=world // 2), rank, dev).axes["tp"]
         comm.all_reduce(buf, pair)  # connect before timing
@@ -107,7 +107,7 @@ class _Compute:
 def _paced(block, x, buf, pair, n: int) -> dict:
     """`n` units, each followed after its forward and after its backward by a pair all-reduce of
     `buf`, as tp all-reduces follow a layer's compute."""
-    from .. import comm
+    from mini3d import comm
 
     compute, reduces, paced = _Compute(), [], []
 
@@ -133,7 +133,7 @@ def _paced(block, x, buf, pair, n: int) -> dict:
 def _ping_pong(block, x, pair, rank: int, n: int) -> dict:
     """A two-stage pipeline over the pair, `n` round trips started by the even rank: each
     forward's output is sent to the partner, which computes its forward and sends back."""
-    from .. import comm
+    from mini3d import comm
 
     compute, partner, inp = _Compute(), rank ^ 1, x.detach()
     sent, received, pending = [], [], []
@@ -208,7 +208,7 @@ def probed_hardware(hw, world: int, probe: dict, reference_s: float, nbytes: int
     * `latency_s`: CPU and wait of a ring step together (for everything else that reads it)."""
     import dataclasses
 
-    from ..comm import ring_steps, ring_wire_bytes
+    from mini3d.comm import ring_steps, ring_wire_bytes
 
     s = probe["mean"] / reference_s
     hw = dataclasses.replace(hw, host_slowdown=((world, s),))

@@ -45,8 +45,8 @@ event is the earliest completion. The schedule's dependencies are the pipeline s
 
 from __future__ import annotations
 
-from ..dp.loss import LOSS_BYTES
-from ..pp.simulator import Stuck, _dependency
+from mini3d.dp.loss import LOSS_BYTES
+from mini3d.pp.simulator import Stuck, _dependency
 
 EPS = 1e-12
 
@@ -167,7 +167,7 @@ def _chunk_costs(cfg, plan, schedule, terms, wait_hw, contention) -> tuple[dict,
     waits (`wait_hw.latency_s` per ring step; none without a probe). Communication terms are
     divided by the contention the simulation multiplies back in: the probe measured them under
     it already."""
-    from .comm_time import tp_time
+    from mini3d.cost.comm_time import tp_time
 
     v = plan.virtual_stages
     work = {"F": [], "B": [], "W": []}
@@ -198,9 +198,9 @@ def shared_host_step(cfg, plan, hw, rank_terms, adam_bytes_per_param: float) -> 
     docstring."""
     import dataclasses
 
-    from ..pp.schedules import make_schedule
-    from .comm_time import dp_time
-    from .memory import sharding_degree
+    from mini3d.pp.schedules import make_schedule
+    from mini3d.cost.comm_time import dp_time
+    from mini3d.cost.memory import sharding_degree
 
     n, p, v, m = plan.world_size, plan.pp, plan.virtual_stages, plan.micro_batches
     cores = hw.gpus_per_node

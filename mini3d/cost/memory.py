@@ -36,15 +36,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig, Plan
-from ..dp.buckets import largest_bucket_numel, transient_grad_bytes
-from ..pp.partition import local_specs
-from ..pp.placement import stage_rank
-from ..schedule_kinds import schedule_kind
-from ..tp.layers import padded_size
-from .activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatches,
-                          inflight_microbatches, layer_activation_bytes, local_seq_len,
-                          ring_block_bytes)
+from mini3d.config import ModelConfig, Plan
+from mini3d.dp.buckets import largest_bucket_numel, transient_grad_bytes
+from mini3d.pp.partition import local_specs
+from mini3d.pp.placement import stage_rank
+from mini3d.schedule_kinds import schedule_kind
+from mini3d.tp.layers import padded_size
+from mini3d.cost.activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatches,
+                                     inflight_microbatches, layer_activation_bytes, local_seq_len,
+                                     ring_block_bytes)
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9

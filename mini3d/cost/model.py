@@ -80,15 +80,15 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig, Plan, PlanError
-from ..pp.schedules import make_schedule
-from ..pp.simulator import bubble_formula, simulate
-from .comm_time import cp_time, dp_time, members_per_node, tp_time
-from .hardware import Hardware
-from .activations import ELEMENT_BYTES, local_seq_len, score_traffic_s
-from .host_share import shared_host_step
-from .memory import (MemoryEstimate, estimate_memory, head_rank, sharding_degree, stage_layers,
-                     stage_param_count)
+from mini3d.config import ModelConfig, Plan, PlanError
+from mini3d.pp.schedules import make_schedule
+from mini3d.pp.simulator import bubble_formula, simulate
+from mini3d.cost.comm_time import cp_time, dp_time, members_per_node, tp_time
+from mini3d.cost.hardware import Hardware
+from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, score_traffic_s
+from mini3d.cost.host_share import shared_host_step
+from mini3d.cost.memory import (MemoryEstimate, estimate_memory, head_rank, sharding_degree, stage_layers,
+                                stage_param_count)
 
 FLOPS_CONVENTION = "full attention square (not causal-halved), Megatron-LM's and torchtitan's"
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig, Plan
-from .memory import CATEGORIES, GB, estimate_memory, model_state_bytes, state_bytes
-from .hardware import Hardware
-from .model import CostEstimate, estimate_cost
+from mini3d.config import ModelConfig, Plan
+from mini3d.cost.memory import CATEGORIES, GB, estimate_memory, model_state_bytes, state_bytes
+from mini3d.cost.hardware import Hardware
+from mini3d.cost.model import CostEstimate, estimate_cost
 
 TIME_TERMS = ("compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
 # From this many tokens per sequence the search also splits sequences over cp ranks (shorter ones

@@ -30,9 +30,9 @@ form the cost model can take; torchtitan's 70B / 405B rows use Float8, whose pea
 
 from __future__ import annotations
 
-from ..config import ModelConfig, Plan
-from .hardware import PRESETS as GPUS
-from .model import estimate_cost
+from mini3d.config import ModelConfig, Plan
+from mini3d.cost.hardware import PRESETS as GPUS
+from mini3d.cost.model import estimate_cost
 
 A100, H100 = GPUS["A100-80GB"], GPUS["H100-80GB"]
 SEQ, VOCAB = 2048, 51200
@@ -88,7 +88,7 @@ def published_rows() -> list[dict]:
         rows.append(dict(name=f"Korthikanti {name}", source="Korthikanti et al. 2022, Table 4",
                          model=ModelConfig(l, h, a, VOCAB, SEQ, name=f"gpt-{name}"), plan=plan, hw=A100,
                          n_gpus=n, fit=fit, published_s=seconds))
-    from ..config import PRESETS as MODELS
+    from mini3d.config import PRESETS as MODELS
 
     for n, tps, table in TORCHTITAN_8B:
         plan = Plan(dp=n, zero=3, global_batch=2 * n, micro_batches=1, seq_len=8192, dtype="bf16",
@@ -113,7 +113,7 @@ def published_errors(rows: list[dict] | None = None) -> list[dict]:
 def fit_h100_efficiency() -> float:
     """eff_max of the H100 presets: the one that reproduces torchtitan's 8-GPU row (step time is
     linear in 1/eff: T = C / eff + R), at the A100's half width."""
-    from .model import CALIBRATED, Efficiency
+    from mini3d.cost.model import CALIBRATED, Efficiency
 
     r = next(r for r in published_rows() if r["fit"] and r["hw"].name.startswith("H100"))
     ideal = estimate_cost(r["model"], r["plan"], r["hw"], r["n_gpus"], eff=Efficiency(1.0, CALIBRATED.half_width))

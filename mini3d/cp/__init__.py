@@ -7,10 +7,10 @@ ring.py    the ring: K/V blocks (and in backward their dK/dV accumulators) trave
 apply.py   the transform: ring attention in every block, the chunk's positions on the model
 """
 
-from .apply import apply_cp, set_positions
-from .layout import (chunk_batch, chunk_micro_batches, zigzag_chunks, zigzag_merge, zigzag_positions,
-                     zigzag_split)
-from .ring import RingCore, ring_attention
+from mini3d.cp.apply import apply_cp, set_positions
+from mini3d.cp.layout import (chunk_batch, chunk_micro_batches, zigzag_chunks, zigzag_merge,
+                              zigzag_positions, zigzag_split)
+from mini3d.cp.ring import RingCore, ring_attention
 
 __all__ = ["RingCore", "apply_cp", "chunk_batch", "chunk_micro_batches", "ring_attention",
            "set_positions", "zigzag_chunks", "zigzag_merge", "zigzag_positions", "zigzag_split"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .ring import RingCore
+from mini3d.cp.ring import RingCore
 
 
 def apply_cp(module: nn.Module, topo, attention: str) -> nn.Module:

@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from .. import comm
-from .blocks import block_backward, block_forward, merge
-from .layout import block_kind, zigzag_chunks
+from mini3d import comm
+from mini3d.cp.blocks import block_backward, block_forward, merge
+from mini3d.cp.layout import block_kind, zigzag_chunks
 
 
 def _exchange(tensor: torch.Tensor, axis) -> tuple[torch.Tensor, list]:

@@ -34,7 +34,7 @@ def cmd_explain_hang(args) -> int:
 
 
 def _chosen(run_dir: str) -> str:
-    from .run_dir import pick_job
+    from mini3d.diagnose.run_dir import pick_job
 
     return pick_job(run_dir)[0]
 
@@ -42,7 +42,7 @@ def _chosen(run_dir: str) -> str:
 def _job_lines(run_dir: str) -> list[str]:
     """The jobs of a shared run directory, oldest first, the explained one marked (each job has its
     own RUN_DIR/job-<id>; `mini3d explain-hang RUN_DIR/job-<id>` explains another)."""
-    from .run_dir import pick_job
+    from mini3d.diagnose.run_dir import pick_job
 
     run_dir = run_dir.rstrip("/") or run_dir
     chosen, found = pick_job(run_dir)

@@ -6,9 +6,9 @@ the first op #k of a group that members issued from different points of the prog
 
 from __future__ import annotations
 
-from ..comm import COLLECTIVES
-from .history import diverging_rank
-from .run_dir import Run, _event, death, seq_key
+from mini3d.comm import COLLECTIVES
+from mini3d.diagnose.history import diverging_rank
+from mini3d.diagnose.run_dir import Run, _event, death, seq_key
 
 
 def shape_mismatch(run: Run) -> tuple[int, str] | None:

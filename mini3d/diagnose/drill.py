@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import comm
-from ..grid import Grid, build_topology
-from .session import diagnostics
+from mini3d import comm
+from mini3d.grid import Grid, build_topology
+from mini3d.diagnose.session import diagnostics
 
 ACT = (2, 4)  # the activation every stage passes on: (micro-batch rows, hidden)
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .history import describe_op, diverged_behind_abort, diverging_rank, own_error, process_state
-from .divergence import first_divergence, shape_mismatch
-from .run_dir import Run, death, doing, entered, load_run, pick_job, seq_key, who
+from mini3d.diagnose.history import (describe_op, diverged_behind_abort, diverging_rank, own_error,
+                                     process_state)
+from mini3d.diagnose.divergence import first_divergence, shape_mismatch
+from mini3d.diagnose.run_dir import Run, death, doing, entered, load_run, pick_job, seq_key, who
 
 
 
@@ -258,7 +259,7 @@ def explain(run_dir: str) -> Explanation | None:
         lines.append(f"(an injected fault was active: {', '.join(sorted(faults))})")
     if kind in HINTS and culprit is not None:
         lines.append("what to change: " + HINTS[kind].format(c=culprit))
-    from .flight_recorder import summary_lines
+    from mini3d.diagnose.flight_recorder import summary_lines
 
     lines += summary_lines(run_dir)  # torch's flight recorder, when the ranks left one
     return Explanation("\n".join(lines), culprit, kind, findings)

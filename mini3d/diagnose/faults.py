@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import comm
-from ..comm import COLLECTIVES
-from ..cost.memory import CATEGORIES
-from ..exits import EXIT_OOM, Mini3dError
+from mini3d import comm
+from mini3d.comm import COLLECTIVES
+from mini3d.cost.memory import CATEGORIES
+from mini3d.exits import EXIT_OOM, Mini3dError
 
 KINDS = ("crash", "skip", "shape", "p2p-order", "slow", "oom", "freeze", "raise")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,

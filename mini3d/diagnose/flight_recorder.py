@@ -27,7 +27,7 @@ import os
 import pickle
 import re
 
-from .save_clock import pg_timeout_s
+from mini3d.diagnose.save_clock import pg_timeout_s
 
 FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"  # + world rank: PyTorch's flight recorder dump files
 BUFFER = "2000"  # the recorder keeps this many of each rank's latest ops

@@ -16,13 +16,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .faults import CATEGORIES, OutOfMemory
+from mini3d.diagnose.faults import CATEGORIES, OutOfMemory
 
 
 def plans_that_fit(cfg, plan, budget: int, n: int = 3) -> list[str]:
     """Up to `n` layouts of the same model, world size and batch whose estimate fits `budget` bytes."""
-    from ..cost.hardware import load_hardware
-    from ..cost.planner import describe, search
+    from mini3d.cost.hardware import load_hardware
+    from mini3d.cost.planner import describe, search
 
     hw = dataclasses.replace(load_hardware("A100-80GB"), name="budget", memory_bytes=budget)
     try:
@@ -34,7 +34,7 @@ def plans_that_fit(cfg, plan, budget: int, n: int = 3) -> list[str]:
 
 
 def estimated_bytes(cfg, plan, stage: int) -> dict:
-    from ..cost.memory import estimate_memory
+    from mini3d.cost.memory import estimate_memory
 
     est = estimate_memory(cfg, plan, stage).as_dict()
     return {c: est[c] for c in CATEGORIES}

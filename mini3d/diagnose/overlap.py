@@ -111,7 +111,7 @@ def run_overlap(results: Sequence[dict]) -> dict:
 def model_overlap(cfg, plan, hw) -> dict:
     """The cost model's hidden fractions for `plan` (see above): {"dp": 1 - dp_exposed /
     dp_total (None without dp traffic), "pp": 0.0 (None when pp = 1)}."""
-    from ..cost.model import estimate_cost
+    from mini3d.cost.model import estimate_cost
 
     b = estimate_cost(cfg, plan, hw).breakdown
     dp = 1 - b["dp_exposed"] / b["dp_total"] if b["dp_total"] > 0 else None

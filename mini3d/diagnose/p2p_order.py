@@ -12,7 +12,7 @@ used (`device_id=False`: pair communicators joined on first use).
 from __future__ import annotations
 
 from mini3d.launch.p2p_record import add_judge
-from .rendezvous import simulate
+from mini3d.diagnose.rendezvous import simulate
 
 def program_deadlock(records: list, device_id: bool = False) -> str | None:
     """The records run by the rendezvous simulator under NCCL's rules; None if every program ends.

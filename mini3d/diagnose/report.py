@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import signal
 
-from .explain import death, explain, load_run, who
-from .history import VICTIM_ERRORS
-from .run_dir import pick_job
+from mini3d.diagnose.explain import death, explain, load_run, who
+from mini3d.diagnose.history import VICTIM_ERRORS
+from mini3d.diagnose.run_dir import pick_job
 
 CAUSES = {
     "skip": "skipped a collective its group's other members entered",

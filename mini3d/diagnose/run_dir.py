@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from mini3d.launch.jobs import JOB_PREFIX
 
-from ..grid import Grid
-from .history import describe_op, process_state
+from mini3d.grid import Grid
+from mini3d.diagnose.history import describe_op, process_state
 
 
 @dataclass
@@ -95,7 +95,7 @@ def load_run(run_dir: str) -> Run:
             text = f.read()
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
-    from .blackbox import read
+    from mini3d.diagnose.blackbox import read
 
     run = Run(dumps, launcher, stacks, issued=read(run_dir))
     for path in glob.glob(os.path.join(run_dir, "rank*.stderr")):

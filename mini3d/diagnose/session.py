@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 
-from .faults import FaultInjector, parse_fault, parse_size
-from .watchdog import start_watchdog
+from mini3d.diagnose.faults import FaultInjector, parse_fault, parse_size
+from mini3d.diagnose.watchdog import start_watchdog
 
 
 class Diagnostics:
@@ -67,8 +67,8 @@ def for_run(topo, run) -> Diagnostics:
 
 def _estimate(spec: dict, stage: int) -> dict | None:
     """The estimator's bytes per category for this rank's stage."""
-    from ..config import model_from_dict, plan_from_dict
-    from ..cost.memory import estimate_memory
+    from mini3d.config import model_from_dict, plan_from_dict
+    from mini3d.cost.memory import estimate_memory
 
     return estimate_memory(model_from_dict(spec["model"]), plan_from_dict(spec["plan"]),
                            stage).as_dict()

@@ -113,7 +113,7 @@ def finish(run_dir: str, rank: int, world: int, code: int, error: str | None = N
            tb: str | None = None):
     """Record this rank's exit, report (one rank) or wait for the report, and end the process."""
     from mini3d.launch.launcher import JOB_ENV
-    from .report import failure_report
+    from mini3d.diagnose.report import failure_report
 
     job = os.environ.get(JOB_ENV, "")
     _write_json(os.path.join(run_dir, f"rank{rank}.exit.json"),

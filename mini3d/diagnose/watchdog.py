@@ -40,10 +40,10 @@ import sys
 import threading
 import time
 
-from .blackbox import BlackBox
-from .flight_recorder import FLIGHT_RECORDER_PREFIX, nccl_env, write_dump
-from .history import describe_op
-from .save_clock import SaveClock, save_bound
+from mini3d.diagnose.blackbox import BlackBox
+from mini3d.diagnose.flight_recorder import FLIGHT_RECORDER_PREFIX, nccl_env, write_dump
+from mini3d.diagnose.history import describe_op
+from mini3d.diagnose.save_clock import SaveClock, save_bound
 from mini3d.launch.launcher import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
 
 RECENT_EVENTS = 256  # events per dump: enough to align sequence numbers across a group
@@ -225,7 +225,7 @@ class Watchdog:
         self._stop_job(reason.replace(f"rank {self.rank}'s", "its"))
 
     def _stop_job(self, what: str):
-        from .run_dir import coords_text
+        from mini3d.diagnose.run_dir import coords_text
 
         where = coords_text(self.topo.coords, self.topo.grid.sizes)
         print(f"mini3d watchdog: rank {self.rank} ({where}) {what}; "
@@ -237,7 +237,7 @@ class Watchdog:
     def _exit(self, code: int, job_code: int):
         """End the process: with `code` for the local launcher to read, or under torchrun with the
         job's mini3d exit code (`job_code`) after the ranks' shared report (diagnose/torchrun.py)."""
-        from . import torchrun
+        from mini3d.diagnose import torchrun
 
         write_dump(self.run_dir, self.rank)  # torch's flight recorder, before the process ends
         if torchrun.active():

@@ -41,10 +41,10 @@ import time
 import torch
 import torch.nn as nn
 
-from .. import comm
-from .buckets import FlatGroup, InFlight, param_names, split_into_buckets
-from .ledger import GradMeter
-from .stage import ZeroStage
+from mini3d import comm
+from mini3d.dp.buckets import FlatGroup, InFlight, param_names, split_into_buckets
+from mini3d.dp.ledger import GradMeter
+from mini3d.dp.stage import ZeroStage
 
 
 class GradSyncWrapper(nn.Module):

@@ -64,10 +64,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .zero0 import Zero0
-from .zero1 import Zero1
-from .zero2 import Zero2
-from .zero3 import Zero3
+from mini3d.dp.zero0 import Zero0
+from mini3d.dp.zero1 import Zero1
+from mini3d.dp.zero2 import Zero2
+from mini3d.dp.zero3 import Zero3
 
 DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "float64": torch.float64}
 STAGES = {s.number: s for s in (Zero0(), Zero1(), Zero2(), Zero3())}  # the ZeRO stages, by number

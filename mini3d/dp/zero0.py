@@ -8,8 +8,8 @@ optimizer reads them: no copy back, nothing to gather after the step.
 
 from __future__ import annotations
 
-from .. import comm
-from .ddp import BucketStage
+from mini3d import comm
+from mini3d.dp.ddp import BucketStage
 
 
 class Zero0(BucketStage):

@@ -9,8 +9,8 @@ reduce-scatter + all-gather = the wire volume of one all-reduce (2 Psi, `cost.co
 
 from __future__ import annotations
 
-from .. import comm
-from .ddp import BucketStage
+from mini3d import comm
+from mini3d.dp.ddp import BucketStage
 
 
 def reduce_scatter_in_place(b, buf, axis):

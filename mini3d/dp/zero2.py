@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .buckets import GRAD_BUCKETS_IN_FLIGHT
-from .zero1 import Zero1, reduce_scatter_in_place
+from mini3d.dp.buckets import GRAD_BUCKETS_IN_FLIGHT
+from mini3d.dp.zero1 import Zero1, reduce_scatter_in_place
 
 
 class Zero2(Zero1):

@@ -43,11 +43,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm
-from .buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, InFlight, param_names, split_into_buckets
-from .ddp import GradSyncWrapper
-from .ledger import GradMeter
-from .stage import ZeroStage
+from mini3d import comm
+from mini3d.dp.buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, InFlight, param_names, split_into_buckets
+from mini3d.dp.ddp import GradSyncWrapper
+from mini3d.dp.ledger import GradMeter
+from mini3d.dp.stage import ZeroStage
 
 
 class Zero3(ZeroStage):

@@ -6,13 +6,13 @@
 follows the rules and cannot deadlock; `simulate` times it; `PipelineRuntime` executes it.
 """
 
-from .generic import BlockStage, stages_from_blocks
-from .partition import StageSpec, build_stages, local_specs, partition_layers, stage_specs
-from .rules import CheckResult, check
-from .runtime import PipelineRuntime, StepResult
-from .schedules import (Action, Schedule, format_grid, gpipe, interleaved_1f1b, make_schedule,
-                        one_f_one_b, schedule_problems)
-from .simulator import SimResult, bubble_formula, simulate
+from mini3d.pp.generic import BlockStage, stages_from_blocks
+from mini3d.pp.partition import StageSpec, build_stages, local_specs, partition_layers, stage_specs
+from mini3d.pp.rules import CheckResult, check
+from mini3d.pp.runtime import PipelineRuntime, StepResult
+from mini3d.pp.schedules import (Action, Schedule, format_grid, gpipe, interleaved_1f1b, make_schedule,
+                                 one_f_one_b, schedule_problems)
+from mini3d.pp.simulator import SimResult, bubble_formula, simulate
 
 __all__ = ["Action", "Schedule", "make_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "schedule_problems", "format_grid", "check", "CheckResult", "simulate", "SimResult",

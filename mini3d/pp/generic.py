@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .partition import local_specs
+from mini3d.pp.partition import local_specs
 
 
 class BlockStage(nn.Module):

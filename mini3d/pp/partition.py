@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .placement import stage_rank
+from mini3d.pp.placement import stage_rank
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .schedules import Action, Schedule
+from mini3d.pp.schedules import Action, Schedule
 
 
 @dataclass

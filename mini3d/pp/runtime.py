@@ -47,8 +47,8 @@ import torch
 from mini3d import comm
 from mini3d.wgrad import WeightGradStore, deferring
 
-from .p2p import PipeP2P, SendQueue
-from .split_backward import backward_input
+from mini3d.pp.p2p import PipeP2P, SendQueue
+from mini3d.pp.split_backward import backward_input
 
 
 @dataclass

@@ -40,10 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedule_kinds import MULTI_CHUNK, SCHEDULES as KINDS, schedule_kind, schedule_problems
-from .placement import stage_rank
-from .actions import COMPUTE, TRANSFERS, Action, B, F, W
-from .zero_bubble import zb_h1_orders, zbv_orders
+from mini3d.schedule_kinds import MULTI_CHUNK, SCHEDULES as KINDS, schedule_kind, schedule_problems
+from mini3d.pp.placement import stage_rank
+from mini3d.pp.actions import COMPUTE, TRANSFERS, Action, B, F, W
+from mini3d.pp.zero_bubble import zb_h1_orders, zbv_orders
 
 
 def placement_of(kind: str) -> str:
@@ -193,7 +193,7 @@ def bubble_text(kind: str, p: int, m: int, v: int = 1) -> str:
     """The bubble at unit costs (t_F = 1, t_bwd = 2 per stage, split into B = W = 1), as the dry run
     and the course print it: '(p-1)/(m+p-1) = 3/11 = 27.3%', or, for a kind with no closed form,
     the simulated fraction of the schedule itself."""
-    from .simulator import simulate
+    from mini3d.pp.simulator import simulate
 
     k = schedule_kind(kind)
     value = k.bubble(p, m, v)
@@ -218,7 +218,7 @@ def add_transfers(kind: str, p: int, m: int, v: int, orders: list[list[Action]],
     Every compute action is timed with unit costs (`simulator.time_compute`); a transfer is placed
     in one global list right after the compute that produces its tensor, and each rank keeps its
     own events of that list, in that order (see the module docstring for why this cannot hang)."""
-    from .simulator import time_compute
+    from mini3d.pp.simulator import time_compute
 
     n_stages = p * v
     times = time_compute(orders, p, n_stages, t_p2p=0, placement=placement, **_unit_costs(orders))
@@ -243,7 +243,7 @@ def add_transfers(kind: str, p: int, m: int, v: int, orders: list[list[Action]],
 def format_grid(schedule: Schedule, transfers: bool = False) -> str:
     """Rank-by-step grid. Without transfers, compute actions sit in unit-time columns (F, B and W
     one unit each) so bubbles show as dots; with transfers, each rank's full list in order."""
-    from .simulator import time_compute
+    from mini3d.pp.simulator import time_compute
 
     p = schedule.p
     if transfers:

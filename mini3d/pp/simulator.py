@@ -25,8 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from ..schedule_kinds import schedule_kind
-from .placement import stage_rank
+from mini3d.schedule_kinds import schedule_kind
+from mini3d.pp.placement import stage_rank
 
 
 class Stuck(RuntimeError):

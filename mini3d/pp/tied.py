@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from mini3d import comm
 
 
 def tied_end(stages: dict, cfg, pp: int):

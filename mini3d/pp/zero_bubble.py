@@ -23,7 +23,7 @@ ZB-H1, and `ScheduleZBVZeroBubble`); tests/test_pp_torch_orders.py compares the 
 
 from __future__ import annotations
 
-from .actions import B, F, W
+from mini3d.pp.actions import B, F, W
 
 
 def zb_h1_orders(p: int, m: int) -> list[list]:

@@ -9,14 +9,14 @@
     layout.py         shard_map, comm_per_layer (what each rank holds and each layer sends, as data)
 """
 
-from .layout import comm_per_layer, shard_map
-from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
-                       reduce_scatter_to_sequence, scatter_to_sequence, scatter_to_tp)
-from .parallelize import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
-                          load_full_state_dict, shard_like, sum_replicated_grads,
-                          sync_tp_grads, unshard_like, materialize_reference, clip_grad_norm_)
+from mini3d.tp.layout import comm_per_layer, shard_map
+from mini3d.tp.cross_entropy import vocab_parallel_cross_entropy
+from mini3d.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from mini3d.tp.mappings import (copy_to_tp, gather_from_sequence, gather_from_tp, reduce_from_tp,
+                                reduce_scatter_to_sequence, scatter_to_sequence, scatter_to_tp)
+from mini3d.tp.parallelize import (apply_tp, boundary_shape, full_grads, full_state_dict, gather_logits,
+                                   load_full_state_dict, shard_like, sum_replicated_grads, sync_tp_grads,
+                                   unshard_like, materialize_reference, clip_grad_norm_)
 
 __all__ = ["apply_tp", "sync_tp_grads", "sum_replicated_grads", "materialize_reference", "clip_grad_norm_", "full_state_dict", "full_grads",
            "boundary_shape",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from mini3d import comm
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):

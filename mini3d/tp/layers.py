@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from mini3d.wgrad import linear
 
-from . import mappings
+from mini3d.tp import mappings
 
 
 def padded_size(n: int, tp: int) -> int:

@@ -9,9 +9,9 @@
 
 from __future__ import annotations
 
-from ..comm import ring_wire_bytes
-from ..config import ModelConfig
-from .layers import chunk_index, head_index, padded_size
+from mini3d.comm import ring_wire_bytes
+from mini3d.config import ModelConfig
+from mini3d.tp.layers import chunk_index, head_index, padded_size
 
 
 def _ranges(index) -> list[tuple[int, int]]:

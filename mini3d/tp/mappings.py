@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm
+from mini3d import comm
 
 SEQ_DIM = 1  # activations are (B, T, C): the sequence is dim 1
 

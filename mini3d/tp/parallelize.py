@@ -34,11 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .. import comm
+from mini3d import comm
 from mini3d.models.transformer import tie_weights
-from .cross_entropy import VocabParallelLoss
-from .layers import (ColumnParallelLinear, HeadNormTP, RowParallelLinear, VocabParallelEmbedding,
-                     head_index)
+from mini3d.tp.cross_entropy import VocabParallelLoss
+from mini3d.tp.layers import (ColumnParallelLinear, HeadNormTP, RowParallelLinear, VocabParallelEmbedding,
+                              head_index)
 
 
 class ParallelEmbedding(nn.Module):
@@ -281,7 +281,7 @@ def load_full_state_dict(model, topo, state: dict[str, torch.Tensor]) -> None:
 def gather_logits(logits: torch.Tensor, topo, vocab_size: int) -> torch.Tensor:
     """Full (B, T, V) logits from the vocab-sharded ones `head(x)` returns without targets
     (all-gather over tp along the last dim, padding dropped). For evaluation and sampling."""
-    from .mappings import gather_from_tp
+    from mini3d.tp.mappings import gather_from_tp
 
     return gather_from_tp(logits, topo.tp)[..., :vocab_size]
 

@@ -9,9 +9,10 @@
     cli              `mini3d grade`
 """
 
-from .core import (IMPLS, Check, CheckFailed, Context, Exercise, Outcome, ensure_importable, expect,
-                   load_impl)
-from .runner import all_exercises, find, grade, run_check, scenario_results, score_table, untouched
+from mini3d.course.grading.core import (IMPLS, Check, CheckFailed, Context, Exercise, Outcome,
+                                        ensure_importable, expect, load_impl)
+from mini3d.course.grading.runner import (all_exercises, find, grade, run_check, scenario_results,
+                                          score_table, untouched)
 
 __all__ = ["IMPLS", "Check", "CheckFailed", "Context", "Exercise", "Outcome", "ensure_importable",
            "expect", "load_impl", "all_exercises", "find", "grade", "run_check", "scenario_results",

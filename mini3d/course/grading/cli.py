@@ -14,8 +14,8 @@ import sys
 
 from mini3d.exits import bad_input
 
-from .core import ensure_importable
-from .runner import find, grade, score_table
+from mini3d.course.grading.core import ensure_importable
+from mini3d.course.grading.runner import find, grade, score_table
 
 
 def cmd_grade(args) -> int:

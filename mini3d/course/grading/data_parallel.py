@@ -13,8 +13,8 @@ import torch
 
 from mini3d.cost.comm_time import zero_traffic_psi
 
-from .core import Check, CheckFailed, Exercise, expect
-from .scenario import _case, _gen, _read, _topo
+from mini3d.course.grading.core import Check, CheckFailed, Exercise, expect
+from mini3d.course.grading.scenario import _case, _gen, _read, _topo
 
 
 # ---------------------------------------------------------------- 02 ring_allreduce

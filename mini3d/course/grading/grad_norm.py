@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import Check, Exercise, expect
+from mini3d.course.grading.core import Check, Exercise, expect
 
 
 def _model(rng, tp: int, pp: int) -> list[dict]:

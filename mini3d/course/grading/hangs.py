@@ -4,7 +4,7 @@ stuck collective and its missing rank are known.
 
 from __future__ import annotations
 
-from .core import Check, Exercise, expect
+from mini3d.course.grading.core import Check, Exercise, expect
 
 
 def _hang_logs(rng, tp, dp, stuck, steps, early=False):

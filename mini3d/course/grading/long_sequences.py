@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .core import Check, Exercise, expect
+from mini3d.course.grading.core import Check, Exercise, expect
 
 TOL = 1e-5  # float32, O(1) values: other summation orders agree to ~1e-6
 EPS = torch.finfo(torch.float32).eps

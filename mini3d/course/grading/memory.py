@@ -11,7 +11,7 @@ import dataclasses
 
 from mini3d.config import ModelConfig
 from mini3d.cost.memory import state_bytes
-from .core import Check, Exercise, expect
+from mini3d.course.grading.core import Check, Exercise, expect
 
 
 def _random_cfg(rng) -> ModelConfig:

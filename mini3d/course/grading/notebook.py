@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 import sys
 
-from . import runner
-from .runner import check_lines, find, run_check
+from mini3d.course.grading import runner
+from mini3d.course.grading.runner import check_lines, find, run_check
 
 
 def _forget(impl: str, names) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from mini3d.pp.simulator import bubble_formula
 from mini3d.schedule_kinds import schedule_kind
 
-from .core import Check, CheckFailed, Exercise, expect
+from mini3d.course.grading.core import Check, CheckFailed, Exercise, expect
 
 
 def _ref_gpipe(pp, r, m):
@@ -46,7 +46,7 @@ def _each_rank(ctx):
 def _expect_order(ok, what, expected, got, pp, m, lists):
     """expect(), with mini3d's check() of the whole (pp, m) schedule under the message."""
     if not ok:
-        from .pipeline_report import schedule_report
+        from mini3d.course.grading.pipeline_report import schedule_report
 
         raise CheckFailed(f"{what}: expected {expected}, got {got}\n{schedule_report(pp, m, lists)}")
 

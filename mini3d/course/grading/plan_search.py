@@ -12,7 +12,7 @@ import ast
 import inspect
 
 from mini3d.config import ModelConfig, Plan
-from .core import Check, CheckFailed, Exercise, expect
+from mini3d.course.grading.core import Check, CheckFailed, Exercise, expect
 
 _TRUTH: dict = {}
 DEFAULT_SCHEDULE = Plan().schedule  # 1F1B: the exercise's space is the planner's plans with it

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .core import Check, Exercise, expect
+from mini3d.course.grading.core import Check, Exercise, expect
 
 
 def _shapes(rng):

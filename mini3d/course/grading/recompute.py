@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from mini3d.config import ModelConfig
-from .core import Check, Exercise, expect
+from mini3d.course.grading.core import Check, Exercise, expect
 
 
 def _recompute_run(ctx, policy):

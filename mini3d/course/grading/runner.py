@@ -10,10 +10,10 @@ import os
 import random
 import traceback
 
-from . import (data_parallel, grad_norm, hangs, long_sequences, memory, pipeline, plan_search,
-               rank_grid, recompute, tensor_parallel, zero_bubble)
-from .core import Check, CheckFailed, Context, Exercise, Outcome, load_impl
-from .scenario import run_scenario
+from mini3d.course.grading import (data_parallel, grad_norm, hangs, long_sequences, memory, pipeline,
+                                   plan_search, rank_grid, recompute, tensor_parallel, zero_bubble)
+from mini3d.course.grading.core import Check, CheckFailed, Context, Exercise, Outcome, load_impl
+from mini3d.course.grading.scenario import run_scenario
 
 _scenario_cache: dict = {}
 

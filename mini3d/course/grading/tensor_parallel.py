@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .core import Check, CheckFailed, Exercise, expect
-from .scenario import _case, _gen, _read, _small, _topo
+from mini3d.course.grading.core import Check, CheckFailed, Exercise, expect
+from mini3d.course.grading.scenario import _case, _gen, _read, _small, _topo
 
 
 def _scenario_tp_linear(impl, seed):

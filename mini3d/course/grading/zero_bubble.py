@@ -9,7 +9,7 @@ whose order must be Qi et al.'s (`mini3d.pp.schedules.zb_h1`, equal to PyTorch's
 
 from __future__ import annotations
 
-from .core import Check, Exercise, expect
+from mini3d.course.grading.core import Check, Exercise, expect
 
 
 def _meshes(rng):

@@ -14,13 +14,13 @@
     predict   a multiple-choice predict-then-reveal whose answer the chapter's cell computes
 """
 
-from .comm import comm_volume_figure, ring_allreduce_figure, scaling_efficiency_figure
-from .grid3d import rank_cube_figure, rank_points
-from .memory import memory_breakdown_figure, recompute_figure, zero_memory_figure
-from .pipeline import bubble_formula_text, bubble_from_timeline, gantt_figure
-from .theme import TEMPLATE_NAME, new_figure
-from .tp import megatron_attention, megatron_mlp, tp_shard_figure
-from .widgets import memory_calculator, planner_explorer, schedule_explorer, zero_explorer
+from mini3d.course.viz.comm import comm_volume_figure, ring_allreduce_figure, scaling_efficiency_figure
+from mini3d.course.viz.grid3d import rank_cube_figure, rank_points
+from mini3d.course.viz.memory import memory_breakdown_figure, recompute_figure, zero_memory_figure
+from mini3d.course.viz.pipeline import bubble_formula_text, bubble_from_timeline, gantt_figure
+from mini3d.course.viz.theme import TEMPLATE_NAME, new_figure
+from mini3d.course.viz.tp import megatron_attention, megatron_mlp, tp_shard_figure
+from mini3d.course.viz.widgets import memory_calculator, planner_explorer, schedule_explorer, zero_explorer
 
 __all__ = ["comm_volume_figure", "ring_allreduce_figure", "scaling_efficiency_figure",
            "rank_cube_figure", "rank_points", "memory_breakdown_figure", "recompute_figure",

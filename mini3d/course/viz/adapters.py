@@ -5,7 +5,7 @@ from __future__ import annotations
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import simulate
 
-from .pipeline import chunks_for
+from mini3d.course.viz.pipeline import chunks_for
 
 
 def pp_simulate_fn():

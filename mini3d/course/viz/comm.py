@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from .theme import AXIS_COLORS, human_bytes, new_figure
+from mini3d.course.viz.theme import AXIS_COLORS, human_bytes, new_figure
 
 MIB = 1024 ** 2
 

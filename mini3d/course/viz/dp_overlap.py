@@ -18,8 +18,8 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from .figure_widget import FigureWidget
-from .theme import AXIS_COLORS, new_figure
+from mini3d.course.viz.figure_widget import FigureWidget
+from mini3d.course.viz.theme import AXIS_COLORS, new_figure
 
 
 def _is_loss_marker(ev: Mapping) -> bool:
@@ -147,8 +147,8 @@ def scaling_explorer(rows_fn, models=("gpt-1.3b", "gpt-7b"), model="gpt-1.3b", g
     """Model, global batch and inter-node bandwidth controls over 'what N GPUs are really worth'."""
     import ipywidgets as W
 
-    from .comm import scaling_efficiency_figure
-    from .widgets import _explorer, _guard, _redraw_bars
+    from mini3d.course.viz.comm import scaling_efficiency_figure
+    from mini3d.course.viz.widgets import _explorer, _guard, _redraw_bars
 
     controls = dict(
         model=W.Dropdown(options=list(models), value=model, description="model"),

@@ -16,7 +16,8 @@ import json
 import os
 import re
 
-from .theme import AXIS_COLORS, CAPACITY_COLOR, CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, new_figure
+from mini3d.course.viz.theme import (AXIS_COLORS, CAPACITY_COLOR, CATEGORIES, CATEGORY_COLORS,
+                                     CATEGORY_LABELS, new_figure)
 
 
 def load_dumps(run_dir: str) -> dict:

@@ -5,8 +5,8 @@ which groups share a machine reads at a glance without rotating anything."""
 
 from __future__ import annotations
 
-from .grid3d import _PALETTE, group_key, rank_points
-from .theme import new_figure
+from mini3d.course.viz.grid3d import _PALETTE, group_key, rank_points
+from mini3d.course.viz.theme import new_figure
 
 NODE_OUTLINES = ("#222222", "#bbbbbb")  # even / odd node
 

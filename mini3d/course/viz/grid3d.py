@@ -10,7 +10,7 @@ from typing import Sequence
 
 import plotly.graph_objects as go
 
-from .theme import AXIS_COLORS, TEMPLATE_NAME
+from mini3d.course.viz.theme import AXIS_COLORS, TEMPLATE_NAME
 
 _PALETTE = ["#3b6fb6", "#e8893a", "#2e9e5b", "#c8553d", "#8e6bbf", "#b59a2a", "#17becf", "#7f7f7f",
             "#e377c2", "#8c564b", "#bcbd22", "#1f77b4"]

@@ -12,9 +12,9 @@ import html
 
 import ipywidgets as W
 
-from .figure_widget import FigureWidget
-from .grid2d import rank_grid_2d_figure
-from .grid3d import rank_cube_figure
+from mini3d.course.viz.figure_widget import FigureWidget
+from mini3d.course.viz.grid2d import rank_grid_2d_figure
+from mini3d.course.viz.grid3d import rank_cube_figure
 
 # What each axis communicates (the chapter's comparison table, in one place).
 TRAFFIC = {
@@ -55,7 +55,7 @@ def rank_grid_explorer(tp: int = 2, pp: int = 2, dp: int = 2, color_by: str = "t
     the status shows which groups cross node boundaries."""
     from mini3d.grid import Grid
 
-    from .widgets import _explorer, _guard
+    from mini3d.course.viz.widgets import _explorer, _guard
 
     sizes = [1, 2, 4]
     controls = dict(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from .theme import CAPACITY_COLOR, GIB, new_figure
+from mini3d.course.viz.theme import CAPACITY_COLOR, GIB, new_figure
 
 RANK_COLORS = ["#3b6fb6", "#e8893a", "#2e9e5b", "#c8553d", "#8e6bbf", "#b59a2a", "#17becf", "#9a9a9a"]
 
@@ -112,7 +112,7 @@ def seq_len_figure(rows: list[dict], capacity_bytes: float | None = None, widget
 def long_sequence_explorer(cfg, capacity_bytes: float = 80 * GIB, seq_lens=None, recompute: str = "none"):
     """tp / recompute controls over `seq_len_figure` of `cfg` (cp = 1, 2, 4, 8 as lines), with a
     status line saying the longest sequence each cp fits at the chosen tp."""
-    from .widgets import _explorer
+    from mini3d.course.viz.widgets import _explorer
 
     seq_lens = seq_lens or [2**k for k in range(11, 18)]
     controls = dict(tp=W.SelectionSlider(options=[1, 2, 4, 8], value=8, description="tp"),

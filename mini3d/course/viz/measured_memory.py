@@ -14,7 +14,8 @@ from typing import Iterable, Mapping
 
 import plotly.graph_objects as go
 
-from .theme import CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, as_breakdown, human_bytes, new_figure
+from mini3d.course.viz.theme import (CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, as_breakdown,
+                                     human_bytes, new_figure)
 
 MIB = 2 ** 20
 MODEL_STATES = ("params", "grads", "optimizer")

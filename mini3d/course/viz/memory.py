@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-from .theme import (CAPACITY_COLOR, CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, as_breakdown,
-                    human_bytes, new_figure, to_gib)
+from mini3d.course.viz.theme import (CAPACITY_COLOR, CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS,
+                                     as_breakdown, human_bytes, new_figure, to_gib)
 
 
 def _capacity_line(fig: go.Figure, capacity_bytes: float | None, label: str = "GPU capacity"):

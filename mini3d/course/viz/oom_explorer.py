@@ -18,7 +18,7 @@ import html
 
 import ipywidgets as W
 
-from .theme import CAPACITY_COLOR, CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, new_figure
+from mini3d.course.viz.theme import CAPACITY_COLOR, CATEGORIES, CATEGORY_COLORS, CATEGORY_LABELS, new_figure
 
 MIB = 2**20
 
@@ -74,7 +74,7 @@ def oom_explorer(cfg, budget_mib: float = 4, pp: int = 1, micro_batches: int = 1
     status line is the OOM report mini3d would print (rank, category, estimate, plans that fit)."""
     from mini3d.exits import EXIT_OK, EXIT_OOM
 
-    from .widgets import _explorer, _guard, _redraw_bars
+    from mini3d.course.viz.widgets import _explorer, _guard, _redraw_bars
 
     controls = dict(
         budget_mib=W.SelectionSlider(options=[1, 2, 4, 8, 16, 32], value=budget_mib, description="budget (MiB)"),

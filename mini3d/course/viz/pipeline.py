@@ -19,7 +19,7 @@ from mini3d.pp.schedules import bubble_text
 from mini3d.pp.simulator import bubble_of, idle_gaps as sim_idle_gaps
 from mini3d.schedule_kinds import SCHEDULES, schedule_kind
 
-from .theme import ACTION_COLORS, new_figure
+from mini3d.course.viz.theme import ACTION_COLORS, new_figure
 
 _PRINTED = re.compile(r"^([A-Za-z_]+?)(\d+)\.(\d+)")
 _SHORT_OPS = {"sF": "SEND_F", "rF": "RECV_F", "sB": "SEND_B", "rB": "RECV_B"}

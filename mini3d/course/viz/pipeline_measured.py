@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from .pipeline import COMPUTE_OPS, bubble_from_timeline, gantt_traces, parse_action, trace_colors
-from .theme import TEMPLATE_NAME
+from mini3d.course.viz.pipeline import (COMPUTE_OPS, bubble_from_timeline, gantt_traces, parse_action,
+                                        trace_colors)
+from mini3d.course.viz.theme import TEMPLATE_NAME
 
 
 def measured_timeline(results: Sequence[dict], compute_only: bool = False) -> list[list[tuple]]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from .theme import CAPACITY_COLOR, new_figure, to_gib
-from .widgets import synced, wire
+from mini3d.course.viz.theme import CAPACITY_COLOR, new_figure, to_gib
+from mini3d.course.viz.widgets import synced, wire
 
 # The step-time terms of mini3d.cost.model, in the order they are stacked.
 # They add up to its step_time_s (cp_comm too: a layout with cp > 1 would otherwise draw short).

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from .memory import recompute_figure
-from .theme import CATEGORY_COLORS, new_figure
+from mini3d.course.viz.memory import recompute_figure
+from mini3d.course.viz.theme import CATEGORY_COLORS, new_figure
 
 POLICIES = ("none", "selective", "full")
 MIB = 2**20
@@ -97,7 +97,7 @@ def recompute_explorer(models=("gpt-7b", "gpt-22b", "gpt-175b"), model: str = "g
                         f"micro-batch per GPU ({view['saved_fraction']:.0%} less than none), "
                         f"{view['extra_compute']:+.1%} compute per step")
 
-    from .widgets import _explorer
+    from mini3d.course.viz.widgets import _explorer
 
     return _explorer(controls, fig, status, update, per_row=3)
 

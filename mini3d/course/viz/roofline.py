@@ -17,7 +17,7 @@ from typing import Mapping
 
 import numpy as np
 
-from .theme import new_figure
+from mini3d.course.viz.theme import new_figure
 
 
 def matmul_intensity(m: int, k: int, n: int, bytes_per_element: int = 2) -> float:

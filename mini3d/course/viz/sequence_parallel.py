@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .theme import CATEGORY_COLORS, new_figure
+from mini3d.course.viz.theme import CATEGORY_COLORS, new_figure
 
 
 def sp_runs(cfg, tp: int = 2, global_batch: int = 4, seq_len: int = 32, steps: int = 2) -> dict:
@@ -28,7 +28,7 @@ def sp_runs(cfg, tp: int = 2, global_batch: int = 4, seq_len: int = 32, steps: i
     from mini3d.launch.launcher import launch
     from mini3d.run.train import make_spec
 
-    from .zero_traffic import train_many_worker
+    from mini3d.course.viz.zero_traffic import train_many_worker
 
     specs = [make_spec(cfg, Plan(tp=tp, global_batch=global_batch, seq_len=seq_len, sequence_parallel=sp),
                        steps=steps, collect=["events", "activations"]) for sp in (False, True)]

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from plotly.subplots import make_subplots
 
-from .planning import TERM_COLORS, TERM_LABELS
-from .theme import CAPACITY_COLOR, CATEGORY_COLORS, CATEGORY_LABELS, TEMPLATE_NAME, to_gib
+from mini3d.course.viz.planning import TERM_COLORS, TERM_LABELS
+from mini3d.course.viz.theme import CAPACITY_COLOR, CATEGORY_COLORS, CATEGORY_LABELS, TEMPLATE_NAME, to_gib
 
 STORY_BATCH = dict(global_batch=64, seq_len=4096, dtype="bf16")  # chapter 00's 64 x 4096 tokens
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers")
@@ -48,7 +48,7 @@ def story_rows(layouts: dict, model: str | None = None, gpu: str | None = None) 
     from mini3d.cost.hardware import load_hardware
     from mini3d.cost.model import estimate_cost
 
-    from ..story import GPU_70B, MODEL_70B
+    from mini3d.course.story import GPU_70B, MODEL_70B
 
     cfg, hw = model_from_preset(model or MODEL_70B), load_hardware(gpu or GPU_70B)
     rows = []
@@ -78,7 +78,7 @@ def story_lines(rows: list[dict]) -> str:
 def story_figure(rows: list[dict], title: str | None = None):
     """Memory per GPU (left, GiB, stacked by category, capacity dashed) and step time (right,
     seconds, stacked by term), one bar per layout."""
-    from ..story import GPU_70B, MODEL_70B
+    from mini3d.course.story import GPU_70B, MODEL_70B
 
     labels = [r["label"] for r in rows]
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.14,
@@ -112,7 +112,7 @@ def _meta(row: dict) -> dict:
 
 def show_story(layouts: dict, title: str | None = None, **kw):
     """Print `story_lines` and return `story_figure` (the one cell each chapter runs)."""
-    from ..story import GPU_70B, MODEL_70B
+    from mini3d.course.story import GPU_70B, MODEL_70B
 
     rows = story_rows(layouts, **kw)
     b = STORY_BATCH

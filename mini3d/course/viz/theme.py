@@ -11,7 +11,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from .figure_widget import FigureWidget
+from mini3d.course.viz.figure_widget import FigureWidget
 
 TEMPLATE_NAME = "mini3d"
 GIB = 1024 ** 3

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .theme import TEMPLATE_NAME
+from mini3d.course.viz.theme import TEMPLATE_NAME
 
 _RANK_COLORS = ["#3b6fb6", "#e8893a", "#2e9e5b", "#c8553d", "#8e6bbf", "#b59a2a", "#17becf", "#e377c2"]
 

@@ -20,8 +20,8 @@ from typing import Sequence
 import ipywidgets as W
 from plotly.subplots import make_subplots
 
-from .theme import AXIS_COLORS, CAPACITY_COLOR, TEMPLATE_NAME, new_figure
-from .tp import _RANK_COLORS
+from mini3d.course.viz.theme import AXIS_COLORS, CAPACITY_COLOR, TEMPLATE_NAME, new_figure
+from mini3d.course.viz.tp import _RANK_COLORS
 
 # ---------------------------------------------------------------- which block lives where
 
@@ -181,7 +181,7 @@ def tp_link_explorer(models=("gpt2-small", "gpt-1.3b", "gpt-7b", "llama-3.1-70b"
     """Model, hardware and sequence-length controls over `tp_link_figure`."""
     from mini3d.cost.hardware import PRESETS as HW
 
-    from .widgets import _explorer, _guard, _redraw_bars
+    from mini3d.course.viz.widgets import _explorer, _guard, _redraw_bars
 
     controls = dict(
         model=W.Dropdown(options=list(models), value=model, description="model"),

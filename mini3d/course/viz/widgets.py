@@ -18,9 +18,10 @@ import ipywidgets as W
 
 from mini3d.schedule_kinds import schedule_kind
 
-from .memory import memory_breakdown_figure
-from .pipeline import SCHEDULE_MENU, bubble_formula_text, chunks_for, fill_gantt, gantt_figure
-from .theme import CAPACITY_COLOR, GIB, as_breakdown, new_figure, to_gib
+from mini3d.course.viz.memory import memory_breakdown_figure
+from mini3d.course.viz.pipeline import (SCHEDULE_MENU, bubble_formula_text, chunks_for, fill_gantt,
+                                        gantt_figure)
+from mini3d.course.viz.theme import CAPACITY_COLOR, GIB, as_breakdown, new_figure, to_gib
 
 POW2 = [1, 2, 4, 8, 16, 32, 64]
 

@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 from mini3d.comm import ring_wire_bytes
 from mini3d.cost.comm_time import zero_traffic_psi
 
-from .theme import AXIS_COLORS, new_figure
+from mini3d.course.viz.theme import AXIS_COLORS, new_figure
 
 LOSS_MARKER_BYTES = 8  # train_worker's float64 loss all-reduce over dp, once per step
 
