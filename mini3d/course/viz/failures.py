@@ -21,9 +21,12 @@ from mini3d.course.viz.theme import (AXIS_COLORS, CAPACITY_COLOR, CATEGORIES, CA
 
 
 def load_dumps(run_dir: str) -> dict:
-    """{rank: dump dict} of every rank*.json under `run_dir` (ranks that left none are absent)."""
+    """{rank: dump dict} of every rank*.json of the job `run_dir` holds (its latest failed job's
+    RUN_DIR/job-<id>, `diagnose.run_dir.pick_job`; ranks that left none are absent)."""
+    from mini3d.diagnose.run_dir import pick_job
+
     out = {}
-    for path in glob.glob(os.path.join(run_dir, "rank*.json")):
+    for path in glob.glob(os.path.join(pick_job(run_dir)[0], "rank*.json")):
         m = re.fullmatch(r"rank(\d+)\.json", os.path.basename(path))
         if m:
             with open(path) as f:
