@@ -62,6 +62,10 @@ class Plan:
     mini3d/dp/ddp.py)"""
     cp: int = 1
     """context-parallel degree (splits each sequence; attention by ring attention)"""
+    ep: int = 1
+    """expert-parallel degree: the routed experts of every MoE layer split over ep ranks carved
+    out of dp x cp (dense weights stay replicated there); tokens reach their experts by
+    all-to-all (mini3d.cost.moe.a2a_bytes). Does not change the world size"""
     compile: str = "none"
     """torch.compile each transformer block (mini3d.run.compile): 'none', or the backend
     ('inductor'; 'aot_eager' traces and partitions the same graphs without generating code, for
@@ -91,11 +95,31 @@ class Plan:
             out.append(f"world size {world_size} != tp*pp*dp = {self.tp}*{self.pp}*{self.dp} = "
                        f"{self.world_size} (choose degrees whose product is {world_size})")
         out += self._cp_problems()
+        out += self._ep_problems(model)
         out += self._choice_problems()
         out += self._split_problems(model)
         out += self._batch_problems(model)
         return out
 
+
+    def _ep_problems(self, model: ModelConfig) -> list[str]:
+        """Expert parallelism: ep ranks out of dp x cp, each holding n_experts / ep experts."""
+        if not isinstance(self.ep, int) or self.ep < 1:
+            return [f"ep={self.ep} must be a positive integer"]
+        if self.ep == 1:
+            return []
+        out = []
+        if not model.n_experts:
+            out.append(f"ep={self.ep} needs a mixture-of-experts model (--experts E; this model "
+                       f"is dense)")
+        elif model.n_experts % self.ep:
+            out.append(f"ep={self.ep} does not divide n_experts={model.n_experts} (each ep rank "
+                       f"holds whole experts; choose ep in {_divisors(model.n_experts)})")
+        if (self.dp * self.cp) % self.ep:
+            out.append(f"ep={self.ep} does not divide dp*cp = {self.dp}*{self.cp} = "
+                       f"{self.dp * self.cp} (the ep ranks are carved out of dp x cp; choose ep in "
+                       f"{_divisors(self.dp * self.cp)})")
+        return out
 
     def _choice_problems(self) -> list[str]:
         """The named choices (ZeRO stage, schedule, recompute, dtypes, attention) and their pairs."""

@@ -1,0 +1,46 @@
+"""Expert parallelism's traffic: the one owner of the all-to-all volume formula.
+
+With `ep` ranks sharing one MoE layer's experts, every token-slot (a token routed to one of its
+top_k experts) whose expert lives on another rank of the ep group crosses the wire twice in the
+forward, as a row of d_model values: once to its expert (dispatch) and once back (combine), and
+twice again in the backward (the gradients of those two all-to-alls, the same sizes reversed).
+Under balanced routing a slot's expert is on another rank with probability (ep - 1) / ep, so one
+rank sends, per MoE layer and micro-batch, in each of the four all-to-alls,
+
+    tokens x top_k x (ep - 1) / ep x d_model x element bytes
+
+(Megatron-Core's and DeepSpeed-MoE's accounting; GShard, Lepikhin et al. 2020, section 3.2). A
+token counted once instead of top_k times, or the local share (1 / ep) counted as traffic, are the
+two usual slips (exercises/a2a_volume.py's grader checks both). With a capacity factor the
+dropped slots stay home: `kept` is the fraction of slots kept (1.0 dropless).
+
+The estimator, the time model, the dry run, the course's figures and the grader call these
+functions; none keeps a copy of the formula.
+"""
+
+from __future__ import annotations
+
+A2A_PER_LAYER = 4  # dispatch and combine, forward and backward, per MoE layer per micro-batch
+
+
+def a2a_bytes(tokens: int, d_model: int, top_k: int, ep: int, element_bytes: int,
+              kept: float = 1.0) -> float:
+    """Bytes one rank sends in ONE all-to-all (dispatch or combine, forward or backward) of one
+    MoE layer for `tokens` local tokens, under balanced routing (see the module docstring)."""
+    if ep <= 1:
+        return 0.0
+    return tokens * top_k * kept * (ep - 1) / ep * d_model * element_bytes
+
+
+def a2a_bytes_per_micro_batch(tokens: int, d_model: int, top_k: int, ep: int,
+                              element_bytes: int, moe_layers: int, kept: float = 1.0,
+                              backward: bool = True) -> float:
+    """Bytes one rank sends in all the all-to-alls of one micro-batch over `moe_layers` MoE
+    layers: four per layer with backward (A2A_PER_LAYER), two in a forward-only pass."""
+    per = A2A_PER_LAYER if backward else A2A_PER_LAYER // 2
+    return per * moe_layers * a2a_bytes(tokens, d_model, top_k, ep, element_bytes, kept)
+
+
+def experts_per_rank(n_experts: int, ep: int) -> int:
+    """Routed experts one ep rank holds (ep divides n_experts: Plan.problems checks it)."""
+    return n_experts // ep
