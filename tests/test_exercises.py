@@ -3,20 +3,40 @@
 The checks themselves live in mini3d/course/grading/, so `mini3d grade` and this file judge alike.
 Shapes, meshes and data come from the grading seed printed in pytest's header; rerun a failure with
 `--grade-seed N`. Distributed exercises launch one gloo job (<= 4 ranks) per exercise, cached
-across that exercise's checks.
+across that exercise's checks; under `--impl solutions` (CI) the references' scenarios all run in
+one launch instead (tests/grader_variants/batch.py, as tests/test_grader_seeds.py runs them), and
+the grader's own launch path (one job per scenario part) is run by the wrong ring answer and the
+untouched stubs below. (CI time: the references' 8 launches took 45-50 s of the file's 100 s.)
 """
 
 import pytest
 
 from mini3d.course import grading
+from mini3d.course.grading import runner
 from mini3d.cli import main
 
 CASES = [(ex, c) for ex in grading.all_exercises() for c in ex.checks]
 
 
+@pytest.fixture(scope="module")
+def reference_scenarios(impl, grade_seed):
+    """Under `--impl solutions`: every distributed reference's scenario at the grading seed, run in
+    one launch and cached where run_check looks for them (a learner's exercises/ keep one launch
+    each: an answer that deadlocks must cost only its own exercise)."""
+    if impl != "solutions":
+        return
+    from tests.grader_variants.batch import run_batches
+
+    jobs = [(ex.name, "solutions", grade_seed) for ex in grading.all_exercises() if ex.scenario is not None]
+    for (name, who, seed), recs in run_batches(jobs).items():
+        runner._scenario_cache.setdefault((name, who, seed), recs)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("ex,check", CASES, ids=[f"{e.name}::{c.name}[{c.points}pt]" for e, c in CASES])
-def test_check(ex, check, impl, grade_seed):
+def test_check(ex, check, impl, grade_seed, request):
+    if ex.scenario is not None:
+        request.getfixturevalue("reference_scenarios")
     out = grading.run_check(ex, check, impl, grade_seed)
     assert out.earned == check.points, f"{ex.name}::{check.name} ({check.doc}): {out.message}"
 
@@ -36,7 +56,7 @@ def test_every_exercise_names_its_chapter_and_has_both_modules():
 
 
 @pytest.mark.timeout(600)
-def test_solutions_score_100_percent(grade_seed):
+def test_solutions_score_100_percent(grade_seed, reference_scenarios):
     outs = grading.grade("solutions", seed=grade_seed)  # distributed runs are cached from test_check
     assert [o.message for o in outs if not o.earned] == []
     assert sum(o.earned for o in outs) == sum(ex.points for ex in grading.all_exercises())
@@ -49,9 +69,10 @@ def test_untouched_stubs_score_zero(impl, grade_seed):
     outs = grading.grade("exercises", seed=grade_seed)
     assert sum(o.earned for o in outs) == 0
     assert all("not implemented yet" in o.message for o in outs)
-    # the same verdict without the untouched-stub shortcut: really start the processes once
-    ring = grading.find(["ring_allreduce"])[0]
-    real = [grading.run_check(ring, c, "exercises", grade_seed, shortcut=False) for c in ring.checks]
+    # the same verdict without the untouched-stub shortcut: really start the processes once (zero1:
+    # one 2-3 rank launch; ring_allreduce's two 3-4 rank launches took 26 s)
+    zero1 = grading.find(["zero1"])[0]
+    real = [grading.run_check(zero1, c, "exercises", grade_seed, shortcut=False) for c in zero1.checks]
     assert sum(o.earned for o in real) == 0 and all("not implemented" in o.message for o in real)
 
 
