@@ -69,21 +69,40 @@ def test_qwen_param_counts_equal_the_modules(cfg):
             sum(p.numel() for p in module.parameters())
 
 
+QWEN_TP2_CASES = [("tp2", dict(tp=2, micro_batches=2)),
+                  ("tp2-sp", dict(tp=2, micro_batches=2, sequence_parallel=True))]
+
+
+def _qwen_cases():
+    from tests.test_3d import F64_BASE
+
+    return [(n, Plan(**kw, **F64_BASE)) for n, kw in QWEN_TP2_CASES]
+
+
+@pytest.fixture(scope="module")
+def qwen_tp2_runs():
+    """[every rank's results] of QWEN2, QWEN3: both models' layouts in one 2-rank launch (one launch
+    each cost a second process start-up for the same world)."""
+    from tests.test_3d import SEED, STEPS
+    from tests.threed_workers import run_layouts_of
+
+    cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in _qwen_cases()]
+    per_cfg = launch(run_layouts_of, 2, [(cases, dataclasses.asdict(c)) for c in (QWEN2, QWEN3)], STEPS, SEED,
+                     device="cpu", timeout=200)
+    return [[rank[k] for rank in per_cfg] for k in range(2)]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cfg", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
-def test_qwen_families_under_tp2_equal_the_reference(cfg):
+def test_qwen_families_under_tp2_equal_the_reference(cfg, qwen_tp2_runs):
     """tp=2, with and without sequence parallelism, in float64 against the one-process model:
     qwen2's q/k/v biases split with their heads' rows; qwen3's per-head norm weights are
     replicated while each rank normalises only its heads, so their gradients are summed over tp
     (by `f` on the weight, or under sequence parallelism by the replicated-gradient sum). Bounds:
     test_3d's F64 (summation order only), explained there."""
-    from tests.test_3d import F64, F64_BASE, SEED, STEPS, check_float32, reference
-    from tests.threed_workers import run_layouts
+    from tests.test_3d import F64, STEPS, check_float32, reference
 
-    cases = [("tp2", Plan(tp=2, micro_batches=2, **F64_BASE)),
-             ("tp2-sp", Plan(tp=2, micro_batches=2, sequence_parallel=True, **F64_BASE))]
-    results = launch(run_layouts, 2, [{"name": n, "plan": dataclasses.asdict(p)} for n, p in cases],
-                     dataclasses.asdict(cfg), STEPS, SEED, device="cpu", timeout=200)
+    cases, results = _qwen_cases(), qwen_tp2_runs[[QWEN2, QWEN3].index(cfg)]
     ref = reference(STEPS, cfg=cfg, dtype=torch.float64)
     norm_grads = [n for n in ref[1][0] if "_norm" in n or "qkv.bias" in n]
     assert len(norm_grads) == (2 if cfg.qk_norm else 1) * cfg.n_layers and all(ref[1][0][n].abs().max() > 0 for n in norm_grads)
@@ -123,12 +142,25 @@ def test_llama_model_states_equal_the_live_ledger():
         assert r["ledger"]["gradients"] == est.grads
 
 
+LLAMA_ACTIVATION_CASES = [("none", "explicit"), ("none", "sdpa"), ("selective", "explicit")]
+
+
+@pytest.fixture(scope="module")
+def llama_activation_runs():
+    """{(policy, attention): the 1-rank result}, the three runs in one process (not a launch each)."""
+    from tests.threed_workers import run_specs
+
+    specs = [make_spec(LLAMA, Plan(global_batch=8, micro_batches=2, recompute=p, attention=a), steps=1,
+                       collect=["activations"]) for p, a in LLAMA_ACTIVATION_CASES]
+    (runs,) = launch(run_specs, 1, specs, timeout=100)
+    return dict(zip(LLAMA_ACTIVATION_CASES, runs))
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy,attention", [("none", "explicit"), ("none", "sdpa"),
-                                              ("selective", "explicit")])
-def test_llama_activations_within_15_percent_of_the_measured_ledger(policy, attention):
+@pytest.mark.parametrize("policy,attention", LLAMA_ACTIVATION_CASES)
+def test_llama_activations_within_15_percent_of_the_measured_ledger(policy, attention, llama_activation_runs):
     plan = Plan(global_batch=8, micro_batches=2, recompute=policy, attention=attention)
-    (r,) = launch(train_worker, 1, make_spec(LLAMA, plan, steps=1, collect=["activations"]), timeout=100)
+    r = llama_activation_runs[(policy, attention)]
     measured = sum(r["activations"].values())
     est = estimate_memory(LLAMA, plan, 0).activations
     assert abs(est - measured) / measured < 0.15, (policy, attention, est, measured)

@@ -8,7 +8,8 @@ from mini3d.config import PRESETS, Plan
 from mini3d.cost.memory import estimate_memory
 from mini3d.dp.buckets import GRAD_BUCKETS_IN_FLIGHT
 from mini3d.launch.launcher import launch
-from mini3d.run.train import make_spec, train_worker
+from mini3d.run.train import make_spec
+from tests.threed_workers import run_specs
 
 TINY = PRESETS["tiny"]
 LAYOUTS = [  # (plan, world) pairs whose shards divide evenly: no ZeRO padding to document
@@ -18,11 +19,23 @@ LAYOUTS = [  # (plan, world) pairs whose shards divide evenly: no ZeRO padding t
 ]
 
 
+@pytest.fixture(scope="module")
+def ledgers():
+    """{layout index: every rank's result}: the layouts of one world size run in one launch, one
+    after the other (tests.threed_workers.run_specs), not one launch each (each is seconds of start-up)."""
+    out = {}
+    for world in sorted({p.world_size for p in LAYOUTS}):
+        idx = [i for i, p in enumerate(LAYOUTS) if p.world_size == world]
+        ranks = launch(run_specs, world,
+                       [make_spec(TINY, LAYOUTS[i], steps=1, collect=["ledger"]) for i in idx], timeout=200)
+        out.update({i: [r[k] for r in ranks] for k, i in enumerate(idx)})
+    return out
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("plan", LAYOUTS, ids=lambda p: f"tp{p.tp}pp{p.pp}dp{p.dp}z{p.zero}")
-def test_estimator_model_states_equal_the_live_ledger(plan):
-    out = launch(train_worker, plan.world_size, make_spec(TINY, plan, steps=1, collect=["ledger"]),
-                 timeout=200)
+@pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=[f"tp{p.tp}pp{p.pp}dp{p.dp}z{p.zero}" for p in LAYOUTS])
+def test_estimator_model_states_equal_the_live_ledger(i, ledgers):
+    plan, out = LAYOUTS[i], ledgers[i]
     for r in out:
         est = estimate_memory(TINY, plan, r["coords"]["pp"])
         led = r["ledger"]
@@ -33,12 +46,27 @@ def test_estimator_model_states_equal_the_live_ledger(plan):
         assert led["master_weights"] + led["optimizer_states"] == est.optimizer
 
 
+ACTIVATION_CASES = [("none", "explicit"), ("selective", "explicit"), ("full", "explicit"), ("none", "sdpa")]
+
+
+def _activation_plan(policy, attention):
+    return Plan(global_batch=8, micro_batches=2, recompute=policy, attention=attention)
+
+
+@pytest.fixture(scope="module")
+def activation_runs():
+    """{(policy, attention): the 1-rank result}, all four in one process (4 launches took 25 CPU
+    seconds, one takes about a third of that)."""
+    specs = [make_spec(TINY, _activation_plan(*c), steps=1, collect=["activations"]) for c in ACTIVATION_CASES]
+    (runs,) = launch(run_specs, 1, specs, timeout=100)
+    return dict(zip(ACTIVATION_CASES, runs))
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("policy,attention", [("none", "explicit"), ("selective", "explicit"),
-                                              ("full", "explicit"), ("none", "sdpa")])
-def test_estimator_activations_within_15_percent_of_the_measured_ledger(policy, attention):
-    plan = Plan(global_batch=8, micro_batches=2, recompute=policy, attention=attention)
-    (r,) = launch(train_worker, 1, make_spec(TINY, plan, steps=1, collect=["activations"]), timeout=100)
+@pytest.mark.parametrize("policy,attention", ACTIVATION_CASES)
+def test_estimator_activations_within_15_percent_of_the_measured_ledger(policy, attention, activation_runs):
+    plan = _activation_plan(policy, attention)
+    r = activation_runs[(policy, attention)]
     measured = sum(r["activations"].values())  # bytes saved for backward, per micro-batch
     est = estimate_memory(TINY, plan, 0)
     # The estimate of the peak adds, under full recompute, the one block being recomputed during
@@ -137,8 +165,6 @@ def test_zero_peak_gradient_bytes_of_the_small_model_at_1_and_4_micro_batches(tm
     is no padding to allow for. Before the fix, ZeRO-2 at 4 micro-batches held 1.57 x ZeRO-0's (a
     full .grad under no_sync + the shard)."""
     import json
-
-    from tests.threed_workers import run_specs
 
     cfg = PRESETS["small"]
     plans = [Plan(dp=2, zero=z, global_batch=2 * m, micro_batches=m, seq_len=32, bucket_mb=1.0)

@@ -86,6 +86,12 @@ def run_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> lis
     return out
 
 
+def run_layouts_of(groups: list[tuple[list[dict], dict]], steps: int, seed: int) -> list[list[dict]]:
+    """`run_layouts(cases, cfg_dict, ...)` for each (cases, cfg_dict) in turn: layouts of several
+    models in one launch."""
+    return [run_layouts(cases, cfg_dict, steps, seed) for cases, cfg_dict in groups]
+
+
 def run_specs(specs: list[dict]) -> list[dict]:
     """`mini3d.run.train.train_worker` on each spec in turn, in the same processes (one launch, several
     runs: e.g. a run and its resumption, or two layouts of the same world size)."""
