@@ -160,11 +160,19 @@ def check_bf16(name, plan, results, ref):
         assert err < BF16["update_norm"], f"{name}: parameter error {err:.3f} of the update's norm"
 
 
-@pytest.mark.timeout(240)
-def test_3d_layouts_equal_the_reference():
+@pytest.fixture(scope="module")
+def eight_rank_runs():
+    """Every rank's results of CASES and CLIP_CASES (below): one 8-rank launch runs both lists in
+    turn, instead of one launch each (8 processes starting and importing torch is the costliest
+    part of a launch on 2 cores)."""
     cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
-    results = launch(run_layouts, 8, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu",
-                     timeout=220)
+    cases += [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP} for n, p in CLIP_CASES]
+    return launch(run_layouts, 8, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu", timeout=560)
+
+
+@pytest.mark.timeout(600)
+def test_3d_layouts_equal_the_reference(eight_rank_runs):
+    results = eight_rank_runs
     refs = {"float64": reference(STEPS, dtype=torch.float64), "bf16": reference(STEPS)}
     for name, plan in CASES:
         ref = refs[plan.dtype]
@@ -276,14 +284,12 @@ CLIP_CASES = [  # dp replicas with sequence parallelism; dp shards (ZeRO-1, ZeRO
 CLIP = 0.5  # the reference's norms are 1.4-3.1: every step clips
 
 
-@pytest.mark.timeout(240)
-def test_gradient_clipping_equals_torch_clip_grad_norm_on_the_reference():
+@pytest.mark.timeout(600)
+def test_gradient_clipping_equals_torch_clip_grad_norm_on_the_reference(eight_rank_runs):
     """--grad-clip: the global norm over every shard (tp pieces summed, replicated ones once, dp
     shards summed, replicas not, pp stages summed) equals torch.nn.utils.clip_grad_norm_'s on the
     unsharded model, and the clipped gradients, losses and parameters match it (float64, F64)."""
-    cases = [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP} for n, p in CLIP_CASES]
-    results = launch(run_layouts, 8, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu",
-                     timeout=220)
+    results = eight_rank_runs
     ref_norms = []
     ref = reference(STEPS, CLIP, ref_norms, dtype=torch.float64)
     assert min(ref_norms) > 2 * CLIP  # the clipping is active at every step
