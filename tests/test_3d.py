@@ -18,7 +18,7 @@ from mini3d.config import ModelConfig, Plan
 from mini3d.data.corpus import Batches, load_tokens
 from mini3d.launch.launcher import launch
 from mini3d.models.transformer import GPT
-from mini3d.run.train import make_spec, train_worker
+from mini3d.run.train import make_spec
 from tests.threed_workers import LR, WEIGHT_DECAY, run_layouts
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32)
@@ -233,17 +233,31 @@ def test_zero3_with_pipeline_is_refused_with_its_cost_and_an_alternative():
     assert not Plan(dp=4, zero=3, **BASE).problems(CFG, 4)
 
 
-@pytest.mark.timeout(120)
-def test_interleaved_pipeline_overlaps_the_dp_gradient_sync():
+OVERLAP_PLANS = {  # the event-order tests below: one 4-rank launch runs the three in turn
+    "interleaved": Plan(pp=2, dp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
+                        global_batch=8, seq_len=16, bucket_mb=0.02),
+    **{f"sp-zero{z}": Plan(tp=2, dp=2, zero=z, micro_batches=2, global_batch=8, seq_len=16,
+                           sequence_parallel=True, bucket_mb=0.02) for z in (0, 2)},
+}
+
+
+@pytest.fixture(scope="module")
+def overlap_runs():
+    """{name: every rank's result} of OVERLAP_PLANS, from one launch (not one launch each)."""
+    from tests.threed_workers import run_specs
+
+    specs = [make_spec(CFG, p, steps=2, collect=["events"]) for p in OVERLAP_PLANS.values()]
+    ranks = launch(run_specs, 4, specs, device="cpu", timeout=200)
+    return {name: [r[k] for r in ranks] for k, name in enumerate(OVERLAP_PLANS)}
+
+
+@pytest.mark.timeout(240)
+def test_interleaved_pipeline_overlaps_the_dp_gradient_sync(overlap_runs):
     """pp2 x dp2, interleaved (v=2): each model chunk's buckets are all-reduced during that chunk's
     last backward, while the pipeline still runs the earlier chunk's backwards, not after it all.
     On pipeline rank 0 (chunks 0 and 2) the first dp all-reduce of the step is issued inside
     action B2.1 (chunk 2's last backward), before the receives that feed chunk 0's backwards."""
-    plan = Plan(pp=2, dp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
-                global_batch=8, seq_len=16, bucket_mb=0.02)
-    out = launch(train_worker, 4, make_spec(CFG, plan, steps=2, collect=["events"]), device="cpu",
-                 timeout=100)
-    for r in out:
+    for r in overlap_runs["interleaved"]:
         step = [e for e in r["events"] if e["context"].get("step") == 1]
         dp = [e for e in step if e["axis"] == "dp" and e["op"] == "all_reduce" and e["bytes"] > 64]
         pp = [e for e in step if e["axis"] == "pp" and e["op"] in ("send", "recv")]
@@ -254,16 +268,13 @@ def test_interleaved_pipeline_overlaps_the_dp_gradient_sync():
         assert first["start"] < max(e["start"] for e in pp), r["coords"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("zero", [0, 2])
-def test_sequence_parallel_overlaps_the_dp_gradient_sync(zero):
+def test_sequence_parallel_overlaps_the_dp_gradient_sync(zero, overlap_runs):
     """tp2 x dp2 with sequence parallelism: the dp gradient collectives start during the last
     backward (before its last sequence all-gather / reduce-scatter), and the replicated
     parameters' partial gradients are summed over tp after them, one all-reduce per step."""
-    plan = Plan(tp=2, dp=2, zero=zero, micro_batches=2, global_batch=8, seq_len=16,
-                sequence_parallel=True, bucket_mb=0.02)
-    out = launch(train_worker, 4, make_spec(CFG, plan, steps=2, collect=["events"]), device="cpu",
-                 timeout=100)
+    out = overlap_runs[f"sp-zero{zero}"]
     dp_op = "all_reduce" if zero == 0 else "reduce_scatter"
     for r in out:
         step = [e for e in r["events"] if e["context"].get("step") == 1]
