@@ -200,13 +200,11 @@ ACCUMULATING_CASES = [  # ZeRO-2/3 reduce-scatter every micro-batch into the sha
 ]
 
 
-@pytest.mark.timeout(240)
-def test_zero2_and_zero3_accumulating_micro_batches_equal_the_reference():
+@pytest.mark.timeout(400)
+def test_zero2_and_zero3_accumulating_micro_batches_equal_the_reference(four_rank_runs):
     """4 micro-batches a step, over 3 steps, on 4 ranks: gradients, losses and parameters match the
     one-process reference within the float32 bounds above (ZeRO-3 is refused with pp > 1)."""
-    cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in ACCUMULATING_CASES]
-    results = launch(run_layouts, 4, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu",
-                     timeout=220)
+    results = four_rank_runs["accumulating"]
     ref = reference(STEPS)
     for name, plan in ACCUMULATING_CASES:
         for r in (r for per_rank in results for r in per_rank if r["name"] == name):
@@ -233,7 +231,7 @@ def test_zero3_with_pipeline_is_refused_with_its_cost_and_an_alternative():
     assert not Plan(dp=4, zero=3, **BASE).problems(CFG, 4)
 
 
-OVERLAP_PLANS = {  # the event-order tests below: one 4-rank launch runs the three in turn
+OVERLAP_PLANS = {  # the event-order tests below (run after ACCUMULATING_CASES, in the same launch)
     "interleaved": Plan(pp=2, dp=2, schedule="interleaved", virtual_stages=2, micro_batches=2,
                         global_batch=8, seq_len=16, bucket_mb=0.02),
     **{f"sp-zero{z}": Plan(tp=2, dp=2, zero=z, micro_batches=2, global_batch=8, seq_len=16,
@@ -242,22 +240,28 @@ OVERLAP_PLANS = {  # the event-order tests below: one 4-rank launch runs the thr
 
 
 @pytest.fixture(scope="module")
-def overlap_runs():
-    """{name: every rank's result} of OVERLAP_PLANS, from one launch (not one launch each)."""
-    from tests.threed_workers import run_specs
+def four_rank_runs():
+    """Every 4-rank run of this file from one launch (a 4-rank launch's start-up cost about 20 CPU
+    seconds of the 69 its three overlap tests took alone): {"accumulating": every rank's
+    run_layouts results of ACCUMULATING_CASES, name in OVERLAP_PLANS: every rank's result}."""
+    from tests.threed_workers import run_layouts_then_specs
 
+    cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in ACCUMULATING_CASES]
     specs = [make_spec(CFG, p, steps=2, collect=["events"]) for p in OVERLAP_PLANS.values()]
-    ranks = launch(run_specs, 4, specs, device="cpu", timeout=200)
-    return {name: [r[k] for r in ranks] for k, name in enumerate(OVERLAP_PLANS)}
+    ranks = launch(run_layouts_then_specs, 4, cases, dataclasses.asdict(CFG), STEPS, SEED, specs,
+                   device="cpu", timeout=380)
+    out = {"accumulating": [layouts for layouts, _ in ranks]}
+    out.update({name: [runs[k] for _, runs in ranks] for k, name in enumerate(OVERLAP_PLANS)})
+    return out
 
 
-@pytest.mark.timeout(240)
-def test_interleaved_pipeline_overlaps_the_dp_gradient_sync(overlap_runs):
+@pytest.mark.timeout(400)
+def test_interleaved_pipeline_overlaps_the_dp_gradient_sync(four_rank_runs):
     """pp2 x dp2, interleaved (v=2): each model chunk's buckets are all-reduced during that chunk's
     last backward, while the pipeline still runs the earlier chunk's backwards, not after it all.
     On pipeline rank 0 (chunks 0 and 2) the first dp all-reduce of the step is issued inside
     action B2.1 (chunk 2's last backward), before the receives that feed chunk 0's backwards."""
-    for r in overlap_runs["interleaved"]:
+    for r in four_rank_runs["interleaved"]:
         step = [e for e in r["events"] if e["context"].get("step") == 1]
         dp = [e for e in step if e["axis"] == "dp" and e["op"] == "all_reduce" and e["bytes"] > 64]
         pp = [e for e in step if e["axis"] == "pp" and e["op"] in ("send", "recv")]
@@ -268,13 +272,13 @@ def test_interleaved_pipeline_overlaps_the_dp_gradient_sync(overlap_runs):
         assert first["start"] < max(e["start"] for e in pp), r["coords"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("zero", [0, 2])
-def test_sequence_parallel_overlaps_the_dp_gradient_sync(zero, overlap_runs):
+def test_sequence_parallel_overlaps_the_dp_gradient_sync(zero, four_rank_runs):
     """tp2 x dp2 with sequence parallelism: the dp gradient collectives start during the last
     backward (before its last sequence all-gather / reduce-scatter), and the replicated
     parameters' partial gradients are summed over tp after them, one all-reduce per step."""
-    out = overlap_runs[f"sp-zero{zero}"]
+    out = four_rank_runs[f"sp-zero{zero}"]
     dp_op = "all_reduce" if zero == 0 else "reduce_scatter"
     for r in out:
         step = [e for e in r["events"] if e["context"].get("step") == 1]

@@ -92,6 +92,12 @@ def run_layouts_of(groups: list[tuple[list[dict], dict]], steps: int, seed: int)
     return [run_layouts(cases, cfg_dict, steps, seed) for cases, cfg_dict in groups]
 
 
+def run_layouts_then_specs(cases: list[dict], cfg_dict: dict, steps: int, seed: int,
+                           specs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """`run_layouts(cases, ...)`, then `run_specs(specs)`, in the same processes (one launch)."""
+    return run_layouts(cases, cfg_dict, steps, seed), run_specs(specs)
+
+
 def run_specs(specs: list[dict]) -> list[dict]:
     """`mini3d.run.train.train_worker` on each spec in turn, in the same processes (one launch, several
     runs: e.g. a run and its resumption, or two layouts of the same world size)."""
