@@ -3,8 +3,9 @@
     why_experts(moe, dense)        parameters, active parameters and forward matmul FLOPs per
                                    token of two presets (ModelConfig.n_params / active_params)
     routing_runs(coefs, ...)       real `mini3d train --dp 2 --ep 2` runs on CPU, one per aux-loss
-                                   coefficient, started together as subprocesses: their
-                                   --log-jsonl records (tokens per expert per step), cached
+                                   coefficient, started together as subprocesses (in the
+                                   background by start_routing_runs): their --log-jsonl records
+                                   (tokens per expert per step), cached
     capacity_rows(factors, ...)    one MoE layer (mini3d.models.moe) on one fixed batch: the
                                    capacity and the dropped token-slots per capacity factor
     balanced_kept(cfg, tokens)     the share of token-slots a capacity factor keeps when routing
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,38 +73,66 @@ def _env() -> dict:
     return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
 
 
-def routing_runs(coefs=(0.0, 0.1), timeout: float = 300, **kw) -> dict:
+_pending: dict = {}
+
+
+def _key(coef: float, kw: dict):
+    return (float(coef), tuple(sorted(kw.items())))
+
+
+def start_routing_runs(coefs=(0.0, 0.1), **kw):
+    """Start the `mini3d train` runs of `routing_runs` in the background (those not already done
+    or running), so a chapter can do other work while they train."""
+    for c in coefs:
+        key = _key(c, kw)
+        if key in _runs or key in _pending:
+            continue
+        tmp = tempfile.mkdtemp(prefix="mini3d-moe-")
+        path = os.path.join(tmp, "records.jsonl")
+        proc = subprocess.Popen(routing_command(c, path, **kw), cwd=tmp, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        _pending[key] = (tmp, path, proc)
+
+
+def routing_runs(coefs=(0.0, 0.1), timeout: float = 600, **kw) -> dict:
     """{coef: [one record per step]} of `mini3d train` runs (ROUTING_RUN, `kw` overriding), all
-    started at once; each record has `expert_load` (tokens per expert, summed over the MoE layers
-    and the dp ranks), its min / max / cv and `dropped_tokens`. Cached per (coef, flags) for the
-    session. A run that fails raises RuntimeError with the end of its output."""
-    todo = [c for c in coefs if (c, tuple(sorted(kw.items()))) not in _runs]
-    with tempfile.TemporaryDirectory(prefix="mini3d-moe-") as tmp:
-        procs = {}
-        for c in todo:
-            path = os.path.join(tmp, f"aux{c}.jsonl")
-            procs[c] = (path, subprocess.Popen(routing_command(c, path, **kw), cwd=tmp, env=_env(),
-                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                               text=True))
-        for c, (path, proc) in procs.items():
+    running at once (started here unless `start_routing_runs` did); each record has
+    `expert_load` (tokens per expert, summed over the MoE layers and the dp ranks), its min / max /
+    cv and `dropped_tokens`. Cached per (coef, flags) for the session. A run that fails raises
+    RuntimeError with the end of its output."""
+    start_routing_runs(coefs, **kw)
+    for c in coefs:
+        key = _key(c, kw)
+        if key in _runs:
+            continue
+        tmp, path, proc = _pending.pop(key)
+        try:
             try:
                 out, _ = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                out, _ = proc.communicate()
+                proc.communicate()
                 raise RuntimeError(f"the run with --aux-loss-coef {c} took over {timeout} s")
             if proc.returncode != 0:
                 raise RuntimeError(f"the run with --aux-loss-coef {c} failed (exit "
                                    f"{proc.returncode}):\n{out[-2000:]}")
             with open(path) as f:
-                _runs[(c, tuple(sorted(kw.items())))] = [json.loads(line) for line in f]
-    return {c: _runs[(c, tuple(sorted(kw.items())))] for c in coefs}
+                _runs[key] = [json.loads(line) for line in f]
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {c: _runs[_key(c, kw)] for c in coefs}
 
 
 def busiest_share(record: dict) -> float:
     """The busiest expert's share of the step's token-slots (1 / E when perfectly balanced)."""
     load = record["expert_load"]
     return max(load) / sum(load)
+
+
+def late_share(records: list[dict], last: int = 6) -> float:
+    """`busiest_share` averaged over the run's `last` steps (one step's routing is noisy)."""
+    tail = records[-last:]
+    return sum(busiest_share(r) for r in tail) / len(tail)
 
 
 # ---------------------------------------------------------------- capacity factor
@@ -192,8 +222,9 @@ def expert_params(cfg) -> int:
 def ep_vs_tp(cfg, gpus: int = 8, seq_len: int = 4096, dtype: str = "bf16", gpu: str = "A100-80GB") -> dict:
     """One node of `gpus` GPUs, one sequence of `seq_len` tokens per GPU-group per step:
     {"tp": row, "ep": row}, each with the parameters on one GPU, their model-state bytes (params,
-    grads, optimizer; no ZeRO) and the bytes one GPU sends per step (tp: the estimator's tp term;
-    ep: the all-to-alls, mini3d.cost.moe). tp=gpus splits every matrix; ep=gpus (dp=gpus) splits
+    grads, optimizer; no ZeRO), the bytes one GPU sends per step in the layers (`sent`; tp: the
+    estimator's tp term; ep: the all-to-alls, mini3d.cost.moe) and in the gradient sync
+    (`grad_sync`, the estimator's dp term). tp=gpus splits every matrix; ep=gpus (dp=gpus) splits
     only the routed experts and keeps the dense weights whole. The global batch is `gpus`
     sequences either way (tp: all of them through every GPU; ep: one per GPU)."""
     from mini3d.config import Plan
@@ -213,17 +244,22 @@ def ep_vs_tp(cfg, gpus: int = 8, seq_len: int = 4096, dtype: str = "bf16", gpu: 
         ep_states = ep_mem.model_states
     else:  # it does not yet: take the experts the other ep ranks hold off the replicated states
         ep_states = dp_mem.model_states - moved * per_param
-    tokens = seq_len  # one sequence per ep rank
     from mini3d.cost.moe import a2a_bytes_per_micro_batch
 
+    # the gradient sync: with ep = dp every expert has one owner, so only the dense weights reduce
+    # over dp (the estimator's dp term, which counts every weight while it has no ep, scaled down)
+    dp_sync = float(estimate_cost(cfg, ep_plan, hw).comm_bytes["dp"])
+    if dp_sync == float(estimate_cost(cfg, Plan(dp=gpus, **common), hw).comm_bytes["dp"]):
+        dp_sync *= 1 - expert_params(cfg) / cfg.n_params()
+    tp_cost = estimate_cost(cfg, tp_plan, hw).comm_bytes
     return {"tp": dict(plan=tp_plan, params=tp_mem.model_states / per_param, model_states=tp_mem.model_states,
-                       sent=float(estimate_cost(cfg, tp_plan, hw).comm_bytes["tp"]), what="all-reduce"),
+                       sent=float(tp_cost["tp"]), grad_sync=float(tp_cost["dp"]), what="all-reduce"),
             "ep": dict(plan=ep_plan, params=ep_states / per_param, model_states=ep_states,
-                       sent=a2a_bytes_per_micro_batch(tokens, cfg.d_model, cfg.top_k, gpus,
+                       sent=a2a_bytes_per_micro_batch(seq_len, cfg.d_model, cfg.top_k, gpus,
                                                       state_bytes(dtype)[0], moe_layer_count(cfg)),
-                       what="all-to-all")}
+                       grad_sync=dp_sync, what="all-to-all")}
 
 
-__all__ = ["FWD_FLOPS_PER_PARAM", "ROUTING_RUN", "a2a_rows", "balanced_kept", "busiest_share",
+__all__ = ["FWD_FLOPS_PER_PARAM", "ROUTING_RUN", "a2a_rows", "balanced_kept", "busiest_share", "late_share",
            "capacity_cfg", "capacity_rows", "ep_vs_tp", "expert_params", "moe_layer_count",
-           "routing_command", "routing_runs", "why_experts"]
+           "routing_command", "routing_runs", "start_routing_runs", "why_experts"]
