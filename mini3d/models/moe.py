@@ -229,8 +229,9 @@ def router_loss(module: nn.Module):
 def step_load(module: nn.Module, group=None) -> dict:
     """The step's expert load, summed over the module's MoE layers and micro-batches (and over the
     ranks of `group`, the data-parallel ranks): tokens per expert (`expert_load`, one count per
-    expert) with its min / max / coefficient of variation, and dropped token-slots. Updates the aux-loss-free biases (router_bias_rate) from
-    each layer's own load, then resets the loads. {} without MoE layers."""
+    expert) with its min / max / coefficient of variation, and dropped token-slots. Updates the
+    aux-loss-free biases (router_bias_rate) from each layer's own load, then resets the loads. {}
+    without MoE layers."""
     layers = [m for m in moe_layers(module) if hasattr(m, "_load")]
     if not layers:
         return {}

@@ -131,7 +131,8 @@ WRONG = {
         ("clip_without_eps", variant("grad_norm", "clip coefficient without the 1e-6", clip_coefficient=clip_without_eps)),
     ],
     "a2a_volume": [
-        ("once_per_token", variant("a2a_volume", "counts a token once, not top_k times", a2a_bytes=a2a_once_per_token)),
+        ("once_per_token", variant("a2a_volume", "counts a token once, not top_k times",
+                                   a2a_bytes=a2a_once_per_token)),
         ("local_counted", variant("a2a_volume", "counts the local 1/ep share as traffic",
                                   a2a_bytes=a2a_local_counted, send_bytes=send_local_counted)),
         ("undo_forgotten", variant("a2a_volume", "forgets to undo the permutation", undo=undo_forgotten)),

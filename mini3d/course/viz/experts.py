@@ -52,14 +52,15 @@ def capacity_figure(rows: list[dict]):
     """rows of mini3d.course.experts.capacity_rows."""
     fig = new_figure("dropped token-slots against the capacity factor", "capacity factor C (0: dropless)",
                      "dropped token-slots (%)")
-    fig.add_bar(x=[f"{r['capacity_factor']:g}" for r in rows], y=[100 * r["dropped"] / r["slots"] for r in rows],
-                marker_color=CAPACITY_COLOR, name="dropped",
-                text=[f"{100 * r['dropped'] / r['slots']:.0f}%" for r in rows], textposition="outside")
+    share = [100 * r["dropped"] / r["slots"] for r in rows]
+    fig.add_bar(x=[f"{r['capacity_factor']:g}" for r in rows], y=share, marker_color=CAPACITY_COLOR,
+                name="dropped", text=[f"{s:.0f}%" for s in share], textposition="outside")
     fig.update_yaxes(range=[0, 100])
     return fig
 
 
-def a2a_figure(rows: list[dict], widget: bool = False, title: str = "all-to-all bytes one GPU sends per step"):
+def a2a_figure(rows: list[dict], widget: bool = False,
+               title: str = "all-to-all bytes one GPU sends per step"):
     """rows of mini3d.course.experts.a2a_rows: GiB per step against ep, one line per top_k."""
     fig = new_figure(title, "expert-parallel degree ep", "sent per step (GiB)", widget=widget)
     _a2a_traces(fig, rows)
