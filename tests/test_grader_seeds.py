@@ -41,7 +41,9 @@ CAUGHT_BY = {("lse_merge", "merge_exp_direct"): "stable", ("explain_hang", "last
              ("recompute", "whole_attention"): "selective", ("zero1", "all_reduce"): "all_gather",
              ("bubble", "closed_form"): "dependencies", ("tp_linear", "f_g_swapped"): "forward",
              ("one_f_one_b", "warmup_one_more"): "warmup", ("grad_buckets", "no_divide"): "averages",
-             ("grad_buckets", "last_twice"): "bucket_count", ("ring_allreduce", "no_average"): "averages"}
+             ("grad_buckets", "last_twice"): "bucket_count", ("ring_allreduce", "no_average"): "averages",
+             ("a2a_volume", "once_per_token"): "volume", ("a2a_volume", "local_counted"): "local_share",
+             ("a2a_volume", "undo_forgotten"): "undo", ("a2a_volume", "permutation_again"): "undo"}
 
 
 def _score(ex, who: str, seed: int):

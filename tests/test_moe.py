@@ -159,6 +159,7 @@ def test_bias_update_and_step_load():
     rep = moe.step_load(model)
     assert rep["expert_load_min"] == int(counts.min()) and rep["expert_load_max"] == int(counts.max())
     assert rep["dropped_tokens"] == 0 and sum(counts.tolist()) == 16
+    assert rep["expert_load"] == counts.tolist()  # the per-expert record --log-jsonl writes
     want = 0.1 * torch.sign(counts.double().mean() - counts.double()).float()
     torch.testing.assert_close(model.blocks["0"].mlp.expert_bias, want)
     assert moe.step_load(model) == {}  # reset after each step

@@ -42,6 +42,11 @@ def test_dp2_equals_one_process(cfg):
         assert r["loads"] == one["loads"]  # all-reduced over dp: the global batch's load
     load = one["loads"][0]
     assert load["expert_load_min"] <= load["expert_load_max"] and load["expert_load_cv"] >= 0
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    for rec in one["loads"]:  # every token-slot of the global batch, processed or dropped
+        assert sum(rec["expert_load"]) + rec["dropped_tokens"] == 8 * 16 * cfg.top_k * moe_layers
+        assert min(rec["expert_load"]) == rec["expert_load_min"]
+        assert max(rec["expert_load"]) == rec["expert_load_max"]
     moved = [b.abs().sum() for b in one["biases"].values()]
     assert (min(moved) > 0) == bool(cfg.router_bias_rate)
     if cfg.capacity_factor:

@@ -28,7 +28,8 @@ load-balancing loss E * sum_e f_e P_e, with f_e the fraction of token-slots rout
 the mean router probability of e, both pooled over every MoE layer of the module as
 transformers' `load_balancing_loss_func` pools them; and the z-loss mean_t logsumexp(logits_t)^2
 (ST-MoE), averaged over the layers. The per-step load (tokens each expert processed, summed over
-layers and micro-batches, all-reduced over the data-parallel ranks) is what `--log-jsonl` reports.
+layers and micro-batches, all-reduced over the data-parallel ranks) is what `--log-jsonl` reports:
+`expert_load` (one count per expert) and its min / max / coefficient of variation.
 """
 
 from __future__ import annotations
@@ -227,9 +228,10 @@ def router_loss(module: nn.Module):
 @torch.no_grad()
 def step_load(module: nn.Module, group=None) -> dict:
     """The step's expert load, summed over the module's MoE layers and micro-batches (and over the
-    ranks of `group`, the data-parallel ranks): tokens per expert min / max / coefficient of
-    variation, and dropped token-slots. Updates the aux-loss-free biases (router_bias_rate) from
-    each layer's own load, then resets the loads. {} without MoE layers."""
+    ranks of `group`, the data-parallel ranks): tokens per expert (`expert_load`, one count per
+    expert) with its min / max / coefficient of variation, and dropped token-slots. Updates the
+    aux-loss-free biases (router_bias_rate) from each layer's own load, then resets the loads. {}
+    without MoE layers."""
     layers = [m for m in moe_layers(module) if hasattr(m, "_load")]
     if not layers:
         return {}
@@ -246,5 +248,5 @@ def step_load(module: nn.Module, group=None) -> dict:
         del m._load, m._dropped
     total = loads.sum(0)
     cv = float(total.std(correction=0) / total.mean()) if total.mean() > 0 else 0.0
-    return {"expert_load_min": int(total.min()), "expert_load_max": int(total.max()),
-            "expert_load_cv": cv, "dropped_tokens": int(flat[-1])}
+    return {"expert_load": [int(n) for n in total.tolist()], "expert_load_min": int(total.min()),
+            "expert_load_max": int(total.max()), "expert_load_cv": cv, "dropped_tokens": int(flat[-1])}

@@ -6,7 +6,7 @@ one mistake, for tests/test_grader_seeds.py (every one must lose points on every
     batch         the distributed exercises' scenarios, many (exercise, answer, seed) per launch
 
     pipeline   one_f_one_b, bubble, zb_h1
-    counting   count_params, memory, rank_grid, grad_norm, plan_search
+    counting   count_params, memory, rank_grid, grad_norm, plan_search, a2a_volume
     attention  lse_merge, recompute, explain_hang
     distributed ring_allreduce, grad_buckets, zero1, tp_linear, vocab_ce
 """

@@ -1,7 +1,9 @@
-"""Wrong answers to the counting exercises: count_params, memory, rank_grid, grad_norm, plan_search."""
+"""Wrong answers to the counting exercises: count_params, memory, rank_grid, grad_norm, plan_search,
+a2a_volume."""
 
 from __future__ import annotations
 
+from solutions import a2a_volume as _a2a
 from solutions import count_params as _cp
 from solutions import grad_norm as _gn
 from solutions import memory as _mem
@@ -66,6 +68,30 @@ def shards_as_replicas(pieces, zero):
     return _gn.global_grad_norm([p for p in pieces if p["dp"] == 0], 0)
 
 
+def a2a_once_per_token(tokens, top_k, ep, d_model, element_bytes):
+    """Each token counted once, not as its top_k token-slots."""
+    return _a2a.a2a_bytes(tokens, 1, ep, d_model, element_bytes)
+
+
+def a2a_local_counted(tokens, top_k, ep, d_model, element_bytes):
+    """Every slot counted as traffic, the 1/ep whose expert is at home too."""
+    return tokens * top_k * d_model * element_bytes
+
+
+def send_local_counted(splits, rank, d_model, element_bytes):
+    return sum(splits) * d_model * element_bytes
+
+
+def undo_forgotten(rows, perm):
+    """The combined rows returned in dispatch order."""
+    return rows
+
+
+def permutation_again(rows, perm):
+    """The permutation applied a second time instead of inverted."""
+    return rows[perm]
+
+
 def clip_without_eps(norm, max_norm):
     return min(1.0, max_norm / norm)
 
@@ -103,6 +129,14 @@ WRONG = {
         ("shards_as_replicas", variant("grad_norm", "drops ZeRO shards of dp ranks > 0",
                                        global_grad_norm=shards_as_replicas)),
         ("clip_without_eps", variant("grad_norm", "clip coefficient without the 1e-6", clip_coefficient=clip_without_eps)),
+    ],
+    "a2a_volume": [
+        ("once_per_token", variant("a2a_volume", "counts a token once, not top_k times",
+                                   a2a_bytes=a2a_once_per_token)),
+        ("local_counted", variant("a2a_volume", "counts the local 1/ep share as traffic",
+                                  a2a_bytes=a2a_local_counted, send_bytes=send_local_counted)),
+        ("undo_forgotten", variant("a2a_volume", "forgets to undo the permutation", undo=undo_forgotten)),
+        ("permutation_again", variant("a2a_volume", "applies the permutation again", undo=permutation_again)),
     ],
     "plan_search": [
         ("no_zero3", variant("plan_search", "leaves ZeRO-3 out of the search", candidates=no_zero3)),

@@ -3,7 +3,7 @@
     core             Check, Exercise, Context, expect: what a check is (imports nothing else here)
     scenario         the multi-process side of a distributed exercise (run on gloo)
     memory pipeline rank_grid recompute hangs data_parallel tensor_parallel plan_search grad_norm
-    long_sequences
+    long_sequences experts
                      one module per exercise idea, each with its EXERCISES
     runner           run_check, all_exercises, find, grade, score_table
     cli              `mini3d grade`

@@ -10,8 +10,9 @@ import os
 import random
 import traceback
 
-from mini3d.course.grading import (data_parallel, grad_norm, hangs, long_sequences, memory, pipeline,
-                                   plan_search, rank_grid, recompute, tensor_parallel, zero_bubble)
+from mini3d.course.grading import (data_parallel, experts, grad_norm, hangs, long_sequences, memory,
+                                   pipeline, plan_search, rank_grid, recompute, tensor_parallel,
+                                   zero_bubble)
 from mini3d.course.grading.core import Check, CheckFailed, Context, Exercise, Outcome, load_impl
 from mini3d.course.grading.scenario import run_scenario
 
@@ -127,7 +128,7 @@ def run_check(ex: Exercise, check: Check, impl_name: str, seed: int, shortcut: b
 def all_exercises() -> list[Exercise]:
     exs = (memory.EXERCISES + pipeline.EXERCISES + zero_bubble.EXERCISES + rank_grid.EXERCISES + recompute.EXERCISES
            + hangs.EXERCISES + data_parallel.EXERCISES + tensor_parallel.EXERCISES
-           + plan_search.EXERCISES + grad_norm.EXERCISES + long_sequences.EXERCISES)
+           + plan_search.EXERCISES + grad_norm.EXERCISES + long_sequences.EXERCISES + experts.EXERCISES)
     return sorted(exs, key=lambda e: e.chapter)  # stable: course order
 
 

@@ -9,6 +9,7 @@
     widgets   explorers (controls + FigureWidget) around a function the chapter passes in
     adapters  mini3d.pp / mini3d.diagnose wrapped to the explorers' contracts
     long_sequences  the zig-zag, the ring's steps, memory against sequence length with cp (07b)
+    experts   routing per step, dropped tokens against the capacity factor, all-to-all volume (10)
     story70b  the 70B scenario: per-GPU memory and step-time panels for any layouts (every chapter)
     oom_explorer  ch08: the --memory-budget check on the estimate, with the OOM report it prints
     predict   a multiple-choice predict-then-reveal whose answer the chapter's cell computes
