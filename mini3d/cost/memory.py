@@ -42,6 +42,7 @@ receive buffers (`mini3d.cost.moe.a2a_buffer_bytes`) are `comm_buffers["ep"]`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -121,8 +122,13 @@ class MemoryEstimate:
 def stage_chunks(cfg: ModelConfig, plan: Plan, stage: int) -> list:
     """The model chunks (`mini3d.pp.partition.StageSpec`) pipeline rank `stage` holds, placed as
     the plan's schedule kind places them: the partition the pipeline builds."""
-    where = schedule_kind(plan.schedule).placement
-    return local_specs(stage, cfg.n_layers, plan.pp, plan.virtual_stages, placement=where)
+    return list(_chunks(stage, cfg.n_layers, plan.pp, plan.virtual_stages,
+                        schedule_kind(plan.schedule).placement))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks again for every layout of one (pp, v)
+def _chunks(stage: int, n_layers: int, pp: int, v: int, where: str) -> tuple:
+    return tuple(local_specs(stage, n_layers, pp, v, placement=where))
 
 
 def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
@@ -136,6 +142,7 @@ def head_rank(plan: Plan) -> int:
     return stage_rank(plan.pp * plan.virtual_stages - 1, plan.pp, where)
 
 
+@functools.lru_cache(maxsize=65536)  # ModelConfig is frozen: the planner's layouts share its blocks
 def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None, ep: int = 1) -> int:
     """Parameters of one transformer block on one tp rank (`ModelConfig.layer_param_count`; a MoE
     `layer` counts the E / ep experts of one ep rank, or its largest block when `layer` is None
@@ -143,6 +150,11 @@ def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None, ep: int = 
     if layer is None and cfg.n_experts:
         return max(cfg.layer_param_count(tp, i, ep=ep) for i in range(cfg.n_layers))
     return cfg.layer_param_count(tp, layer, ep=ep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sum_layer_params(cfg: ModelConfig, tp: int, ep: int, layers: tuple) -> int:
+    return sum(layer_params(cfg, tp, i, ep) for i in layers)
 
 
 def stage_expert_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
@@ -159,7 +171,7 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     pp > 1 the last stage keeps a copy."""
     chunks = stage_chunks(cfg, plan, stage)
     first, last = any(c.first for c in chunks), any(c.last for c in chunks)
-    n = sum(layer_params(cfg, plan.tp, i, plan.ep) for c in chunks for i in c.layers)
+    n = _sum_layer_params(cfg, plan.tp, plan.ep, tuple(i for c in chunks for i in c.layers))
     table = padded_size(cfg.vocab_size, plan.tp) * cfg.d_model // plan.tp
     if first:
         n += table + cfg.position_params()

@@ -162,6 +162,8 @@ class CostEstimate:
                                                     "comm_buffers")}
         mem.update(total=self.memory.total, stage=self.memory.stage,
                    peak_grad_bytes=self.memory.peak_grad_bytes)  # grads + dp buckets in flight
+        if "experts" in self.memory.detail:  # the routed experts' share of params/grads/optimizer
+            mem["experts"] = dict(self.memory.detail["experts"])
         return {"model": self.model.name, "params": self.model.n_params(),
                 "active_params": self.model.active_params(),  # what one token uses (MoE)
                 "family": self.model.family, "plan": self.plan.to_dict(), "hardware": self.hardware,
