@@ -128,7 +128,20 @@ def why_not(est: CostEstimate) -> str:
     return (head + f": {(mem.total - cap) / GB:.1f} GB too much. This rank holds "
             f"{mem.n_params / 1e9:.2f}e9 parameters at {p}+{g}+{o} = {p + g + o} bytes each before "
             f"ZeRO sharding (dp={est.plan.dp}, zero={est.plan.zero}), i.e. "
-            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states." + _cp_hint(est))
+            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states." + _ep_note(est)
+            + _cp_hint(est))
+
+
+def _ep_note(est: CostEstimate) -> str:
+    """For a MoE model: how much of the rank's model states are routed experts, and over what."""
+    experts = est.memory.detail.get("experts")
+    if not experts or not experts["n_params"]:
+        return ""
+    plan = est.plan
+    return (f" Of them {experts['n_params'] / 1e9:.2f}e9 are routed experts "
+            f"({experts['total'] / GB:.1f} GB after sharding: {plan.ep} ep rank(s) split the "
+            f"experts, ZeRO shards them over the dp*cp/ep = {plan.dp * plan.cp // plan.ep} ranks "
+            f"holding the same ones).")
 
 
 def _cp_hint(est: CostEstimate) -> str:
