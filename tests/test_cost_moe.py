@@ -202,22 +202,29 @@ def test_expert_gradients_reduce_over_their_own_group():
 # ----------------------------------------------------------------------------- planner
 
 @pytest.mark.timeout(240)
-def test_planner_searches_ep_and_proposes_layouts_that_fit_only_with_it():
-    """Mixtral 8x7B on 16 H100s: the search walks ep in {1, 2, 4, 8} (divisors of 8 experts
-    dividing dp*cp), and among the fastest fitting layouts some have ep > 1 whose ep=1 twin does
-    not fit (the experts' states are what ep divides)."""
-    from mini3d.cost.planner import candidate_plans, expert_parallel_degrees, search
+def test_plan_mixtral_on_64_gpus_proposes_ep_layouts_that_fit_only_with_ep(capsys):
+    """`mini3d plan --model mixtral-8x7b --gpus 64` (H100s, sequences of 4096, 64 per step): the
+    search walks ep in {1, 2, 4, 8} (the divisors of 8 experts that divide dp*cp), the fastest
+    layouts use ep > 1, and among them are layouts whose ep=1 twin does not fit (the experts'
+    states are what ep divides). About 10 s of one core."""
+    from mini3d.cost.planner import candidate_plans, expert_parallel_degrees
 
     assert expert_parallel_degrees(MIXTRAL, 4) == [1, 2, 4]
+    assert expert_parallel_degrees(MIXTRAL, 2, cp=4) == [1, 2, 4, 8]
     assert expert_parallel_degrees(PRESETS["gpt-7b"], 8) == [1]
     assert {p.ep for p in candidate_plans(MIXTRAL, 16, 16, 4096, max_micro_batch=1)} == {1, 2, 4, 8}
-    res = search(MIXTRAL, 16, H100, 16, 4096, "bf16", top_k=20, max_micro_batch=1, suggest=False)
-    assert res.fits
-    only_with_ep = [c for c in res.candidates if c.plan.ep > 1
-                    and not estimate_memory(MIXTRAL, c.plan.replace(ep=1)).fits(H100.memory_bytes)]
-    assert only_with_ep, [(c.plan, c.memory.total) for c in res.candidates]
-    assert f" ep{only_with_ep[0].plan.ep} " in res.as_dict()["candidates"][
-        res.candidates.index(only_with_ep[0])]["layout"]
+    rc, text = cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--global-batch", "64",
+                    "--seq-len", "4096", "--dtype", "bf16", "--gpu", "H100-80GB", "--top", "10",
+                    "--json"], capsys)
+    out = json.loads(text)
+    assert rc == 0 and out["fits"]
+    plans = [Plan(**c["plan"]) for c in out["candidates"]]
+    assert plans[0].ep > 1, out["candidates"][0]["layout"]
+    only_with_ep = [p for p in plans if p.ep > 1
+                    and not estimate_memory(MIXTRAL, p.replace(ep=1)).fits(H100.memory_bytes)]
+    assert only_with_ep, [c["layout"] for c in out["candidates"]]
+    assert all(c["layout"].startswith(f"tp{p.tp} ep{p.ep} ") for c, p in
+               zip(out["candidates"], plans) if p.ep > 1)
 
 
 # ----------------------------------------------------------------------------- dry run

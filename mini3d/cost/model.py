@@ -216,7 +216,12 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.
     uniform stages it equals the closed form `mini3d.pp.simulator.bubble_formula` (tested)."""
     if p == 1:
         return 0.0
-    return float(simulate(make_schedule(kind, p, m, v), 1.0, bwd_ratio, 0.0).bubble_fraction)
+    return float(simulate(_schedule(kind, p, m, v), 1.0, bwd_ratio, 0.0).bubble_fraction)
+
+
+@functools.lru_cache(maxsize=256)  # simulate only reads it; the planner asks per backward ratio
+def _schedule(kind: str, p: int, m: int, v: int):
+    return make_schedule(kind, p, m, v)
 
 
 def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
@@ -289,8 +294,9 @@ def optimizer_params(plan: Plan, terms: dict) -> float:
 
 
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
-                  eff: Efficiency | None = None) -> CostEstimate:
-    """Step time, throughput, utilisation, communication and memory of `plan` (validated first)."""
+                  eff: Efficiency | None = None, memory: MemoryEstimate | None = None) -> CostEstimate:
+    """Step time, throughput, utilisation, communication and memory of `plan` (validated first;
+    `memory`: its `estimate_memory`, when the caller has it already, as the planner does)."""
     plan.validate(cfg, n_gpus)
     n = plan.world_size
     eff = efficiency_for(hw, eff)
@@ -328,7 +334,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                         {"tp": m * k["tp_wire"], "pp": pp_wire, "dp": dp_wire,
                          **({"cp": m * ring["wire"]} if plan.cp > 1 else {}),
                          **({"ep": m * k["ep"]["wire"]} if plan.ep > 1 else {})}, breakdown,
-                        estimate_memory(cfg, plan), hw.memory_bytes)
+                        memory or estimate_memory(cfg, plan), hw.memory_bytes)
 
 
 def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:

@@ -196,7 +196,7 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
         if mem.total < smallest_mem:
             smallest, smallest_mem = plan, mem.total
         if mem.fits(hw.memory_bytes):
-            fitting.append(estimate_cost(cfg, plan, hw, n_gpus))
+            fitting.append(estimate_cost(cfg, plan, hw, n_gpus, memory=mem))
     fitting.sort(key=lambda c: (c.step_time_s, c.memory.total))
     small = estimate_cost(cfg, smallest, hw, n_gpus) if smallest is not None else None
     result = PlanSearch(cfg, hw, n_gpus, fitting[:top_k], n, len(fitting), small)
