@@ -26,6 +26,19 @@ e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
   4*s*b*h/t + 4*a*s*b/t with s the local s/cp tokens (the output is laid out (b, a, s, h/a), so
   the projection's input is a second tensor); q, k, v are views of the qkv output above.
 
+* a MoE layer (`moe_activation_bytes`) keeps, in place of the dense MLP's terms, for its
+  n = s*b/t tokens (the tokens split over tp ranks: routed experts are whole on every tp rank)
+  and r = n * top_k * kept rows (kept: `mini3d.cost.moe.kept_fraction`): the router's float32
+  probabilities 4nE and its top-k indices 8nk; the rows' sort order and token index, 2 * 8r;
+  three (r, d) row tensors 3*r*h*e (the permuted input the experts read, their output and its
+  weighted copy), the routing weights r*e, and per row the expert MLP's hidden values as the
+  dense MLP keeps them, (4 llama | 2 gpt2) * r*F*e with F = moe_width; shared experts as a
+  dense MLP of width F * n_shared_experts. Counted exactly against the saved-tensor ledger
+  (tests/test_cost_moe.py). The rows are the balanced expectation (each rank's experts receive
+  as many rows as its own tokens send out); dropless, one rank can receive up to
+  ep * n * min(top_k, E/ep) rows at worst (every token of the ep group routed to its experts),
+  with a capacity factor at most (E/ep) * ceil(C * n * top_k / E) per source rank.
+
 Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
 keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
 With e = 2, f = 4h, a math kernel and dropout masks added back, the sum is the paper's
@@ -35,6 +48,7 @@ formula (tested).
 from __future__ import annotations
 
 from mini3d.config import ModelConfig, Plan
+from mini3d.cost.moe import kept_fraction
 from mini3d.pp.schedules import in_flight_bound
 from mini3d.schedule_kinds import schedule_kind
 from mini3d.tp.layers import padded_size
@@ -66,11 +80,12 @@ def paper_layer_activation_bytes(s, b, h, a, tp=1, sp=False, recompute="none") -
 
 
 def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool | None = None,
-                           recompute: str | None = None) -> dict:
+                           recompute: str | None = None, moe: bool = False) -> dict:
     """Bytes one transformer block keeps for backward, one micro-batch, on one tp rank:
     Korthikanti et al. 2022's s*b*h*(34 + 5*a*s/h) adapted term by term to mini3d's layers (the
     terms: the module docstring). `fused_attention` overrides `plan.attention`, `recompute`
-    `plan.recompute`. Returns {"stored": bytes kept per layer per micro-batch, "full": bytes the
+    `plan.recompute`; `moe`: a MoE layer's block (`moe_activation_bytes` in place of the MLP's
+    terms). Returns {"stored": bytes kept per layer per micro-batch, "full": bytes the
     block keeps without recompute (the transient peak while one block is recomputed)}."""
     s, b, h, a, f = local_seq_len(plan), plan.micro_batch_size, cfg.d_model, cfg.n_heads, cfg.d_ff
     t, e = plan.tp, ELEMENT_BYTES[plan.dtype]
@@ -86,6 +101,8 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     if plan.cp > 1:
         core = (4 * s * b * h + 4 * a * s * b) / t
     split = (qkv * s * b * e + sbh + mlp * s * b * e) / t
+    if moe:
+        split += moe_activation_bytes(cfg, plan) - mlp * s * b * e / t
     full = rep + split + core
     recompute = plan.recompute if recompute is None else recompute
     if recompute == "full":
@@ -95,6 +112,24 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     else:
         stored = full
     return {"stored": stored, "full": full}
+
+
+def moe_tokens(plan: Plan) -> float:
+    """Tokens one rank routes per micro-batch in each MoE layer: its b * s/cp tokens split over
+    the tp ranks, which hold the same (whole) experts (Megatron-Core's expert-tp 1 token split)."""
+    return plan.micro_batch_size * local_seq_len(plan) / plan.tp
+
+
+def moe_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
+    """Bytes one MoE layer's mixture keeps for backward, one micro-batch, one rank (the terms:
+    the module docstring; the MLP's input is the norm output counted with the block)."""
+    n, e, k, E = moe_tokens(plan), ELEMENT_BYTES[plan.dtype], cfg.top_k, cfg.n_experts
+    rows = n * k * kept_fraction(cfg.capacity_factor)
+    hidden = 4 if cfg.llama_like else 2  # SwiGLU: gate, up, silu(gate), product; gpt2: fc out, act out
+    router = 4 * n * E + 8 * n * k
+    routed = 2 * 8 * rows + 3 * rows * cfg.d_model * e + rows * e + hidden * rows * cfg.moe_width * e
+    shared = hidden * n * cfg.moe_width * cfg.n_shared_experts * e
+    return router + routed + shared
 
 
 def _llama_terms(cfg: ModelConfig, fused_attention: bool) -> tuple[int, int, int]:
@@ -158,4 +193,4 @@ def score_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
     return {"fwd": fwd * per_pass, "bwd": (bwd + (fwd if plan.recompute != "none" else 0)) * per_pass}
 
 
-__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
+__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]

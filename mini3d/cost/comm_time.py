@@ -3,7 +3,8 @@
 (`tp_time`, from the layer's own collectives in `mini3d.tp.layout.comm_per_layer`), data
 parallelism / ZeRO per step with the overlap of the last backward (`dp_time`; how many
 collectives per step, `dp_collectives`, and their volume in Psi, `zero_traffic_psi`), and context
-parallelism's ring per micro-batch with its overlap behind each block's attention (`cp_time`).
+parallelism's ring per micro-batch with its overlap behind each block's attention (`cp_time`),
+and expert parallelism's all-to-alls per micro-batch (`ep_time`, volumes from `mini3d.cost.moe`).
 Every collective is timed by `Hardware.collective_s` and sized by `mini3d.comm.ring_wire_bytes`.
 """
 
@@ -14,8 +15,9 @@ import math
 from mini3d.comm import ring_steps, ring_wire_bytes
 from mini3d.dp.zero import zero_stage
 from mini3d.tp.layout import comm_per_layer
-from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, ring_block_bytes
-from mini3d.cost.memory import head_rank, sharding_degree
+from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, moe_tokens, ring_block_bytes
+from mini3d.cost.memory import expert_sharding_degree, head_rank, sharding_degree, stage_layers
+from mini3d.cost.moe import a2a_buffer_bytes, a2a_bytes_per_micro_batch, kept_fraction
 
 
 def members_per_node(plan, hw) -> dict:
@@ -23,13 +25,19 @@ def members_per_node(plan, hw) -> dict:
     share a node (rank order tp, cp, dp, pp, tp fastest; mini3d.grid): a tp group fills a node
     up to gpus_per_node, a cp or a dp (cp x dp) group has gpus_per_node / tp members per node, a
     pp pair one. A tp group stays in a node while tp <= gpus_per_node, a cp group while tp*cp
-    does, a dp group while tp*cp*dp does, pp while the world does."""
+    does, a dp group while tp*cp*dp does, pp while the world does.
+    Expert parallelism: an ep group is ep consecutive members of dp x cp (in that order, cp
+    fastest), so it spans tp*ep ranks and stays in a node while tp*ep <= gpus_per_node; the
+    expert-data-parallel group ("edp": the dp*cp/ep ranks holding the same experts) takes every
+    ep-th member, gpus_per_node / (tp*ep) of them per node, and spans what dp does."""
     g = hw.gpus_per_node
     span = {"tp": plan.tp, "cp": plan.tp * plan.cp, "dp": plan.tp * plan.cp * plan.dp,
-            "pp": plan.world_size}
+            "pp": plan.world_size, "ep": plan.tp * plan.ep, "edp": plan.tp * plan.cp * plan.dp}
     inner = max(1, g // plan.tp)
     k = {"tp": min(plan.tp, g), "cp": max(1, min(plan.cp, inner)),
-         "dp": max(1, min(plan.cp * plan.dp, inner)), "pp": 1}
+         "dp": max(1, min(plan.cp * plan.dp, inner)), "pp": 1,
+         "ep": max(1, min(plan.ep, inner)),
+         "edp": max(1, min(expert_sharding_degree(plan), g // (plan.tp * plan.ep)))}
     return {a: k[a] if n > g or (g % n != 0 and n > 1) else None for a, n in span.items()}
 
 
@@ -79,37 +87,47 @@ def zero_traffic_psi(zero: int, micro_batches: int) -> int:
     return reductions * (2 if zero_stage(zero).reduce_op == "all_reduce" else 1) + gathers
 
 
-def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute) -> tuple[float, float, float]:
+def dp_time(cfg, plan, hw, n_params, bw, t_bwd, t_compute, n_expert: int = 0,
+            expert_bw: float | None = None) -> tuple[float, float, float]:
     """(total seconds, exposed seconds, wire bytes) of data-parallel / ZeRO traffic per step.
     `t_bwd` is one micro-batch's backward, `t_compute` the step's compute. ZeRO-0/1 reduce the
     gradients once, overlapping the last backward; ZeRO-2/3 once per micro-batch (mini3d.dp.zero,
     "Micro-batches under ZeRO-2/3"): each overlaps its own backward, and what outlasts it the
-    following forward, except the last micro-batch's."""
-    d = sharding_degree(plan)
-    if d == 1:
+    following forward, except the last micro-batch's. Of the `n_params`, `n_expert` are routed
+    experts: reduced (and ZeRO-sharded) over their own expert-data-parallel group
+    (`expert_sharding_degree`, on links of `expert_bw`), the rest over cp x dp; the two groups'
+    buckets queue one after another on the rank's links."""
+    nodes = members_per_node(plan, hw)
+    groups = [(n_params - n_expert, sharding_degree(plan), nodes["dp"], bw),
+              (n_expert, expert_sharding_degree(plan), nodes["edp"], expert_bw or bw)]
+    groups = [gr for gr in groups if gr[0] and gr[1] > 1]
+    if not groups:
         return 0.0, 0.0, 0.0
-    node = members_per_node(plan, hw)["dp"]
     e = ELEMENT_BYTES[plan.dtype]
     g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e  # fp32 grads by default
-    grads, params = float(n_params * g), float(n_params * e)
     bucket = plan.bucket_mb * 2**20
-    n_buckets = max(1, math.ceil(grads / bucket))
     g_op = zero_stage(plan.zero).reduce_op
     reductions, gathers = dp_collectives(plan.zero, plan.micro_batches)
-    g_wire = reductions * ring_wire_bytes(g_op, d, grads)
-    p_wire = gathers * ring_wire_bytes("all_gather", d, params)
-    # the buckets are issued one after another as the backward produces them, queued in flight
-    t_reduce = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, bw, node)  # one reduction
-    t_last = min(t_reduce, hw.collective_s(g_op, d, min(bucket, grads), bw, node))
+    t_reduce = t_last = t_param = wire = 0.0
+    for n, d, node, link in groups:
+        grads, params = float(n * g), float(n * e)
+        n_buckets = max(1, math.ceil(grads / bucket))
+        wire += (reductions * ring_wire_bytes(g_op, d, grads)
+                 + gathers * ring_wire_bytes("all_gather", d, params))
+        # the buckets are issued one after another as the backward produces them, queued in flight
+        one = n_buckets * hw.collective_s(g_op, d, grads / n_buckets, link, node)  # one reduction
+        t_reduce += one
+        t_last = max(t_last, min(one, hw.collective_s(g_op, d, min(bucket, grads), link, node)))
+        t_param += gathers * n_buckets * hw.collective_s("all_gather", d, params / n_buckets,
+                                                         link, node)
     t_mb = t_compute / plan.micro_batches  # one micro-batch's forward + backward
     exposed = max(t_last, t_reduce - t_bwd) + (reductions - 1) * max(0.0, t_reduce - t_mb)
-    t_param = gathers * n_buckets * hw.collective_s("all_gather", d, params / n_buckets, bw, node)
     if plan.zero == 3:
         per_layer = t_param / max(1, 2 * plan.micro_batches * cfg.n_layers)
         exposed += max(per_layer, t_param - t_compute)
     else:
         exposed += t_param
-    return reductions * t_reduce + t_param, exposed, g_wire + p_wire
+    return reductions * t_reduce + t_param, exposed, wire
 
 
 def cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
@@ -132,4 +150,41 @@ def cp_time(cfg, plan, hw, layers, bw, attn_block_s) -> dict:
             "wire": layers * wire}
 
 
-__all__ = ["members_per_node", "tp_time", "dp_collectives", "zero_traffic_psi", "dp_time", "cp_time"]
+def moe_stage_layers(cfg, plan, stage: int) -> int:
+    """MoE layers pipeline rank `stage` holds (all of its chunks)."""
+    return sum(cfg.is_moe_layer(i) for i in stage_layers(cfg, plan, stage)) if cfg.n_experts else 0
+
+
+def ep_wire_bytes(cfg, plan, stage: int = 0) -> float:
+    """All-to-all bytes one rank of pipeline rank `stage` sends per micro-batch: four per MoE
+    layer (`a2a_bytes_per_micro_batch`, the one formula) for its `moe_tokens`, two more per
+    layer under full recompute (the backward runs the forward's dispatch and combine again)."""
+    moe, e = moe_stage_layers(cfg, plan, stage), ELEMENT_BYTES[plan.dtype]
+    kept, tokens = kept_fraction(cfg.capacity_factor), moe_tokens(plan)
+    redo = plan.recompute == "full"
+    return (a2a_bytes_per_micro_batch(tokens, cfg.d_model, cfg.top_k, plan.ep, e, moe, kept)
+            + redo * a2a_bytes_per_micro_batch(tokens, cfg.d_model, cfg.top_k, plan.ep, e, moe,
+                                               kept, backward=False))
+
+
+def ep_time(cfg, plan, hw, stage: int, bw) -> dict:
+    """Expert parallelism per micro-batch on pipeline rank `stage`: forward and backward seconds
+    of its MoE layers' all-to-alls (dispatch and combine forward, their gradients backward, the
+    forward's again under full recompute), each of `a2a_buffer_bytes` for the rank's
+    `moe_tokens`, timed by `Hardware.collective_s("all_to_all", ep, ...)` on the ep group's
+    links, and the wire bytes (`ep_wire_bytes`). Not overlapped with compute: Megatron-Core's
+    default (its dispatcher waits for each all-to-all; overlapping them with another
+    micro-batch's compute is an option there, off by default)."""
+    moe = moe_stage_layers(cfg, plan, stage)
+    if plan.ep == 1 or not moe:
+        return {"fwd": 0.0, "bwd": 0.0, "wire": 0.0}
+    e, kept = ELEMENT_BYTES[plan.dtype], kept_fraction(cfg.capacity_factor)
+    buffer = a2a_buffer_bytes(moe_tokens(plan), cfg.d_model, cfg.top_k, e, kept)
+    one = hw.collective_s("all_to_all", plan.ep, buffer, bw, members_per_node(plan, hw)["ep"])
+    redo = plan.recompute == "full"
+    return {"fwd": 2 * moe * one, "bwd": (2 + 2 * redo) * moe * one,
+            "wire": ep_wire_bytes(cfg, plan, stage)}
+
+
+__all__ = ["members_per_node", "tp_time", "dp_collectives", "zero_traffic_psi", "dp_time", "cp_time",
+           "moe_stage_layers", "ep_wire_bytes", "ep_time"]

@@ -12,7 +12,8 @@ ceil(log2 nodes) inter hops), the full buffer up and down), whichever is faster 
 size and group size (NCCL's tuner chooses the same way). Its bandwidth across nodes is that of
 the NICs of the group's members in a node (NCCL runs one ring per NIC: k members per node use k
 rails), `link_bandwidths` in `mini3d.cost.model`. A shared host (gloo on a CPU) keeps the flat
-ring: gloo has no tree.
+ring: gloo has no tree. An all-to-all (expert parallelism's dispatch and combine) is timed as
+a pairwise exchange (`all_to_all_s`).
 
 `eff_max` and `eff_half_width` optionally override the cost model's calibrated compute efficiency
 (`mini3d.cost.model.Efficiency`, fitted on two A100 rows); `mini3d calibrate` writes them for a
@@ -81,7 +82,8 @@ class Hardware:
 
     def collective_s(self, op: str, n: int, nbytes: float, bandwidth: float,
                      per_node: int | None = None) -> float:
-        """Seconds of one `op` ("all_reduce", "all_gather", "reduce_scatter", "send") of a full
+        """Seconds of one `op` ("all_reduce", "all_gather", "reduce_scatter", "send", and
+        "all_to_all": `all_to_all_s`) of a full
         tensor of `nbytes` over n members on links of `bandwidth` bytes/s, `per_node` of them in
         each node (None: all in one node): a ring, `latency_s` per step (`internode_latency_s`
         across nodes) plus its wire bytes over `bandwidth` (`mini3d.comm.ring_steps`,
@@ -89,12 +91,35 @@ class Hardware:
         when that is faster, as NCCL's tuner does."""
         if n <= 1 and op != "send":
             return 0.0
+        if op == "all_to_all":
+            return self.all_to_all_s(n, nbytes, bandwidth, per_node)
         spans = per_node is not None and n > per_node and not self.shared_host
         step = self.internode_latency_s if spans else self.latency_s
         ring = ring_steps(op, n) * step + ring_wire_bytes(op, n, nbytes) / bandwidth
         if spans and op == "all_reduce":
             return min(ring, self.tree_allreduce_s(n, nbytes, bandwidth, per_node))
         return ring
+
+    def all_to_all_s(self, n: int, nbytes: float, bandwidth: float,
+                     per_node: int | None = None) -> float:
+        """Seconds of one all-to-all of a `nbytes` buffer (nbytes / n for each member, its own
+        share included) over n members, timed as the pairwise exchange: n - 1 rounds, in round i
+        every member sends its block for member + i and receives the one from member - i, one
+        latency each (`internode_latency_s` once the group spans nodes); each member sends
+        (n - 1) / n of its buffer. Inside a node that goes over `bandwidth`; across nodes the
+        blocks for the other nodes' (n - per_node) members leave through the member's own NIC
+        (`internode_bw`: an all-to-all has no ring to spread over the node's rails) while the
+        (per_node - 1) others go over NVLink, at once: the slower of the two. (NCCL posts all
+        the sends and receives at once; its latency is then nearer one round than n - 1, so at
+        small messages this is pessimistic.)"""
+        if n <= 1:
+            return 0.0
+        block = nbytes / n
+        if per_node is None or n <= per_node or self.shared_host:
+            return (n - 1) * self.latency_s + (n - 1) * block / bandwidth
+        wire = max((n - per_node) * block / self.internode_bw,
+                   (per_node - 1) * block / self.nvlink_bw)
+        return (n - 1) * self.internode_latency_s + wire
 
     def tree_allreduce_s(self, n: int, nbytes: float, bandwidth: float, per_node: int) -> float:
         """NCCL's tree all-reduce over n ranks, `per_node` in each node: a chain inside the node

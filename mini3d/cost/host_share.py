@@ -200,7 +200,7 @@ def shared_host_step(cfg, plan, hw, rank_terms, adam_bytes_per_param: float) -> 
 
     from mini3d.pp.schedules import make_schedule
     from mini3d.cost.comm_time import dp_time
-    from mini3d.cost.memory import sharding_degree
+    from mini3d.cost.memory import expert_sharding_degree, sharding_degree
 
     n, p, v, m = plan.world_size, plan.pp, plan.virtual_stages, plan.micro_batches
     cores = hw.gpus_per_node
@@ -216,11 +216,13 @@ def shared_host_step(cfg, plan, hw, rank_terms, adam_bytes_per_param: float) -> 
     wire = k0["msg"] / k0["bw"]["pp"]
     msg_cpu = hw.host_msg_cpu_s if probed else hw.latency_s
     recv, send = (msg_cpu + wire, msg_cpu) if p > 1 else (0.0, 0.0)
-    dp_sync = [dp_time(cfg, plan, k["hw"], k["n_params"], k["bw"]["dp"], 0.0, 0.0)[0] / contention
-               for k in terms]
+    dp_sync = [dp_time(cfg, plan, k["hw"], k["n_params"], k["bw"]["dp"], 0.0, 0.0,
+                       k.get("n_expert", 0), k["bw"].get("edp"))[0] / contention for k in terms]
     sim = shared_makespan(schedule, work, [n // p] * p, cores, contention, recv / contention,
                           send / contention, dp_sync, blocked, hw.host_msg_wait_s if probed else 0.0)
-    local = max(k["n_params"] for k in terms) / (sharding_degree(plan) if plan.zero >= 1 else 1)
+    local = max(k["n_params"] - k.get("n_expert", 0) for k in terms) / (
+        sharding_degree(plan) if plan.zero >= 1 else 1) + max(k.get("n_expert", 0) for k in terms) / (
+        expert_sharding_degree(plan) if plan.zero >= 1 else 1)
     tail = adam_bytes_per_param * local / hw.memory_bw  # memory-bound compute
     comm, waits = 0.0, 0.0
     if p > 1:  # the loss, broadcast from the last stage

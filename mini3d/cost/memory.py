@@ -29,10 +29,20 @@ the same weights and ZeRO shards over cp x dp.
 Context parallelism (cp > 1) splits each sequence: every per-token activation is that of the rank's
 s/cp tokens (`local_seq_len`), and ring attention keeps no s x s matrix (`layer_activation_bytes`);
 the K/V blocks travelling the ring are counted in `comm_buffer_bytes` (`ring_block_bytes`).
+
+Mixture of experts: each MoE layer's router and shared experts count as dense weights; its routed
+experts are held E / ep per rank (`mini3d.cost.moe.experts_per_rank`), whole on every tp rank
+(no expert-tp: `ModelConfig.moe_params`). Dense states shard (ZeRO) over the dp x cp ranks as
+above; expert states over the ranks that hold the same experts, the expert-data-parallel group
+of dp*cp / ep ranks (`expert_sharding_degree`). `detail["experts"]` gives the expert share of
+params, grads and optimizer. A MoE layer's activations (router, permuted rows, expert hidden
+values) are `mini3d.cost.activations.moe_activation_bytes`; with ep > 1 one all-to-all's send and
+receive buffers (`mini3d.cost.moe.a2a_buffer_bytes`) are `comm_buffers["ep"]`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -44,7 +54,8 @@ from mini3d.schedule_kinds import schedule_kind
 from mini3d.tp.layers import padded_size
 from mini3d.cost.activations import (ELEMENT_BYTES, head_activation_bytes, head_microbatches,
                                      inflight_microbatches, layer_activation_bytes, local_seq_len,
-                                     ring_block_bytes)
+                                     moe_tokens, ring_block_bytes)
+from mini3d.cost.moe import a2a_buffer_bytes, experts_per_rank, kept_fraction
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
@@ -111,8 +122,13 @@ class MemoryEstimate:
 def stage_chunks(cfg: ModelConfig, plan: Plan, stage: int) -> list:
     """The model chunks (`mini3d.pp.partition.StageSpec`) pipeline rank `stage` holds, placed as
     the plan's schedule kind places them: the partition the pipeline builds."""
-    where = schedule_kind(plan.schedule).placement
-    return local_specs(stage, cfg.n_layers, plan.pp, plan.virtual_stages, placement=where)
+    return list(_chunks(stage, cfg.n_layers, plan.pp, plan.virtual_stages,
+                        schedule_kind(plan.schedule).placement))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks again for every layout of one (pp, v)
+def _chunks(stage: int, n_layers: int, pp: int, v: int, where: str) -> tuple:
+    return tuple(local_specs(stage, n_layers, pp, v, placement=where))
 
 
 def stage_layers(cfg: ModelConfig, plan: Plan, stage: int) -> list[int]:
@@ -126,12 +142,26 @@ def head_rank(plan: Plan) -> int:
     return stage_rank(plan.pp * plan.virtual_stages - 1, plan.pp, where)
 
 
-def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None) -> int:
+@functools.lru_cache(maxsize=65536)  # ModelConfig is frozen: the planner's layouts share its blocks
+def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None, ep: int = 1) -> int:
     """Parameters of one transformer block on one tp rank (`ModelConfig.layer_param_count`; a MoE
-    `layer` counts all its experts, or its largest block when `layer` is None for a MoE model)."""
+    `layer` counts the E / ep experts of one ep rank, or its largest block when `layer` is None
+    for a MoE model)."""
     if layer is None and cfg.n_experts:
-        return max(cfg.layer_param_count(tp, i) for i in range(cfg.n_layers))
-    return cfg.layer_param_count(tp, layer)
+        return max(cfg.layer_param_count(tp, i, ep=ep) for i in range(cfg.n_layers))
+    return cfg.layer_param_count(tp, layer, ep=ep)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sum_layer_params(cfg: ModelConfig, tp: int, ep: int, layers: tuple) -> int:
+    return sum(layer_params(cfg, tp, i, ep) for i in layers)
+
+
+def stage_expert_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
+    """Routed-expert parameters one rank of pipeline stage `stage` holds (part of
+    `stage_param_count`): experts_per_rank(E, ep) whole experts in each of its MoE layers."""
+    per_layer = cfg.moe_params(plan.tp, ep=plan.ep)["experts"] if cfg.n_experts else 0
+    return per_layer * sum(cfg.is_moe_layer(i) for i in stage_layers(cfg, plan, stage))
 
 
 def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
@@ -141,7 +171,7 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     pp > 1 the last stage keeps a copy."""
     chunks = stage_chunks(cfg, plan, stage)
     first, last = any(c.first for c in chunks), any(c.last for c in chunks)
-    n = sum(layer_params(cfg, plan.tp, i) for c in chunks for i in c.layers)
+    n = _sum_layer_params(cfg, plan.tp, plan.ep, tuple(i for c in chunks for i in c.layers))
     table = padded_size(cfg.vocab_size, plan.tp) * cfg.d_model // plan.tp
     if first:
         n += table + cfg.position_params()
@@ -151,8 +181,14 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
 
 
 def sharding_degree(plan: Plan) -> int:
-    """Ranks that hold the same parameters and share ZeRO's shards: cp x dp."""
+    """Ranks that hold the same (dense) parameters and share ZeRO's shards: cp x dp."""
     return plan.dp * plan.cp
+
+
+def expert_sharding_degree(plan: Plan) -> int:
+    """Ranks that hold the same routed experts, reduce their gradients and share ZeRO's shards of
+    them: the expert-data-parallel group, dp*cp / ep (= sharding_degree without ep)."""
+    return plan.dp * plan.cp // plan.ep
 
 
 def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int,
@@ -171,8 +207,8 @@ def largest_param_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     h, t, w = cfg.d_model, plan.tp, cfg.layer_weights()
     layers = stage_layers(cfg, plan, stage)
     sizes = [max(w["qkv"], w["proj"], h * cfg.d_ff) // t] if layers else []
-    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E, F, d)
-        sizes += [cfg.n_experts * cfg.moe_width * h // t]
+    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E/ep, F, d), whole
+        sizes += [experts_per_rank(cfg.n_experts, plan.ep) * cfg.moe_width * h]
     table = padded_size(cfg.vocab_size, t) * h // t
     if stage == 0:
         sizes += [table, cfg.position_params()]
@@ -186,7 +222,7 @@ def largest_unit_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     embedding, each block, the head; a tied head joins the embedding's unit)."""
     h, t = cfg.d_model, plan.tp
     table = padded_size(cfg.vocab_size, t) * h // t
-    units = [layer_params(cfg, t)] if stage_layers(cfg, plan, stage) else []
+    units = [layer_params(cfg, t, ep=plan.ep)] if stage_layers(cfg, plan, stage) else []
     if stage == 0:
         units.append(table + cfg.position_params())
     if stage == head_rank(plan):
@@ -213,10 +249,12 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
     prefetched next; pp: a send and a receive activation buffer;
     sequence parallel: one all-gathered (s, b, h) input; cp: ring attention's backward, the peak
     (the K/V block held and the one arriving, and three float32 dK/dV accumulators: the one being
-    summed, the one arriving, the one leaving)."""
+    summed, the one arriving, the one leaving); ep: one all-to-all's send and receive buffers of a
+    MoE layer (`mini3d.cost.moe.a2a_buffer_bytes` each; the forward's received rows are the saved
+    activations, the backward's gradient rows are fresh)."""
     e = ELEMENT_BYTES[plan.dtype]
     sbh = local_seq_len(plan) * plan.micro_batch_size * cfg.d_model * e
-    out = {"dp": 0.0, "zero3": 0.0, "pp": 0.0, "tp": 0.0, "cp": 0.0}
+    out = {"dp": 0.0, "zero3": 0.0, "pp": 0.0, "tp": 0.0, "cp": 0.0, "ep": 0.0}
     d = sharding_degree(plan)
     if d > 1:
         g = ELEMENT_BYTES[plan.grad_dtype] if plan.dtype == "bf16" else e
@@ -224,7 +262,10 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
     if plan.cp > 1:
         out["cp"] = 2 * ring_block_bytes(cfg, plan) + 3 * ring_block_bytes(cfg, plan, 4)
     if d > 1 and plan.zero == 3:
-        out["zero3"] = 2 * layer_params(cfg, plan.tp) * e
+        out["zero3"] = 2 * layer_params(cfg, plan.tp, ep=plan.ep) * e
+    if plan.ep > 1 and any(cfg.is_moe_layer(i) for i in stage_layers(cfg, plan, stage)):
+        out["ep"] = 2 * a2a_buffer_bytes(moe_tokens(plan), cfg.d_model, cfg.top_k, e,
+                                         kept_fraction(cfg.capacity_factor))
     if plan.pp > 1:
         out["pp"] = 2 * sbh / (plan.tp if plan.sequence_parallel else 1)
     if plan.tp > 1 and plan.sequence_parallel:
@@ -239,15 +280,20 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
     """Memory of one rank of pipeline stage `stage`."""
     if not 0 <= stage < plan.pp:
         raise ValueError(f"stage={stage} is outside pp={plan.pp} stages (choose 0..{plan.pp - 1})")
-    n = stage_param_count(cfg, plan, stage)
-    params, grads, optimizer = model_state_bytes(n, plan.dtype, sharding_degree(plan), plan.zero,
-                                                 plan.grad_dtype)
-    layers = len(stage_layers(cfg, plan, stage))
+    n, n_exp = stage_param_count(cfg, plan, stage), stage_expert_count(cfg, plan, stage)
+    dense = model_state_bytes(n - n_exp, plan.dtype, sharding_degree(plan), plan.zero,
+                              plan.grad_dtype)
+    experts = model_state_bytes(n_exp, plan.dtype, expert_sharding_degree(plan), plan.zero,
+                                plan.grad_dtype)
+    params, grads, optimizer = (a + b for a, b in zip(dense, experts))
+    held = stage_layers(cfg, plan, stage)
+    layers, moe = len(held), sum(cfg.is_moe_layer(i) for i in held)
     per_layer = layer_activation_bytes(cfg, plan, fused_attention)
+    per_moe = layer_activation_bytes(cfg, plan, fused_attention, moe=True) if moe else per_layer
     inflight = inflight_microbatches(plan, stage)
-    act = inflight * layers * per_layer["stored"]
-    if plan.recompute == "full" and layers:
-        act += per_layer["full"]  # the block being recomputed during backward
+    act = inflight * ((layers - moe) * per_layer["stored"] + moe * per_moe["stored"])
+    if plan.recompute == "full" and layers:  # the block being recomputed during backward
+        act += max(per_layer["full"] if layers > moe else 0, per_moe["full"] if moe else 0)
     head = 0.0
     if stage == head_rank(plan):
         head = head_microbatches(plan) * head_activation_bytes(cfg, plan)
@@ -255,6 +301,10 @@ def estimate_stage(cfg: ModelConfig, plan: Plan, stage: int,
     detail = {"layers": layers, "layer_stored_bytes": per_layer["stored"],
               "layer_full_bytes": per_layer["full"], "head_bytes": head,
               "comm_buffers": buffers}
+    if cfg.n_experts:
+        detail.update(moe_layers=moe, moe_layer_stored_bytes=per_moe["stored"],
+                      experts=dict(zip(("params", "grads", "optimizer"), experts),
+                                   n_params=n_exp, total=sum(experts)))
     return MemoryEstimate(stage, params, grads, optimizer, math.ceil(act + head),
                           math.ceil(sum(buffers.values())), n, inflight, detail)
 
@@ -273,5 +323,5 @@ def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
 
 __all__ = ["MemoryEstimate", "CATEGORIES", "STATE_BYTES", "state_bytes", "estimate_memory", "estimate_stage", "estimate_all_stages",
            "model_state_bytes", "stage_param_count", "grad_bucket_numel", "largest_param_numel",
-           "stage_layers", "layer_params",
-           "sharding_degree"]
+           "stage_layers", "layer_params", "stage_expert_count",
+           "sharding_degree", "expert_sharding_degree"]

@@ -7,6 +7,10 @@ FLOPs (per token, forward; Megatron's convention, so MFU compares with published
              (llama: qkv is h(h + 2kv) with kv = n_kv_heads * head_dim, the MLP 3hf; the
              weights of `ModelConfig.layer_weights`)
     head   = 2hV                      output projection (embedding lookups cost no FLOPs)
+    MoE layer: the MLP's 2hf becomes 2 x (the router's E x h + top_k experts + the shared
+             experts), the parameters one token computes with (`ModelConfig.moe_params(active=
+             True)`): MFU counts active parameters, as Megatron-Core and torchtitan do for MoE.
+             Dropped slots (a capacity factor) still count: the FLOPs are the nominal ones.
 
 The attention term counts the whole s x s square, causal masking or not (`FLOPS_CONVENTION`): the
 convention of Narayanan et al. 2021 (eq. 3) and of torchtitan's MFU. Tables that halve it for
@@ -26,6 +30,12 @@ Step time, on the busiest pipeline rank:
   eff_max on one torchtitan row (`hardware.H100_EFF_MAX`); every other published row
   (`mini3d.cost.published`) is a prediction. Written-out attention (`attention="explicit"`) also
   moves its s x s scores through HBM (`activations.score_traffic_s`), flash attention does not.
+* expert parallelism (ep > 1): per MoE layer and micro-batch four all-to-alls of the rank's
+  routed rows (dispatch and combine, forward and backward; `mini3d.cost.comm_time.ep_time`, the
+  volume from `mini3d.cost.moe`) on the ep group's links (inside a node while tp*ep <=
+  gpus_per_node), not overlapped with compute (Megatron-Core's default). Expert gradients reduce
+  over the dp*cp/ep ranks holding the same experts, dense ones over dp*cp (`dp_time`). Each tp
+  rank routes 1/tp of the tokens to whole experts (`activations.moe_tokens`).
 * tensor parallelism: per layer and micro-batch, two all-reduces forward and two backward (two
   more with full recompute), or the equal-volume all-gather / reduce-scatter pairs under sequence
   parallelism, each moving 2(t-1)/t * s*b*h*e bytes per rank at NVLink speed, or at the inter-node
@@ -83,14 +93,15 @@ from dataclasses import dataclass, field
 from mini3d.config import ModelConfig, Plan, PlanError
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import bubble_formula, simulate
-from mini3d.cost.comm_time import cp_time, dp_time, members_per_node, tp_time
+from mini3d.cost.comm_time import cp_time, dp_time, ep_time, members_per_node, tp_time
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, score_traffic_s
 from mini3d.cost.host_share import shared_host_step
-from mini3d.cost.memory import (MemoryEstimate, estimate_memory, head_rank, sharding_degree, stage_layers,
-                                stage_param_count)
+from mini3d.cost.memory import (MemoryEstimate, estimate_memory, expert_sharding_degree, head_rank,
+                                sharding_degree, stage_expert_count, stage_layers, stage_param_count)
 
-FLOPS_CONVENTION = "full attention square (not causal-halved), Megatron-LM's and torchtitan's"
+FLOPS_CONVENTION = ("full attention square (not causal-halved), Megatron-LM's and torchtitan's; "
+                    "MoE layers: active parameters (router, top_k routed and the shared experts)")
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
 
 
@@ -151,6 +162,8 @@ class CostEstimate:
                                                     "comm_buffers")}
         mem.update(total=self.memory.total, stage=self.memory.stage,
                    peak_grad_bytes=self.memory.peak_grad_bytes)  # grads + dp buckets in flight
+        if "experts" in self.memory.detail:  # the routed experts' share of params/grads/optimizer
+            mem["experts"] = dict(self.memory.detail["experts"])
         return {"model": self.model.name, "params": self.model.n_params(),
                 "active_params": self.model.active_params(),  # what one token uses (MoE)
                 "family": self.model.family, "plan": self.plan.to_dict(), "hardware": self.hardware,
@@ -164,24 +177,37 @@ class CostEstimate:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
-    """Forward FLOPs per token: one layer's matmuls + attention, its attention core, the head."""
+    """Forward FLOPs per token: one dense layer's matmuls + attention ("layer"), its attention
+    core, the head, and for a MoE model one MoE layer's ("moe_layer": attention, router, top_k
+    experts, shared experts) and all the layers together ("layers")."""
     h = cfg.d_model
     attn = 4 * seq_len * h
-    matmuls = sum(cfg.layer_weights().values())  # GQA's narrower K/V; SwiGLU's three matrices
-    return {"layer": 2 * matmuls + attn, "attention": attn, "head": 2 * h * cfg.vocab_size}
+    w = cfg.layer_weights()  # GQA's narrower K/V; SwiGLU's three matrices
+    out = {"layer": 2 * sum(w.values()) + attn, "attention": attn, "head": 2 * h * cfg.vocab_size}
+    if cfg.n_experts:
+        active = sum(cfg.moe_params(1, active=True).values())  # router + top_k experts + shared
+        out["moe_layer"] = 2 * (w["qkv"] + w["proj"] + active) + attn
+    out["layers"] = layers_flops(cfg, seq_len, range(cfg.n_layers), out)
+    return out
+
+
+def layers_flops(cfg: ModelConfig, seq_len: int, layers, f: dict | None = None) -> float:
+    """Forward FLOPs per token of the given layers (MoE layers at their active FLOPs)."""
+    f = f or flops_per_token(cfg, seq_len)
+    return sum(f["moe_layer"] if cfg.is_moe_layer(i) else f["layer"] for i in layers)
 
 
 def model_flops(cfg: ModelConfig, plan: Plan) -> float:
     """Useful FLOPs of one step: 3 x forward, over every token of the global batch."""
     f = flops_per_token(cfg, plan.seq_len)
-    return 3.0 * (cfg.n_layers * f["layer"] + f["head"]) * plan.global_batch * plan.seq_len
+    return 3.0 * (f["layers"] + f["head"]) * plan.global_batch * plan.seq_len
 
 
 def hardware_flops(cfg: ModelConfig, plan: Plan) -> float:
     """Model FLOPs plus the forward work recomputation repeats."""
     f = flops_per_token(cfg, plan.seq_len)
-    extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
-    return model_flops(cfg, plan) + cfg.n_layers * extra * plan.global_batch * plan.seq_len
+    extra = {"none": 0, "selective": cfg.n_layers * f["attention"], "full": f["layers"]}[plan.recompute]
+    return model_flops(cfg, plan) + extra * plan.global_batch * plan.seq_len
 
 
 @functools.lru_cache(maxsize=4096)
@@ -190,7 +216,12 @@ def bubble_fraction(kind: str, p: int, m: int, v: int = 1, bwd_ratio: float = 2.
     uniform stages it equals the closed form `mini3d.pp.simulator.bubble_formula` (tested)."""
     if p == 1:
         return 0.0
-    return float(simulate(make_schedule(kind, p, m, v), 1.0, bwd_ratio, 0.0).bubble_fraction)
+    return float(simulate(_schedule(kind, p, m, v), 1.0, bwd_ratio, 0.0).bubble_fraction)
+
+
+@functools.lru_cache(maxsize=256)  # simulate only reads it; the planner asks per backward ratio
+def _schedule(kind: str, p: int, m: int, v: int):
+    return make_schedule(kind, p, m, v)
 
 
 def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
@@ -210,8 +241,8 @@ def link_bandwidths(plan: Plan, hw: Hardware) -> dict:
 def _busiest_rank(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
     """(stage, layers) of the pipeline rank with the most forward FLOPs per micro-batch."""
     f = flops_per_token(cfg, plan.seq_len)
-    work = [(len(stage_layers(cfg, plan, r)) * f["layer"] + (f["head"] if r == head_rank(plan) else 0),
-             r) for r in range(plan.pp)]
+    work = [(layers_flops(cfg, plan.seq_len, stage_layers(cfg, plan, r), f)
+             + (f["head"] if r == head_rank(plan) else 0), r) for r in range(plan.pp)]
     r = max(work)[1]
     return r, len(stage_layers(cfg, plan, r))
 
@@ -222,14 +253,16 @@ def _rank_terms(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency, sta
     compute (c_fwd, c_bwd, with the per-layer overhead), tp and cp communication, and the
     hardware with its links slowed likewise (`hw`, `bw`)."""
     e, t = ELEMENT_BYTES[plan.dtype], plan.tp
-    layers = len(stage_layers(cfg, plan, stage))
+    held = stage_layers(cfg, plan, stage)
+    layers = len(held)
     f = flops_per_token(cfg, plan.seq_len)
     tokens_mb = plan.micro_batch_size * local_seq_len(plan)  # this rank's tokens
-    fwd = (layers * f["layer"] + (f["head"] if stage == head_rank(plan) else 0)) * tokens_mb / t
-    extra = {"none": 0, "selective": f["attention"], "full": f["layer"]}[plan.recompute]
+    body = layers_flops(cfg, plan.seq_len, held, f)
+    fwd = (body + (f["head"] if stage == head_rank(plan) else 0)) * tokens_mb / t
+    extra = {"none": 0, "selective": layers * f["attention"], "full": body}[plan.recompute]
     width = min(cfg.d_model / t, tokens_mb)
     rate = hw.flops(plan.dtype) * eff.at(width) / slowdown
-    c_fwd, c_bwd = fwd / rate, (2 * fwd + layers * extra * tokens_mb / t) / rate
+    c_fwd, c_bwd = fwd / rate, (2 * fwd + extra * tokens_mb / t) / rate
     per_layer = hw.layer_overhead_s + hw.token_overhead_s * tokens_mb / t
     overhead = layers * per_layer * slowdown  # 1/3 forward, 2/3 backward
     c_fwd, c_bwd = c_fwd + overhead / 3, c_bwd + 2 * overhead / 3
@@ -240,17 +273,30 @@ def _rank_terms(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency, sta
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
     tp_fwd, tp_bwd, tp_wire = tp_time(cfg, plan, hw, layers, bw["tp"], stage)
     ring = cp_time(cfg, plan, hw, layers, bw["cp"], f["attention"] * tokens_mb / t / plan.cp / rate)
+    a2a = ep_time(cfg, plan, hw, stage, bw["ep"])
     msg = tokens_mb * cfg.d_model * e / (t if plan.sequence_parallel else 1)
     return {"layers": layers, "c_fwd": c_fwd, "c_bwd": c_bwd, "tp_fwd": tp_fwd, "tp_bwd": tp_bwd,
-            "tp_wire": tp_wire, "ring": ring, "t_fwd": c_fwd + tp_fwd + ring["fwd"],
-            "t_bwd": c_bwd + tp_bwd + ring["bwd"], "scores": scores["fwd"] + scores["bwd"],
+            "tp_wire": tp_wire, "ring": ring, "ep": a2a,
+            "t_fwd": c_fwd + tp_fwd + ring["fwd"] + a2a["fwd"],
+            "t_bwd": c_bwd + tp_bwd + ring["bwd"] + a2a["bwd"], "scores": scores["fwd"] + scores["bwd"],
             "width": width, "msg": msg, "hw": hw, "bw": bw,
-            "n_params": stage_param_count(cfg, plan, stage)}
+            "n_params": stage_param_count(cfg, plan, stage),
+            "n_expert": stage_expert_count(cfg, plan, stage)}
+
+
+def optimizer_params(plan: Plan, terms: dict) -> float:
+    """Parameters one rank's optimizer updates: its dense ones / (dp*cp) and its experts /
+    (dp*cp/ep) under ZeRO-1 and above, all of them without ZeRO."""
+    if plan.zero < 1:
+        return terms["n_params"]
+    return ((terms["n_params"] - terms["n_expert"]) / sharding_degree(plan)
+            + terms["n_expert"] / expert_sharding_degree(plan))
 
 
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
-                  eff: Efficiency | None = None) -> CostEstimate:
-    """Step time, throughput, utilisation, communication and memory of `plan` (validated first)."""
+                  eff: Efficiency | None = None, memory: MemoryEstimate | None = None) -> CostEstimate:
+    """Step time, throughput, utilisation, communication and memory of `plan` (validated first;
+    `memory`: its `estimate_memory`, when the caller has it already, as the planner does)."""
     plan.validate(cfg, n_gpus)
     n = plan.world_size
     eff = efficiency_for(hw, eff)
@@ -266,15 +312,15 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                                                        members_per_node(plan, hw)["pp"]) if p > 1 else 0.0
     pp_wire = 2 * v * m * k["msg"] if p > 1 else 0.0
     dp_total, dp_exposed, dp_wire = dp_time(cfg, plan, k["hw"], k["n_params"], bw["dp"], t_bwd,
-                                             m * (t_fwd + t_bwd))
-    local = k["n_params"] / (sharding_degree(plan) if plan.zero >= 1 else 1)
-    opt_s = ADAM_BYTES_PER_PARAM * local / hw.memory_bw * slowdown
+                                             m * (t_fwd + t_bwd), k["n_expert"], bw["edp"])
+    opt_s = ADAM_BYTES_PER_PARAM * optimizer_params(plan, k) / hw.memory_bw * slowdown
     step = pipeline + pp_s + dp_exposed + opt_s
     breakdown = {"compute": m * (c_fwd + c_bwd), "attention_scores": m * k["scores"],
                  "tp_comm": m * (k["tp_fwd"] + k["tp_bwd"]),
                  "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
                  "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(k["width"]),
-                 "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"]}
+                 "cp_comm": m * (ring["fwd"] + ring["bwd"]), "cp_total": m * ring["total"],
+                 "ep_comm": m * (k["ep"]["fwd"] + k["ep"]["bwd"])}
     if hw.shared_host:  # the ranks share the host's cores: simulate who runs when
         alone = lambda h, r: _rank_terms(cfg, plan, h, eff, r, 1.0)  # noqa: E731
         shared = shared_host_step(cfg, plan, hw, alone, ADAM_BYTES_PER_PARAM)
@@ -286,8 +332,9 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                         mf / step / n / 1e12, hf / step / n / 1e12, mf / step / n / peak,
                         hf / step / n / peak, bubble,
                         {"tp": m * k["tp_wire"], "pp": pp_wire, "dp": dp_wire,
-                         **({"cp": m * ring["wire"]} if plan.cp > 1 else {})}, breakdown,
-                        estimate_memory(cfg, plan), hw.memory_bytes)
+                         **({"cp": m * ring["wire"]} if plan.cp > 1 else {}),
+                         **({"ep": m * k["ep"]["wire"]} if plan.ep > 1 else {})}, breakdown,
+                        memory or estimate_memory(cfg, plan), hw.memory_bytes)
 
 
 def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
@@ -296,5 +343,5 @@ def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
 
 
 __all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
-           "flops_per_token", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
+           "flops_per_token", "layers_flops", "optimizer_params", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
            "link_bandwidths", "PlanError"]

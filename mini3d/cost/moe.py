@@ -23,13 +23,29 @@ from __future__ import annotations
 A2A_PER_LAYER = 4  # dispatch and combine, forward and backward, per MoE layer per micro-batch
 
 
+def a2a_buffer_bytes(tokens: int, d_model: int, top_k: int, element_bytes: int,
+                     kept: float = 1.0) -> float:
+    """Bytes of one all-to-all's whole buffer on one rank: a row of d_model values for every kept
+    token-slot of its `tokens` local tokens, the slots whose expert is local included (what the
+    dispatch permutes into, and what the combine receives back)."""
+    return tokens * top_k * kept * d_model * element_bytes
+
+
 def a2a_bytes(tokens: int, d_model: int, top_k: int, ep: int, element_bytes: int,
               kept: float = 1.0) -> float:
     """Bytes one rank sends in ONE all-to-all (dispatch or combine, forward or backward) of one
-    MoE layer for `tokens` local tokens, under balanced routing (see the module docstring)."""
+    MoE layer for `tokens` local tokens, under balanced routing (see the module docstring): the
+    (ep - 1) / ep of `a2a_buffer_bytes` bound for the other ep ranks."""
     if ep <= 1:
         return 0.0
-    return tokens * top_k * kept * (ep - 1) / ep * d_model * element_bytes
+    return a2a_buffer_bytes(tokens, d_model, top_k, element_bytes, kept) * (ep - 1) / ep
+
+
+def kept_fraction(capacity_factor: float) -> float:
+    """Share of token-slots kept under balanced routing: every expert is offered tokens * top_k /
+    E slots and keeps ceil(C * tokens * top_k / E) (mini3d.models.moe.capacity), so min(1, C);
+    1.0 dropless (C = 0). Skewed routing drops more, never keeps more."""
+    return min(1.0, capacity_factor) if capacity_factor else 1.0
 
 
 def a2a_bytes_per_micro_batch(tokens: int, d_model: int, top_k: int, ep: int,

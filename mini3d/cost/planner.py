@@ -5,7 +5,10 @@ the global batch), micro-batch size and count, schedule (1F1B; GPipe; interleave
 stages; the zero-bubble ZB-H1 and, with two chunks per rank, ZB-V), ZeRO stage (0-2, and 3 without pipelining) and recompute (none, selective, full), with
 sequence parallelism whenever tp > 1 (it only saves memory in this model), and context parallelism
 (cp dividing the GPUs, 2*cp dividing seq_len) for sequences of at least `LONG_SEQUENCE` tokens,
-where activations rather than model states decide what fits. Every layout passes
+where activations rather than model states decide what fits. For a mixture-of-experts model it
+also walks ep (`expert_parallel_degrees`: every divisor of n_experts that divides dp*cp), which
+divides the routed experts' states by ep at the price of four all-to-alls per MoE layer and
+micro-batch. Every layout passes
 `Plan.problems()` first. Survivors are ranked by predicted step time, then by memory.
 
 When nothing fits, the answer is not an exception: `PlanSearch.fits` is False, `smallest` is the
@@ -24,7 +27,8 @@ from mini3d.cost.memory import CATEGORIES, GB, estimate_memory, model_state_byte
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.model import CostEstimate, estimate_cost
 
-TIME_TERMS = ("compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
+TIME_TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_exposed",
+              "optimizer")
 # From this many tokens per sequence the search also splits sequences over cp ranks (shorter ones
 # fit with tp and recompute alone, and the ring's per-layer exchange would only cost time).
 LONG_SEQUENCE = 8192
@@ -37,11 +41,17 @@ def _divisors(n: int) -> list[int]:
 def describe(plan: Plan) -> str:
     """Short name of a layout, e.g. 'tp8 pp2 dp1 | 32 x mb1 | 1f1b | zero0 | recompute selective'."""
     sched = plan.schedule + (f" v{plan.virtual_stages}" if plan.virtual_stages > 1 else "")
-    cp = f" cp{plan.cp}" if plan.cp > 1 else ""
+    cp = (f" cp{plan.cp}" if plan.cp > 1 else "") + (f" ep{plan.ep}" if plan.ep > 1 else "")
     return (f"tp{plan.tp}{cp} pp{plan.pp} dp{plan.dp} | {plan.micro_batches} x mb{plan.micro_batch_size}"
             f" | {sched} | zero{plan.zero} | recompute {plan.recompute}"
             + (" | sp" if plan.sequence_parallel else "")
             + (f" | {plan.attention}" if plan.attention != "explicit" else ""))
+
+
+def expert_parallel_degrees(cfg: ModelConfig, dp: int, cp: int = 1) -> list[int]:
+    """The ep the search tries for `cfg` at this dp x cp: the divisors of n_experts that divide
+    dp*cp ([1] for a dense model)."""
+    return [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.n_experts else [1]
 
 
 def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: int,
@@ -64,15 +74,15 @@ def candidate_plans(cfg: ModelConfig, n_gpus: int, global_batch: int, seq_len: i
                     [("zbv", 2)] if cfg.n_layers % (2 * pp) == 0 else [])
                 zeros = (0,) if dp == 1 else ((0, 1, 2, 3) if pp == 1 else (0, 1, 2))
                 for sched, v in scheds:
-                    for zero in zeros:
-                        for rec in policies:
-                            plan = Plan(tp=tp, pp=pp, dp=dp, zero=zero, schedule=sched,
-                                        micro_batches=m, virtual_stages=v, recompute=rec,
-                                        dtype=dtype, global_batch=global_batch, seq_len=seq_len,
-                                        sequence_parallel=tp > 1 and seq_len % (tp * cp) == 0,
-                                        attention=attention, cp=cp)
-                            if not plan.problems(cfg, n_gpus):
-                                yield plan
+                    for zero, rec, ep in ((z, r, e) for z in zeros for r in policies
+                                          for e in expert_parallel_degrees(cfg, dp, cp)):
+                        plan = Plan(tp=tp, pp=pp, dp=dp, zero=zero, schedule=sched,
+                                    micro_batches=m, virtual_stages=v, recompute=rec,
+                                    dtype=dtype, global_batch=global_batch, seq_len=seq_len,
+                                    sequence_parallel=tp > 1 and seq_len % (tp * cp) == 0,
+                                    attention=attention, cp=cp, ep=ep)
+                        if not plan.problems(cfg, n_gpus):
+                            yield plan
 
 
 @dataclass
@@ -118,7 +128,20 @@ def why_not(est: CostEstimate) -> str:
     return (head + f": {(mem.total - cap) / GB:.1f} GB too much. This rank holds "
             f"{mem.n_params / 1e9:.2f}e9 parameters at {p}+{g}+{o} = {p + g + o} bytes each before "
             f"ZeRO sharding (dp={est.plan.dp}, zero={est.plan.zero}), i.e. "
-            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states." + _cp_hint(est))
+            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states." + _ep_note(est)
+            + _cp_hint(est))
+
+
+def _ep_note(est: CostEstimate) -> str:
+    """For a MoE model: how much of the rank's model states are routed experts, and over what."""
+    experts = est.memory.detail.get("experts")
+    if not experts or not experts["n_params"]:
+        return ""
+    plan = est.plan
+    return (f" Of them {experts['n_params'] / 1e9:.2f}e9 are routed experts "
+            f"({experts['total'] / GB:.1f} GB after sharding: {plan.ep} ep rank(s) split the "
+            f"experts, ZeRO shards them over the dp*cp/ep = {plan.dp * plan.cp // plan.ep} ranks "
+            f"holding the same ones).")
 
 
 def _cp_hint(est: CostEstimate) -> str:
@@ -173,7 +196,7 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
         if mem.total < smallest_mem:
             smallest, smallest_mem = plan, mem.total
         if mem.fits(hw.memory_bytes):
-            fitting.append(estimate_cost(cfg, plan, hw, n_gpus))
+            fitting.append(estimate_cost(cfg, plan, hw, n_gpus, memory=mem))
     fitting.sort(key=lambda c: (c.step_time_s, c.memory.total))
     small = estimate_cost(cfg, smallest, hw, n_gpus) if smallest is not None else None
     result = PlanSearch(cfg, hw, n_gpus, fitting[:top_k], n, len(fitting), small)
@@ -219,4 +242,4 @@ def _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k, max_micro_bat
     return None
 
 
-__all__ = ["search", "PlanSearch", "candidate_plans", "describe", "explain", "why_not"]
+__all__ = ["search", "PlanSearch", "candidate_plans", "expert_parallel_degrees", "describe", "explain", "why_not"]

@@ -3,6 +3,7 @@
     mini3d estimate --model gpt-22b --tp 8 --global-batch 4 --seq-len 2048 --dtype bf16 \
         --sequence-parallel --recompute selective --gpu A100-80GB --json
     mini3d plan --model gpt-70b --gpus 8 --global-batch 32 --seq-len 4096 --dtype bf16 --top 5
+    mini3d plan --model mixtral-8x7b --gpus 64 --global-batch 64 --seq-len 4096 --dtype bf16 --gpu H100-80GB
     mini3d calibrate --out cpu.json        # then: mini3d estimate --model tiny --gpu cpu.json
 
 The model and plan flags are `mini3d train`'s (mini3d.run.flags): the same flags build the same
@@ -28,7 +29,7 @@ from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.hardware import load_hardware, save_hardware
 
 
-SEARCHED = ("tp", "pp", "dp", "cp", "zero", "schedule", "virtual_stages", "micro_batches",
+SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "virtual_stages", "micro_batches",
             "recompute", "sequence_parallel", "bucket_mb", "grad_dtype", "compile")  # by `plan`
 
 

@@ -14,7 +14,10 @@
    per pair and per communicator in issue order, a send waiting for its receive, batches as units,
    pair communicators joined on first use): if every rank's program ends, no rank of one step
    waits forever under those rules (nor under gloo's, which are looser);
-5. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble.
+5. print the memory estimate per pipeline stage (`mini3d.cost.memory`), the bubble, and the bytes
+   one rank sends per step on each axis by the cost model (`mini3d.cost.model.estimate_cost`;
+   expert parallelism's all-to-alls by `mini3d.cost.comm_time.ep_wire_bytes`, the volume of
+   `mini3d.cost.moe`), with the ep axis's groups when ep > 1.
 
 Every tp group and every dp replica runs the same program, so two members show every cross-group
 interaction that more would. A model above `RECORD_MAX_PARAMS` is recorded on a narrow copy
@@ -108,14 +111,18 @@ def as_op(ev: dict) -> tuple:
 
 
 def recording_setup(cfg, plan) -> tuple:
-    """(model, plan) the step is recorded with: tp and dp capped at CAP; above RECORD_MAX_PARAMS a
-    narrow copy of the model and short sequences (see the module docstring)."""
+    """(model, plan) the step is recorded with: tp and dp capped at CAP (dp kept large enough that
+    ep still divides dp x cp: every ep group is recorded whole); above RECORD_MAX_PARAMS a narrow
+    copy of the model (expert width too) and short sequences (see the module docstring)."""
     t, d = min(plan.tp, CAP), min(plan.dp, CAP)
+    while (d * plan.cp) % plan.ep:
+        d += 1  # ends at plan.dp at the latest: Plan.problems checked that ep divides dp*cp
     small = plan.replace(tp=t, dp=d, global_batch=plan.micro_batch_size * plan.micro_batches * d)
     if cfg.n_params() <= RECORD_MAX_PARAMS:
         return cfg, small
     seq = 4 * t * plan.cp  # 2*cp zig-zag chunks of 2t tokens: each cp rank's 4t split over tp
     narrow = dataclasses.replace(cfg, d_model=4 * cfg.n_heads, d_ff=16 * cfg.n_heads,
+                                 moe_ffn=16 * cfg.n_heads if cfg.moe_ffn else 0,
                                  vocab_size=64 * t, max_seq_len=seq, name=f"{cfg.name} (narrow)")
     return narrow, small.replace(seq_len=seq)
 
@@ -186,22 +193,65 @@ def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
                f"communicators joined on first use)")
 
 
+def ep_groups(grid: Grid, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep groups, expert-data-parallel groups) of `grid`: an ep group is ep consecutive members
+    of a dp x cp group (world-rank order: cp fastest, then dp), the expert-data-parallel group
+    every ep-th member (the ranks holding the same experts)."""
+    blocks = grid.groups("dp_cp")
+    return ([g[i:i + ep] for g in blocks for i in range(0, len(g), ep)],
+            [g[i::ep] for g in blocks for i in range(ep)])
+
+
+def ep_lines(cfg, plan, grid: Grid) -> list[str]:
+    """The ep axis: its groups, the experts per rank, and the all-to-all bytes per step."""
+    if plan.ep == 1:
+        return []
+    from mini3d.cost.comm_time import ep_wire_bytes, moe_stage_layers
+    from mini3d.cost.moe import A2A_PER_LAYER, experts_per_rank
+
+    groups, edp = ep_groups(grid, plan.ep)
+    show = lambda gs: " ".join(str(g) for g in gs[:8]) + (" ..." if len(gs) > 8 else "")  # noqa: E731
+    per_stage = ", ".join(f"stage {s}: {plan.micro_batches * ep_wire_bytes(cfg, plan, s):,.0f} B "
+                          f"({moe_stage_layers(cfg, plan, s)} MoE layers)" for s in range(plan.pp))
+    return [f"ep groups (ep={plan.ep}, {experts_per_rank(cfg.n_experts, plan.ep)} of "
+            f"{cfg.n_experts} experts per rank): {show(groups)}",
+            f"expert-data-parallel groups (the ranks holding the same experts, dp*cp/ep = "
+            f"{len(edp[0])}): {show(edp)}",
+            f"ep all-to-all bytes sent per rank per step ({A2A_PER_LAYER} per MoE layer per "
+            f"micro-batch x {plan.micro_batches} micro-batches, mini3d.cost.moe.a2a_bytes): "
+            f"{per_stage}"]
+
+
+def bytes_line(cfg, plan) -> str:
+    """Bytes one rank sends per step on each axis, by the cost model (hardware-independent)."""
+    from mini3d.cost.hardware import PRESETS
+    from mini3d.cost.model import estimate_cost
+
+    sent = estimate_cost(cfg, plan, PRESETS["A100-80GB"]).comm_bytes
+    return ("bytes sent per rank per step (cost model, busiest stage): "
+            + ", ".join(f"{a} {b:,.0f} B" for a, b in sent.items()))
+
+
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:
     """Print the map, the recorded step's verdict, memory and bubble for a validated plan; 0 or 1."""
     grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
     cp = f"cp={plan.cp} " if plan.cp > 1 else ""
+    ep = f" ep={plan.ep} (of dp x cp)" if plan.ep > 1 else ""
     out(f"dry run: {cfg.name} ({cfg.n_params() / 1e6:,.1f} M parameters) on tp={plan.tp} "
-        f"{cp}pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks); plan is valid")
+        f"{cp}pp={plan.pp} dp={plan.dp}{ep} ({plan.world_size} ranks); plan is valid")
     out(grid.describe(gpus_per_node))
+    for line in ep_lines(cfg, plan, grid):
+        out(line)
     out(schedule_note(plan))
     status, line = communication_line(cfg, plan, grad_clip)
     out(line)
     for line in memory_lines(cfg, plan):
         out(line)
     out(bubble_line(plan))
+    out(bytes_line(cfg, plan))
     out("nothing was started (dry run)")
     return status
 
 
-__all__ = ["dry_run", "record_rank", "record_programs", "recording_setup", "RecordingLog",
+__all__ = ["dry_run", "ep_groups", "ep_lines", "bytes_line", "record_rank", "record_programs", "recording_setup", "RecordingLog",
            "fake_process_group"]
