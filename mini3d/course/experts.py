@@ -223,10 +223,12 @@ def ep_vs_tp(cfg, gpus: int = 8, seq_len: int = 4096, dtype: str = "bf16", gpu: 
     """One node of `gpus` GPUs, one sequence of `seq_len` tokens per GPU-group per step:
     {"tp": row, "ep": row}, each with the parameters on one GPU, their model-state bytes (params,
     grads, optimizer; no ZeRO), the bytes one GPU sends per step in the layers (`sent`; tp: the
-    estimator's tp term; ep: the all-to-alls, mini3d.cost.moe) and in the gradient sync
-    (`grad_sync`, the estimator's dp term). tp=gpus splits every matrix; ep=gpus (dp=gpus) splits
-    only the routed experts and keeps the dense weights whole. The global batch is `gpus`
-    sequences either way (tp: all of them through every GPU; ep: one per GPU)."""
+    estimator's tp term; ep: its ep term, the all-to-alls of mini3d.cost.moe) and in the gradient
+    sync (`grad_sync`, the estimator's dp term). tp=gpus splits every dense matrix but keeps each
+    routed expert whole on every tp rank (mini3d's tp, like Megatron-Core's default expert-tp of
+    1); ep=gpus (dp=gpus) splits only the routed experts and keeps the dense weights whole. The
+    global batch is `gpus` sequences either way (tp: all of them through every GPU; ep: one per
+    GPU)."""
     from mini3d.config import Plan
     from mini3d.cost.hardware import load_hardware
     from mini3d.cost.memory import estimate_memory, state_bytes
@@ -234,30 +236,15 @@ def ep_vs_tp(cfg, gpus: int = 8, seq_len: int = 4096, dtype: str = "bf16", gpu: 
 
     hw = load_hardware(gpu)
     common = dict(dtype=dtype, global_batch=gpus, seq_len=seq_len)
-    tp_plan = Plan(tp=gpus, sequence_parallel=True, **common)
-    ep_plan = Plan(dp=gpus, ep=gpus, **common)
     per_param = sum(state_bytes(dtype))
-    tp_mem = estimate_memory(cfg, tp_plan)
-    dp_mem, ep_mem = estimate_memory(cfg, Plan(dp=gpus, **common)), estimate_memory(cfg, ep_plan)
-    moved = expert_params(cfg) * (1 - 1 / gpus)
-    if ep_mem.model_states != dp_mem.model_states:  # the estimator counts experts per ep rank
-        ep_states = ep_mem.model_states
-    else:  # it does not yet: take the experts the other ep ranks hold off the replicated states
-        ep_states = dp_mem.model_states - moved * per_param
-    from mini3d.cost.moe import a2a_bytes_per_micro_batch
-
-    # the gradient sync: with ep = dp every expert has one owner, so only the dense weights reduce
-    # over dp (the estimator's dp term, which counts every weight while it has no ep, scaled down)
-    dp_sync = float(estimate_cost(cfg, ep_plan, hw).comm_bytes["dp"])
-    if dp_sync == float(estimate_cost(cfg, Plan(dp=gpus, **common), hw).comm_bytes["dp"]):
-        dp_sync *= 1 - expert_params(cfg) / cfg.n_params()
-    tp_cost = estimate_cost(cfg, tp_plan, hw).comm_bytes
-    return {"tp": dict(plan=tp_plan, params=tp_mem.model_states / per_param, model_states=tp_mem.model_states,
-                       sent=float(tp_cost["tp"]), grad_sync=float(tp_cost["dp"]), what="all-reduce"),
-            "ep": dict(plan=ep_plan, params=ep_states / per_param, model_states=ep_states,
-                       sent=a2a_bytes_per_micro_batch(seq_len, cfg.d_model, cfg.top_k, gpus,
-                                                      state_bytes(dtype)[0], moe_layer_count(cfg)),
-                       grad_sync=dp_sync, what="all-to-all")}
+    rows = {}
+    for name, plan, what in (("tp", Plan(tp=gpus, sequence_parallel=True, **common), "all-reduce"),
+                             ("ep", Plan(dp=gpus, ep=gpus, **common), "all-to-all")):
+        states = estimate_memory(cfg, plan).model_states
+        sent = estimate_cost(cfg, plan, hw).comm_bytes
+        rows[name] = dict(plan=plan, params=states / per_param, model_states=states,
+                          sent=float(sent[name]), grad_sync=float(sent["dp"]), what=what)
+    return rows
 
 
 __all__ = ["FWD_FLOPS_PER_PARAM", "ROUTING_RUN", "a2a_rows", "balanced_kept", "busiest_share", "late_share",
