@@ -171,8 +171,8 @@ def largest_param_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     h, t, w = cfg.d_model, plan.tp, cfg.layer_weights()
     layers = stage_layers(cfg, plan, stage)
     sizes = [max(w["qkv"], w["proj"], h * cfg.d_ff) // t] if layers else []
-    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E, F, d)
-        sizes += [cfg.n_experts * cfg.moe_width * h // t]
+    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E, F, d), whole on tp
+        sizes += [cfg.n_experts * cfg.moe_width * h]
     table = padded_size(cfg.vocab_size, t) * h // t
     if stage == 0:
         sizes += [table, cfg.position_params()]
