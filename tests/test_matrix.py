@@ -20,7 +20,7 @@ import random
 
 import pytest
 
-from tests.matrix import (DIMS, MAX_WORLD, RULES, describe, expected_messages, model_of, pairs_of,
+from tests.matrix import (DIMS, MAX_WORLD, RULE_FREE, RULES, describe, expected_messages, model_of, pairs_of,
                           plan_of, refusals, world)
 from tests.matrix.pairwise import _all_pairs, covering_array, random_valid_cases
 from tests.matrix.run import check_exit2, prepare_data, run_matrix, spec_of
@@ -31,7 +31,7 @@ VALID, EXIT2 = covering_array()
 # bound hides a 3e-5 error), kept as regression cases.
 FOUND = [dict(tp=1, cp=2, pp=2, schedule="gpipe", dp=1, zero=1, tied=True, family="llama", sp=False,
               recompute="none", clip=False, dtype="float64", validation=False, micro_batches=4,
-              attention="explicit")]
+              attention="explicit", moe=False)]
 CASES = VALID + FOUND
 NAMES = [describe(c) for c in CASES]
 
@@ -64,6 +64,9 @@ def test_the_rules_explain_every_refusal_of_plan_validation():
         plan_rules = [r for r in refusals(c) if r != "sp-without-tp"]
         assert bool(problems) == bool(plan_rules), (describe(c), problems, refusals(c))
     assert {name for name, _, _ in RULES} == {r for c in EXIT2 for r in refusals(c)}
+    for c in cases:  # what pairwise.possible's pruned search relies on
+        for d in RULE_FREE:
+            assert all(refusals({**c, d: v}) == refusals(c) for v in DIMS[d]), (d, describe(c))
 
 
 @pytest.fixture(scope="module")
