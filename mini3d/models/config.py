@@ -27,7 +27,7 @@ LLAMA_LIKE = ("llama", "qwen2", "qwen3")  # RMSNorm, rotary positions, SwiGLU, g
 ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), **{f: ("silu",) for f in LLAMA_LIKE}}
 FAMILY_FEATURES = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}  # what each qwen adds to llama
 ROUTERS = ("softmax", "softmax-norm", "sigmoid")
-AUX_LOSS_SCOPES = ("model", "layer")  # how mini3d.models.moe.router_loss pools the balancing loss  # the kinds of mini3d.models.moe.ROUTERS
+AUX_LOSS_SCOPES = ("model", "layer")  # mini3d.models.moe.router_loss's balancing-loss pools  # the kinds of mini3d.models.moe.ROUTERS
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class ModelConfig:
     aux_loss_coef: float = 0.0
     """weight of the switch-style load-balancing loss in the training loss"""
     aux_loss_scope: str = "model"
-    """model: f and P pooled over all MoE layers (transformers); layer: each layer's own loss, summed (Megatron-Core; needed with pp)"""
+    """model: f, P pooled over all MoE layers (transformers); layer: each layer's, summed (pp)"""
     z_loss_coef: float = 0.0
     """weight of the router z-loss (mean squared logsumexp of the router logits)"""
     capacity_factor: float = 0.0

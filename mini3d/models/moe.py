@@ -26,9 +26,13 @@ token keeps its other experts and the residual). C = 0 is dropless.
 Losses (`router_loss`, added to the model's loss by `GPT.forward`): the switch-style
 load-balancing loss E * sum_e f_e P_e, with f_e the fraction of token-slots routed to e and P_e
 the mean router probability of e, both pooled over every MoE layer of the module as
-transformers' `load_balancing_loss_func` pools them; and the z-loss mean_t logsumexp(logits_t)^2
-(ST-MoE), averaged over the layers. The per-step load (tokens each expert processed, summed over
-layers and micro-batches, all-reduced over the data-parallel ranks) is what `--log-jsonl` reports.
+transformers' `load_balancing_loss_func` pools them (`aux_loss_scope` "model"), or each layer's
+own loss summed over the layers as Megatron-Core adds them ("layer", what a pipeline stage can
+compute for its layers); and the z-loss mean_t logsumexp(logits_t)^2 (ST-MoE), averaged over the
+model's MoE layers. Under the splits (`pool_router_stats_over`, `carry_router_loss`) these equal
+the one-process losses (tests/test_moe_splits.py). The per-step load (tokens each expert
+processed, summed over layers and micro-batches, all-reduced over the data-parallel ranks, the
+tp ranks under sequence parallelism and the pipeline stages) is what `--log-jsonl` reports.
 """
 
 from __future__ import annotations
@@ -242,7 +246,7 @@ def pool_router_stats_over(module: nn.Module, axes) -> None:
     follows makes the sum over the group the one-process gradient:
 
     * sequence parallelism (tp, scale 1): the trainer sums the replicated parameters' gradients
-      over tp (`mini3d.tp.sum_replicated_grads`), as for the norms: scale 1;
+      over tp (`mini3d.tp.sum_replicated_grads`), as for the norms;
     * context parallelism (cp, scale cp): the gradients are averaged over cp x dp like replicas',
       so each cp rank's part is scaled by cp to undo the 1/cp.
     """
