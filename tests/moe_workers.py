@@ -48,7 +48,8 @@ def run_moe_cases(cases: list[dict], steps: int, seed: int) -> list[dict]:
     processes, on `Batches` of the embedded corpus (cp ranks: their zig-zag chunks). Returns from
     every rank with tp = dp = cp = 0 (one per pipeline rank): the losses, each step's full
     gradients of this rank's stages (captured before the inner AdamW step: after the dp, tp and
-    pp syncs and clipping), the step loads, and from every rank its expert biases."""
+    pp syncs and clipping), the step loads, and from every rank its expert biases and how many
+    parameter elements it holds (ZeRO-3: its shards)."""
     from mini3d.cp import chunk_micro_batches
     from mini3d.data.corpus import Batches, load_tokens
     from mini3d.launch.launcher import current_device
@@ -60,6 +61,7 @@ def run_moe_cases(cases: list[dict], steps: int, seed: int) -> list[dict]:
         topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), rank, current_device())
         trainer = Trainer(cfg, plan, topo, seed, 3e-3, 0.0, case.get("grad_clip", 0.0))
         seen = _capture_grads(trainer)
+        held = sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
         batches = Batches(tokens, plan.seq_len, plan.global_batch, seed)
         losses, loads, norms = [], [], []
         for step in range(steps):
@@ -71,7 +73,8 @@ def run_moe_cases(cases: list[dict], steps: int, seed: int) -> list[dict]:
         grads = [full_grads(trainer, s) for s in seen]
         biases = {n: b.detach().cpu().clone() for chunk in trainer.chunks
                   for n, b in chunk.named_buffers() if n.endswith("expert_bias")}
-        mine = {"name": case["name"], "rank": rank, "biases": biases}
+        mine = {"name": case["name"], "rank": rank, "biases": biases, "params": held,
+                "stage": topo.pp.index}
         if topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0:
             mine.update(losses=losses, loads=loads, grads=grads, norms=norms)
         out.append(mine)

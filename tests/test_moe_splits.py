@@ -158,6 +158,12 @@ def test_moe_layout_equals_the_one_process_run(runs, name):
             torch.testing.assert_close(b, ref["biases"][n], rtol=0, atol=0 if not bf16 else 1e-3)
     if case["cfg"]["router_bias_rate"]:
         assert all(b.abs().sum() > 0 for b in ref["biases"].values())
+    if case["plan"].get("zero", 0) < 3:  # the estimator counts the replicated MoE layers (tp)
+        from mini3d.cost.memory import stage_param_count
+
+        plan = Plan(**case["plan"])
+        for r in ranks:
+            assert r["params"] == stage_param_count(ModelConfig(**case["cfg"]), plan, r["stage"])
 
 
 @pytest.mark.parametrize("flags,named", [
