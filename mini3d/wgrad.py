@@ -19,7 +19,9 @@ and restarting autograd once per weight group for W; on a CPU stage that costs a
 whole backward (measured, benchmarks/pp_bubble.py), because every restart walks the graph again.
 Megatron-LM's zero-bubble implementation stores (x, dy) per linear layer, as here: B + W then
 costs what one backward costs. The parameters outside linear layers (norms, embeddings) are cheap
-and take their gradients in B (see `mini3d.pp.split_backward`).
+and take their gradients in B (see `mini3d.pp.split_backward`); so do a MoE layer's router and
+routed experts (mini3d.models.moe: the grouped expert matmuls are not deferred, a documented
+fallback: correct, their weight half just not moved to W; the shared experts' linears are).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""Workers of tests/test_moe_train.py: a MoE model trained by `mini3d.run.train.Trainer` on a dp
-group of any size, on a fixed global batch per step (each replica its slice, in micro-batches)."""
+"""Workers of tests/test_moe_train.py (`train_moe`: a MoE model trained by
+`mini3d.run.train.Trainer` on a dp group of any size, on a fixed global batch per step, each
+replica its slice, in micro-batches) and tests/test_moe_splits.py (`run_moe_cases`: any layout)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from mini3d import comm
 from mini3d.config import ModelConfig, Plan
 from mini3d.grid import Grid, build_topology
 from mini3d.run.train import Trainer
@@ -38,3 +40,43 @@ def train_moe(cfg: ModelConfig, plan: Plan, steps: int) -> dict:
     return {"losses": losses, "grads": grads, "loads": loads,
             "params": {n: p.detach().clone() for n, p in module.named_parameters()},
             "biases": {n: b.clone() for n, b in module.named_buffers() if n.endswith("expert_bias")}}
+
+
+def run_moe_cases(cases: list[dict], steps: int, seed: int) -> list[dict]:
+    """tests/test_moe_splits.py: train each case ({"name", "cfg": ModelConfig dict, "plan": Plan
+    dict, "grad_clip"}) for `steps` AdamW steps, one `Trainer` after the other in the same
+    processes, on `Batches` of the embedded corpus (cp ranks: their zig-zag chunks). Returns from
+    every rank with tp = dp = cp = 0 (one per pipeline rank): the losses, each step's full
+    gradients of this rank's stages (captured before the inner AdamW step: after the dp, tp and
+    pp syncs and clipping), the step loads, and from every rank its expert biases and how many
+    parameter elements it holds (ZeRO-3: its shards)."""
+    from mini3d.cp import chunk_micro_batches
+    from mini3d.data.corpus import Batches, load_tokens
+    from mini3d.launch.launcher import current_device
+    from tests.threed_workers import _capture_grads, full_grads
+
+    rank, tokens, out = dist.get_rank(), load_tokens(), []
+    for case in cases:
+        cfg, plan = ModelConfig(**case["cfg"]), Plan(**case["plan"])
+        topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), rank, current_device())
+        trainer = Trainer(cfg, plan, topo, seed, 3e-3, 0.0, case.get("grad_clip", 0.0))
+        seen = _capture_grads(trainer)
+        held = sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())
+        batches = Batches(tokens, plan.seq_len, plan.global_batch, seed)
+        losses, loads, norms = [], [], []
+        for step in range(steps):
+            mbs = batches.micro_batches(step, topo.dp.index, plan.dp, plan.micro_batches)
+            mbs = chunk_micro_batches(mbs, plan.cp, topo.cp.index)
+            losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
+            loads.append(dict(getattr(trainer.net.module, "moe_load", {})))
+            norms.append(trainer.last_grad_norm)
+        grads = [full_grads(trainer, s) for s in seen]
+        biases = {n: b.detach().cpu().clone() for chunk in trainer.chunks
+                  for n, b in chunk.named_buffers() if n.endswith("expert_bias")}
+        mine = {"name": case["name"], "rank": rank, "biases": biases, "params": held,
+                "stage": topo.pp.index}
+        if topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0:
+            mine.update(losses=losses, loads=loads, grads=grads, norms=norms)
+        out.append(mine)
+        comm.barrier(topo.axes["world"])
+    return out

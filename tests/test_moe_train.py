@@ -53,17 +53,6 @@ def test_dp2_equals_one_process(cfg):
         assert sum(rec["dropped_tokens"] for rec in one["loads"]) > 0
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--tp", "2"], "tp=2"), (["--pp", "2"], "pp=2"), (["--cp", "2"], "cp=2"),
-    (["--dp", "2", "--zero", "3"], "zero=3")])
-def test_splits_without_expert_parallelism_are_refused(flags, named, capsys):
-    from mini3d import cli
-
-    assert cli.main(["train", "--experts", "4", "--top-k", "2", "--steps", "1", *flags]) == 2
-    err = capsys.readouterr().err
-    assert named in err and "n_experts=4" in err and "expert parallelism" in err
-
-
 @pytest.mark.timeout(300)
 def test_expert_bias_is_saved_and_resumed(tmp_path):
     """The aux-loss-free biases live outside the optimizer: a checkpoint holds them, and a run

@@ -26,7 +26,8 @@ FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
 LLAMA_LIKE = ("llama", "qwen2", "qwen3")  # RMSNorm, rotary positions, SwiGLU, grouped-query attention
 ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), **{f: ("silu",) for f in LLAMA_LIKE}}
 FAMILY_FEATURES = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}  # what each qwen adds to llama
-ROUTERS = ("softmax", "softmax-norm", "sigmoid")  # the kinds of mini3d.models.moe.ROUTERS
+ROUTERS = ("softmax", "softmax-norm", "sigmoid")
+AUX_LOSS_SCOPES = ("model", "layer")  # mini3d.models.moe.router_loss's balancing-loss pools  # the kinds of mini3d.models.moe.ROUTERS
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class ModelConfig:
     """softmax (top-k of softmax), softmax-norm (renormalised top-k) or sigmoid (aux-loss-free bias)"""
     aux_loss_coef: float = 0.0
     """weight of the switch-style load-balancing loss in the training loss"""
+    aux_loss_scope: str = "model"
+    """model: f, P pooled over all MoE layers (transformers); layer: each layer's, summed (pp)"""
     z_loss_coef: float = 0.0
     """weight of the router z-loss (mean squared logsumexp of the router logits)"""
     capacity_factor: float = 0.0
@@ -166,15 +169,15 @@ class ModelConfig:
     def moe_params(self, tp: int = 1, active: bool = False, ep: int = 1) -> dict:
         """Parameters of one MoE layer's parts on one rank: the router (E x d, replicated), the
         routed experts (the E / ep one ep rank holds, or the top_k a token uses when `active`) and
-        the shared-expert MLP. Routed experts are whole on every tp rank (replicated over tp, as
-        Megatron-Core's expert-tp 1; expert-tp does not exist here); the shared experts are an
-        ordinary MLP, split over tp like the dense one."""
+        the shared-expert MLP. The engine keeps a MoE layer whole on every tp rank (routed and
+        shared experts and the router replicated over tp, as Megatron-Core's expert-tp 1;
+        mini3d.tp.parallelize), so `tp` divides none of them."""
         h, f = self.d_model, self.moe_width
         n = self.top_k if active else self.n_experts // ep
         per_expert = (3 if self.llama_like else 2) * h * f
         fs = f * self.n_shared_experts
-        shared = (3 if self.llama_like else 2) * h * fs // tp
-        shared += ((fs // tp + h) if self.biases else 0) if fs else 0
+        shared = (3 if self.llama_like else 2) * h * fs
+        shared += ((fs + h) if self.biases else 0) if fs else 0
         return {"router": self.n_experts * h, "experts": n * per_expert, "shared": shared}
 
     def layer_param_count(self, tp: int = 1, layer: int | None = None, active: bool = False,
@@ -260,6 +263,9 @@ class ModelConfig:
             out.append(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
         if self.router not in ROUTERS:
             out.append(f"router={self.router!r} is unknown (choose {', '.join(ROUTERS)})")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            out.append(f"aux_loss_scope={self.aux_loss_scope!r} is unknown (choose "
+                       f"{', '.join(AUX_LOSS_SCOPES)})")
         if self.router_bias_rate and self.router != "sigmoid":
             out.append(f"router_bias_rate={self.router_bias_rate} needs router='sigmoid' "
                        f"(got {self.router!r})")

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from mini3d.models.attention import Attention, dropout
 from mini3d.models.config import ModelConfig
-from mini3d.models.moe import MoE, router_loss
+from mini3d.models.moe import MoE, carry_router_loss, router_loss
 from mini3d.wgrad import Linear
 
 
@@ -159,9 +159,14 @@ class GPT(nn.Module):
     A middle stage maps hidden states (B, T, C) to hidden states. `positions` (T,) are the global
     positions of the T tokens (under context parallelism a rank holds a zig-zag chunk of each
     sequence); when not given, those set on the module (`self.positions`, see mini3d.cp), else 0..T-1.
+    A stage without the head but with MoE layers carries their router losses into its backward
+    (`mini3d.models.moe.carry_router_loss`) and leaves their value in `carried_loss` for the
+    pipeline runtime's reported loss.
     """
 
     positions = None  # (T,) default positions of this rank's tokens; None: 0..T-1
+    router_loss_scale = 1.0  # gradient of a headless stage's router losses (the runtime's 1/m)
+    carried_loss = None  # a headless stage's router losses of its latest forward (detached)
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, layers=None, first: bool = True,
                  last: bool = True, init: bool = True):
@@ -190,4 +195,8 @@ class GPT(nn.Module):
         if self.head is not None:  # + the routers' balancing losses (mini3d.models.moe)
             out = self.head(x, targets)
             return out if targets is None else out + router_loss(self)
+        aux = router_loss(self)  # a pipeline stage without the head: its own layers' share
+        if torch.is_tensor(aux):
+            self.carried_loss = aux.detach()
+            x = carry_router_loss(x, aux, self.router_loss_scale)
         return x

@@ -15,6 +15,11 @@
   stage input and sends it at once; each linear layer's input and output gradient, which W needs,
   stay alive until W computes the weight gradients (`split_backward.py`, `mini3d/wgrad.py`); the
   micro-batch counts as in flight until its W;
+* a stage without the head but with MoE layers adds its router losses to the backward through
+  its output (`mini3d.models.moe.carry_router_loss`, scaled 1/m like the last stage's loss) and
+  their values to the step's loss: with router losses the loss is summed over pp (all-reduce:
+  the last stage's mean loss, each other rank's stages' mean carried losses) instead of
+  broadcast (`pp_total_loss`);
 * each action's start and end (time.perf_counter, one clock for all local processes) is recorded
   (`StepResult.timeline`), and `topo.log.context` is set to {step, action, stage, mb} before each
   action so every logged transfer says which action issued it.
@@ -45,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mini3d import comm
+from mini3d.models.moe import has_router_loss
 from mini3d.wgrad import WeightGradStore, deferring
 
 from mini3d.pp.p2p import PipeP2P, SendQueue
@@ -99,6 +105,8 @@ class PipelineRuntime:
         if len(micro_batches) != sched.m:
             raise ValueError(f"got {len(micro_batches)} micro-batches, the schedule has m={sched.m}")
         st = _StepState(self, micro_batches, dp)
+        for module in self.stages.values():  # a headless stage's router losses: 1/m, as the loss
+            module.router_loss_scale = 1.0 / sched.m
         log = self.topo.log
         for a in sched.actions[self.pp_rank]:
             if log is not None:
@@ -114,14 +122,27 @@ class PipelineRuntime:
         if st.losses:
             loss = torch.stack(st.losses).mean()
         if broadcast_loss and sched.p > 1:
-            wide = torch.promote_types(self.p2p.dtype, torch.float32)  # the loss's dtype
-            buf = (loss.reshape(1).to(wide).clone() if loss is not None else
-                   torch.zeros(1, dtype=wide, device=self.device))
-            last_rank = sched.rank_of(sched.n_stages - 1)
-            comm.broadcast(buf, self.topo.pp, src_index=last_rank)
-            loss = buf[0]
+            loss = pp_total_loss(self, loss, st.carried, sched.m)
         return StepResult(None if loss is None else float(loss), st.timeline,
                           dict(st.peak), self.pp_rank, st.peak_chunks)
+
+
+def pp_total_loss(rt: PipelineRuntime, loss, carried: list, m: int) -> torch.Tensor:
+    """The step's loss on every pp rank: broadcast from the last stage's rank, or, when the
+    model has router losses (`mini3d.models.moe.has_router_loss`), all-reduced over pp: the last
+    stage's mean loss plus each rank's headless stages' carried router losses / m (the same
+    decision on every rank: it reads the model's config)."""
+    wide = torch.promote_types(rt.p2p.dtype, torch.float32)  # the loss's dtype
+    buf = (loss.reshape(1).to(wide).clone() if loss is not None else
+           torch.zeros(1, dtype=wide, device=rt.device))
+    cfg = getattr(next(iter(rt.stages.values())), "cfg", None)
+    if cfg is not None and has_router_loss(cfg):
+        if carried:
+            buf += torch.stack(carried).sum().to(wide) / m
+        comm.all_reduce(buf, rt.topo.pp)
+    else:
+        comm.broadcast(buf, rt.topo.pp, src_index=rt.schedule.rank_of(rt.schedule.n_stages - 1))
+    return buf[0]
 
 
 class _StepState:
@@ -135,6 +156,7 @@ class _StepState:
         self.grad_out, self.grad_in = {}, {}  # received output grads / input grads to send
         self.live, self.peak, self.peak_chunks = Counter(), Counter(), 0
         self.losses, self.timeline = [], []
+        self.carried = []  # the router losses of this rank's headless stages, one per forward
         self.sends = SendQueue()
         self.posted = {}  # (stage, mb, "F" or "B") -> (work, receive action) of a posted receive
         acts = rt.schedule.actions[rt.pp_rank]
@@ -203,6 +225,9 @@ class _StepState:
                 self.losses.append(out.detach())
             else:
                 out = module(h)  # (b, T, C)
+                if getattr(module, "carried_loss", None) is not None:  # its MoE layers' losses
+                    self.carried.append(module.carried_loss)
+                    module.carried_loss = None
         if store is not None:
             self.stores[(s, mb)] = store
         self.outputs[(s, mb)] = out

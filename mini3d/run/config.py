@@ -122,16 +122,25 @@ class RunConfig:
         return out + self._moe_problems()
 
     def _moe_problems(self) -> list[str]:
-        """Experts are replicated like dense weights (dp, ZeRO-1/2); the other splits wait for
-        expert parallelism rather than run silently wrong."""
-        p = self.plan
-        bad = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1]
-        bad += ["sequence_parallel"] * p.sequence_parallel + ["zero=3"] * (p.zero == 3)
-        if not self.model.n_experts or not bad:
+        """MoE layers run whole (router, experts, shared experts) on every tp rank and compose with
+        tp, sequence parallelism, pp, cp, ZeRO-1/2/3 (tests/test_moe_splits.py). Refused: what
+        would not equal the one-process run."""
+        m, p = self.model, self.plan
+        if not m.n_experts:
             return []
-        return [f"n_experts={self.model.n_experts} with {', '.join(bad)}: expert layers under "
-                f"tp/pp/cp (and ZeRO-3) land with expert parallelism; train MoE models with dp "
-                f"and ZeRO-1/2"]
+        out = []
+        if p.pp > 1 and m.aux_loss_coef and m.aux_loss_scope == "model":
+            out.append(f"aux_loss_coef={m.aux_loss_coef} with aux_loss_scope='model' and "
+                       f"pp={p.pp}: the balancing loss pooled over all MoE layers needs every "
+                       f"layer's statistics, and a pipeline stage sees only its own; use "
+                       f"--aux-loss-scope layer (each layer's own loss, Megatron-Core's) or pp=1")
+        split = [f"cp={p.cp}"] * (p.cp > 1) + ["sequence_parallel"] * p.sequence_parallel
+        if m.capacity_factor and split:
+            out.append(f"capacity_factor={m.capacity_factor} with {', '.join(split)}: each rank "
+                       f"would cap the experts over its own part of the tokens, not the "
+                       f"micro-batch's as one process does; use capacity_factor=0 (dropless) or "
+                       f"leave out {' and '.join(split)}")
+        return out
 
     def _tokenizer_problems(self, data_ok: bool) -> list[str]:
         from mini3d.data.corpus import has_validation_split, shard_tokenizer

@@ -12,15 +12,16 @@ Pipelines: every rank walks the (micro-batch, stage) pairs in one global order a
 it holds: receive the input from the previous stage's rank, run forward under no_grad, send the
 output on. That order is a single chain, so blocking sends and receives cannot deadlock, and it needs
 no schedule (the training schedules interleave backward passes, which evaluation does not have).
-The loss is then broadcast from the last stage's rank and averaged over dp.
+The loss is then broadcast from the last stage's rank (with router losses, summed over pp with the
+headless stages' carried ones, `mini3d.pp.runtime.pp_total_loss`) and averaged over dp.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mini3d import comm
 from mini3d.cp import chunk_micro_batches, set_positions
+from mini3d.pp.runtime import pp_total_loss
 
 
 @torch.no_grad()
@@ -36,11 +37,10 @@ def evaluate(trainer, batches, n_batches: int) -> float:
             set_positions(trainer.chunks, mbs[0][2].to(topo.device))
         mbs = [(x.to(topo.device), y.to(topo.device)) for x, y, *_ in mbs]
         if trainer.runtime is None:
-            losses = [trainer.net(x, y) for x, y in mbs]
-            loss = torch.stack(losses).mean() if losses else None
-        else:
-            loss = _pipeline_forward(trainer, mbs)
-        total += _share(trainer, loss)
+            total += float(torch.stack([trainer.net(x, y) for x, y in mbs]).mean())
+        else:  # the loss on every pp rank
+            loss, carried = _pipeline_forward(trainer, mbs)
+            total += float(pp_total_loss(trainer.runtime, loss, carried, len(mbs)))
     return trainer.mean_loss_over_dp(total / n_batches)
 
 
@@ -49,7 +49,7 @@ def _pipeline_forward(trainer, mbs):
     rt = trainer.runtime
     sched, me = rt.schedule, rt.pp_rank
     last = sched.n_stages - 1
-    losses = []
+    losses, carried = [], []  # carried: headless stages' router losses (MoE)
     for x, y in mbs:
         h = None
         for s in range(sched.n_stages):
@@ -60,24 +60,15 @@ def _pipeline_forward(trainer, mbs):
                 h = h if prev == me else rt.p2p.recv(prev)
             out = trainer.stages[s](x if s == 0 else h, y) if s == last else trainer.stages[s](
                 x if s == 0 else h)
+            if s != last and getattr(trainer.stages[s], "carried_loss", None) is not None:
+                carried.append(trainer.stages[s].carried_loss)
+                trainer.stages[s].carried_loss = None
             if s == last:
                 losses.append(out)
             elif sched.rank_of(s + 1) != me:
                 rt.p2p.send(out, sched.rank_of(s + 1))
             h = out
-    return torch.stack(losses).mean() if losses else None
-
-
-def _share(trainer, loss) -> float:
-    """The loss on every pp rank (broadcast from the last stage's rank)."""
-    rt = trainer.runtime
-    if rt is None:
-        return float(loss)
-    wide = torch.promote_types(rt.p2p.dtype, torch.float32)  # the loss's dtype (float64 runs)
-    buf = loss.reshape(1).to(wide).clone() if loss is not None else torch.zeros(
-        1, dtype=wide, device=rt.device)
-    comm.broadcast(buf, trainer.topo.pp, src_index=rt.schedule.rank_of(rt.schedule.n_stages - 1))
-    return float(buf[0])
+    return (torch.stack(losses).mean() if losses else None), carried
 
 
 __all__ = ["evaluate"]

@@ -33,7 +33,7 @@ from mini3d.dp import DTYPES, make_dp
 from mini3d.dp.loss import mean_over_replicas
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
-from mini3d.models.moe import step_load
+from mini3d.models.moe import pool_router_stats_over, step_load
 from mini3d.models.attention import set_attention
 from mini3d.optim import WeightDecay, adamw, set_lr
 from mini3d.run.periodic import periodic, resumed_schedule, save_checkpoint
@@ -178,11 +178,17 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
         materialize_reference(module, topo, seed, topo.device)
         set_attention(module, plan.attention)
         apply_cp(module, topo, plan.attention)
+        # the router losses' statistics summed over the ranks splitting a micro-batch's tokens
+        pool_router_stats_over(module, [(topo.tp, 1)] * plan.sequence_parallel
+                               + [(topo.cp, topo.cp.size)])
         apply_recompute(apply_compile(module, plan), plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)  # then each step's expert load:
-    optimizer.grad_hooks.append(lambda _: setattr(root, "moe_load", step_load(root, topo.dp_cp)))
+    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)  # then each step's expert load
+    # (each layer's summed over the ranks that split its tokens; the report over the stages too)
+    sp_tp = topo.tp if plan.sequence_parallel else None
+    optimizer.grad_hooks.append(lambda _: setattr(root, "moe_load", step_load(
+        root, topo.dp_cp, token_group=sp_tp, stages=topo.pp, cfg=cfg)))
     return stages, net, optimizer
 
 

@@ -15,7 +15,17 @@ What each module becomes (Megatron-LM's layout; `f`/`g` are in mappings.py):
     head.out       ColumnParallelLinear        rows of the padded vocabulary (no gather)
     head.loss_fn   VocabParallelLoss           cross-entropy without full logits
 
-Norms, position embeddings and row-parallel biases stay replicated. A tied head shares the
+Norms, position embeddings and row-parallel biases stay replicated, and so does a MoE layer
+(mini3d.models.moe: router, routed experts and shared experts whole on every tp rank, Megatron's
+expert-tp = 1). Without sequence parallelism its input, the norm's output, is the same on every
+tp rank, so each rank computes the same output, input gradient and parameter gradients: no f/g
+operator and no reduction (an f before it would sum tp equal input gradients, tp times too
+many). The shared experts could be split like a dense MLP (Megatron does); they stay whole so that
+the layer has one rule: under sequence parallelism the layer runs on the rank's T/tp tokens with
+no collective inside (a split shared expert would add an all-gather and a reduce-scatter per
+layer beside routed experts that need none), and its gradients are partial sums over those
+tokens, summed over tp with the norms' (`sum_replicated_grads`); its router losses pool their
+statistics over tp first (`mini3d.models.moe.pool_router_stats_over`). A tied head shares the
 embedding's shard when one module holds both.
 
 With `plan.sequence_parallel` the activations between the parallel regions are (B, T/tp, C) shards:
@@ -72,7 +82,7 @@ def _parallelize_block(block, axis, cfg, sp: bool):
     if attn.q_norm is not None:
         attn.q_norm, attn.k_norm = (HeadNormTP(n, axis, sp) for n in (attn.q_norm, attn.k_norm))
     attn.n_local_heads, attn.n_local_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads // tp
-    if not hasattr(mlp, "fc"):  # a MoE layer stays whole (tp > 1 with experts is refused)
+    if not hasattr(mlp, "fc"):  # a MoE layer stays whole: see the module docstring
         return
     mlp.fc = ColumnParallelLinear(mlp.fc, axis, sequence_parallel=sp)
     if mlp.gate is not None:  # SwiGLU: the gate splits like fc, so silu(gate) * fc stays local

@@ -22,11 +22,13 @@ from mini3d.schedule_kinds import MULTI_CHUNK, SCHEDULES
 # machine-independent; bf16 has its rounding bounds). pp=4 (8 layers) only in the random campaign.
 DIMS = {
     "tp": (1, 2), "cp": (1, 2), "pp": (1, 2), "schedule": SCHEDULES, "dp": (1, 2),
-    "zero": (0, 1, 2, 3), "tied": (False, True), "family": ("gpt2", "llama"),
+    "zero": (0, 1, 2, 3), "tied": (False, True), "family": ("gpt2", "llama", "qwen2", "qwen3"),
     "sp": (False, True), "recompute": ("none", "selective", "full"), "clip": (False, True),
     "dtype": ("float64", "bf16"), "validation": (False, True), "micro_batches": (1, 4),
-    "attention": ("explicit", "sdpa"),
+    "attention": ("explicit", "sdpa"), "moe": (False, True),
 }
+# moe=True: 4 routed experts, top-2, a small balancing loss per layer (the scope pp can carry)
+MOE_FLAGS = ["--experts", "4", "--top-k", "2", "--aux-loss-coef", "0.01", "--aux-loss-scope", "layer"]
 RANDOM_DIMS = {**DIMS, "pp": (1, 2, 4), "dtype": ("float64", "float32", "bf16")}
 MAX_WORLD = 8  # gloo on CPU, one thread a rank
 STEPS, SEED, GLOBAL_BATCH, SEQ_LEN, CLIP = 3, 1, 8, 16, 0.5  # CLIP binds: the norms are > 1
@@ -63,7 +65,7 @@ def flags(case: dict, data: str = "DATA") -> list[str]:
     case = normalized(case)
     out = ["--model", "tiny", "--layers", str(layers(case)), "--hidden", "32", "--heads", "4",
            "--ffn", "128", "--family", case["family"],
-           "--kv-heads", "2" if case["family"] == "llama" else "4",  # llama: grouped-query
+           "--kv-heads", "4" if case["family"] == "gpt2" else "2",  # llama-like: grouped-query
            "--tie-embeddings" if case["tied"] else "--no-tie-embeddings"]
     for flag, name in (("--tp", "tp"), ("--cp", "cp"), ("--pp", "pp"), ("--dp", "dp"),
                        ("--zero", "zero"), ("--schedule", "schedule"),
@@ -73,6 +75,7 @@ def flags(case: dict, data: str = "DATA") -> list[str]:
     out += ["--virtual-stages", str(_chunks(case)), "--global-batch", str(GLOBAL_BATCH),
             "--seq-len", str(SEQ_LEN), "--bucket-mb", "0.01"]  # small buckets: several a stage
     out += ["--sequence-parallel"] if case["sp"] else []
+    out += MOE_FLAGS if case.get("moe") else []
     out += ["--grad-clip", str(CLIP)] if case["clip"] else []
     out += ["--eval-every", "2", "--eval-batches", "1"] if case["validation"] else []
     return out + ["--log-grad-norm", "--steps", str(STEPS), "--seed", str(SEED), "--data", data,
@@ -123,6 +126,12 @@ RULES = (
 )
 
 
+# Dimensions neither RULES nor the world size read: validity does not depend on their values
+# (tests/test_matrix.py checks it), so the exhaustive search for impossible pairs
+# (pairwise.possible) tries one value of each.
+RULE_FREE = ("family", "clip", "dtype", "validation", "moe")
+
+
 def refusals(case: dict) -> list[str]:
     """The names of the RULES `case` breaks (empty: a valid case)."""
     return [name for name, fires, _ in RULES if fires(case)]
@@ -143,6 +152,6 @@ def describe(case: dict) -> str:
     parts += [c["schedule"]] if c["pp"] > 1 else []
     parts += [f"zero{c['zero']}"] if c["zero"] else []
     parts += [f"m{c['micro_batches']}", c["family"], c["dtype"], c["attention"]]
-    parts += [name for name in ("tied", "sp", "clip", "validation") if c[name]]
+    parts += [name for name in ("tied", "sp", "clip", "validation", "moe") if c.get(name)]
     parts += [f"rc-{c['recompute']}"] if c["recompute"] != "none" else []
     return "-".join(parts)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from . import DIMS, is_valid, normalized, pairs_of, refusals, world
+from . import DIMS, RULE_FREE, is_valid, normalized, pairs_of, refusals, world
 
 CANDIDATES = 30
 WEIGHT = 2
@@ -39,10 +39,11 @@ def _all_pairs(dims: dict) -> set:
 
 
 def _completions(pair, dims: dict):
-    """Every case holding `pair` (a generator over the product of the other dimensions)."""
+    """Every case holding `pair` that validity can tell apart (a generator over the product of
+    the other dimensions; those no rule reads, `RULE_FREE`, keep their first value)."""
     a, x, b, y = pair
     rest = [d for d in dims if d not in (a, b)]
-    for values in itertools.product(*(dims[d] for d in rest)):
+    for values in itertools.product(*(dims[d][:1] if d in RULE_FREE else dims[d] for d in rest)):
         yield {**dict(zip(rest, values)), a: x, b: y}
 
 

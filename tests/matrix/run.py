@@ -66,9 +66,12 @@ def prepare_data(root: str | None = None) -> str:
 
 
 def reference_of(case: dict) -> dict:
-    """The one-process run `case` is compared with."""
+    """The one-process run `case` is compared with. With MoE layers it keeps the case's
+    micro-batches, dp x micro_batches of them (dp's slices of the global batch, in order): the
+    balancing loss is a function of each micro-batch's routing, not a mean over tokens."""
+    m = case["dp"] * case["micro_batches"] if case.get("moe") else 1
     return {**case, "tp": 1, "cp": 1, "pp": 1, "dp": 1, "zero": 0, "schedule": "1f1b", "sp": False,
-            "recompute": "none", "micro_batches": 1, "attention": "explicit", "dtype": "float64",
+            "recompute": "none", "micro_batches": m, "attention": "explicit", "dtype": "float64",
             "layers": layers(case)}  # the case's model
 
 
