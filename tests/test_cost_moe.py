@@ -38,8 +38,8 @@ def cli(argv, capsys):
 @pytest.mark.timeout(30)
 def test_expert_parameters_are_counted_as_the_module_holds_them():
     """At tp=1 ep=1 the estimator's expert share is exactly the module's `experts.` tensors and the
-    rest is every other parameter; tp does not split routed experts (no expert-tp), it splits
-    the shared experts; ep divides them."""
+    rest is every other parameter; tp splits no part of a MoE layer (the engine keeps it whole on
+    every tp rank: mini3d.tp.parallelize), ep divides the routed experts."""
     from mini3d.models.transformer import GPT
 
     cfg = dataclasses.replace(TINY_MOE, n_shared_experts=1)
@@ -50,7 +50,7 @@ def test_expert_parameters_are_counted_as_the_module_holds_them():
     assert stage_expert_count(cfg, plan, 0) == experts
     assert stage_param_count(cfg, plan, 0) == sum(p.numel() for p in model.parameters())
     assert stage_expert_count(cfg, plan.replace(tp=2), 0) == experts  # whole on each tp rank
-    assert cfg.moe_params(2)["shared"] == cfg.moe_params(1)["shared"] // 2
+    assert cfg.moe_params(2) == cfg.moe_params(1)  # router, experts, shared: whole on each tp rank
     assert stage_expert_count(cfg, plan.replace(dp=4, ep=4), 0) == experts // 4
 
 
@@ -173,13 +173,16 @@ def test_four_all_to_alls_per_moe_layer_on_the_ep_links():
     assert ep_wire_bytes(MIXTRAL, plan) == 4 * 32 * one
     assert ep_wire_bytes(MIXTRAL, plan.replace(recompute="full")) == 6 * 32 * one
     assert members_per_node(plan, H100)["ep"] is None
-    tp2 = plan.replace(tp=2)
+    tp2 = plan.replace(tp=2, sequence_parallel=True)  # sp: each tp rank routes its s/tp tokens
     assert members_per_node(tp2, H100)["ep"] == 4
+    whole = ep_time(MIXTRAL, plan.replace(tp=2), H100, 0, 450e9)  # no sp: all tokens on each
+    assert whole["fwd"] == pytest.approx(
+        2 * 32 * H100.all_to_all_s(8, a2a_buffer_bytes(4096, 4096, 2, 2), 450e9, per_node=4))
     intra = ep_time(MIXTRAL, plan, H100, 0, 450e9)
     assert intra["fwd"] == intra["bwd"] == pytest.approx(
         2 * 32 * H100.collective_s("all_to_all", 8, a2a_buffer_bytes(4096, 4096, 2, 2), 450e9))
     cross = ep_time(MIXTRAL, tp2, H100, 0, 450e9)
-    assert cross["fwd"] == pytest.approx(  # half the tokens per rank (tp splits them) ...
+    assert cross["fwd"] == pytest.approx(  # half the tokens per rank (sp splits them) ...
         2 * 32 * H100.all_to_all_s(8, a2a_buffer_bytes(2048, 4096, 2, 2), 450e9, per_node=4))
     assert cross["fwd"] > intra["fwd"]  # ... but half of them leave through one NIC: slower
     est = estimate_cost(MIXTRAL, plan, H100)

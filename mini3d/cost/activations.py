@@ -27,7 +27,7 @@ e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
   the projection's input is a second tensor); q, k, v are views of the qkv output above.
 
 * a MoE layer (`moe_activation_bytes`) keeps, in place of the dense MLP's terms, for its
-  n = s*b/t tokens (the tokens split over tp ranks: routed experts are whole on every tp rank)
+  n = s*b tokens (s*b/t under sequence parallelism: the layer is whole on every tp rank)
   and r = n * top_k * kept rows (kept: `mini3d.cost.moe.kept_fraction`): the router's float32
   probabilities 4nE and its top-k indices 8nk; the rows' sort order and token index, 2 * 8r;
   three (r, d) row tensors 3*r*h*e (the permuted input the experts read, their output and its
@@ -115,9 +115,12 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
 
 
 def moe_tokens(plan: Plan) -> float:
-    """Tokens one rank routes per micro-batch in each MoE layer: its b * s/cp tokens split over
-    the tp ranks, which hold the same (whole) experts (Megatron-Core's expert-tp 1 token split)."""
-    return plan.micro_batch_size * local_seq_len(plan) / plan.tp
+    """Tokens one rank routes per micro-batch in each MoE layer: its b * s/cp tokens, split over
+    the tp ranks only under sequence parallelism. The engine keeps a MoE layer whole on every tp
+    rank (mini3d.tp.parallelize): without sequence parallelism each tp rank routes all the tokens
+    it holds (the same ones: replicated work), with it each routes its own s/tp slice."""
+    return (plan.micro_batch_size * local_seq_len(plan)
+            / (plan.tp if plan.sequence_parallel else 1))
 
 
 def moe_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:

@@ -35,7 +35,8 @@ Step time, on the busiest pipeline rank:
   volume from `mini3d.cost.moe`) on the ep group's links (inside a node while tp*ep <=
   gpus_per_node), not overlapped with compute (Megatron-Core's default). Expert gradients reduce
   over the dp*cp/ep ranks holding the same experts, dense ones over dp*cp (`dp_time`). Each tp
-  rank routes 1/tp of the tokens to whole experts (`activations.moe_tokens`).
+  rank routes all its tokens (1/tp of them under sequence parallelism) to whole experts
+  (`activations.moe_tokens`).
 * tensor parallelism: per layer and micro-batch, two all-reduces forward and two backward (two
   more with full recompute), or the equal-volume all-gather / reduce-scatter pairs under sequence
   parallelism, each moving 2(t-1)/t * s*b*h*e bytes per rank at NVLink speed, or at the inter-node
