@@ -35,6 +35,7 @@ class Run:
     stderr: dict = field(default_factory=dict)  # rank -> what C++ libraries wrote (rank{r}.stderr)
     world: int = 0
     issued: dict = field(default_factory=dict)  # rank -> its black box's ops (diagnose/blackbox.py)
+    ended: dict = field(default_factory=dict)  # rank -> the steps its black box saw end
 
     @property
     def exits(self) -> dict:
@@ -95,9 +96,9 @@ def load_run(run_dir: str) -> Run:
             text = f.read()
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
-    from mini3d.diagnose.blackbox import read
+    from mini3d.diagnose.blackbox import ended, read
 
-    run = Run(dumps, launcher, stacks, issued=read(run_dir))
+    run = Run(dumps, launcher, stacks, issued=read(run_dir), ended=ended(run_dir))
     for path in glob.glob(os.path.join(run_dir, "rank*.stderr")):
         with open(path, errors="replace") as f:
             run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)
