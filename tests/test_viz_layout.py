@@ -7,6 +7,7 @@ each other, slider labels cut short, and memory printed in GB (1e9) next to GiB 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -38,6 +39,58 @@ def test_no_decimal_gigabytes_for_memory_in_the_viz_code():
             if decimal and not rate.search(code) and '"""' not in line and path.name != "theme.py":
                 bad.append(f"{path.name}:{n}: {line.strip()}")
     assert not bad, "memory in decimal GB (use theme.GIB / theme.gib):\n" + "\n".join(bad)
+
+
+# A memory figure in decimal units: "67.5 GB", "1.3 TB", "140GB" (not a rate: GB/s; not a card's
+# name: A100-80GB; not the marketing label a chapter quotes to explain it: "80 GB").
+DECIMAL_MEMORY = re.compile(r'(?<![-\w.])(?<!")\d[\d.,]*(e\d+)?\s?[GT]B\b(?!/s)(?!")')
+COURSE = VIZ.parents[2] / "course"
+
+
+def test_the_decimal_memory_pattern():
+    hits = [t for t in ("67.5 GB", "~1.3 TB", "eight 80 GB cards", "140GB", "A100-80GB", "25 GB/s",
+                        '"80 GB" each', "80 GiB", "1,183 GiB") if DECIMAL_MEMORY.search(t)]
+    assert hits == ["67.5 GB", "~1.3 TB", "eight 80 GB cards", "140GB"]
+
+
+def test_the_prose_writes_memory_in_gib():
+    """Every chapter's markdown, the course and exercises READMEs and the exercises' text."""
+    bad = []
+    for path in sorted(COURSE.glob("*.ipynb")):
+        for n, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "markdown":
+                bad += [f"{path.name} cell {n}: {m.group(0)!r}" for m in
+                        DECIMAL_MEMORY.finditer("".join(cell["source"]))]
+    exercises = COURSE.parent / "exercises"
+    for path in [COURSE / "README.md", *sorted(exercises.glob("*.md")), *sorted(exercises.glob("*.py"))]:
+        bad += [f"{path.name}: {m.group(0)!r}" for m in DECIMAL_MEMORY.finditer(path.read_text())]
+    assert not bad, "memory in decimal GB/TB (write GiB, as theme.gib prints it):\n" + "\n".join(bad)
+
+
+def test_the_planners_sentences_and_the_graders_write_memory_in_gib():
+    """The planner's why-not, its cp hint, its comparison and its no-fit answer (what chapters 00
+    and 09 print), and the course's graders: GiB through mini3d.cost.memory.gib, never GB."""
+    from mini3d.config import Plan
+    from mini3d.cost.hardware import PRESETS as GPUS
+    from mini3d.cost.model import estimate_cost
+    from mini3d.cost.planner import explain, search, why_not
+    from mini3d.models.presets import PRESETS
+
+    a100 = GPUS["A100-80GB"]
+    cfg = PRESETS["gpt-7b"]
+    est = {z: estimate_cost(cfg, Plan(dp=8, zero=z, global_batch=32, micro_batches=4, dtype="bf16"), a100)
+           for z in (2, 3)}
+    long = estimate_cost(cfg, Plan(dp=8, zero=3, global_batch=256, micro_batches=4, seq_len=4096,
+                                   dtype="bf16"), a100)  # activations dominate: the cp hint
+    texts = [why_not(est[3]), why_not(est[2]), why_not(long), explain(est[3], est[2]),
+             search(PRESETS["gpt-175b"], 2, GPUS["A100-40GB"], global_batch=2, suggest=False).explanation]
+    assert est[3].fits and not long.fits and "with cp=" in texts[2], texts
+    code = re.compile(r"(?:^|[^\dA-Za-z-])GB\b(?!/s)|\d\s+GB\b(?!/s)")
+    bad = [t for t in texts if code.search(t) or DECIMAL_MEMORY.search(t) or "GiB" not in t]
+    graders = VIZ.parent / "grading"
+    bad += [f"{p.name}:{n}: {line.strip()}" for p in sorted(graders.glob("*.py"))
+            for n, line in enumerate(p.read_text().splitlines(), 1) if code.search(line)]
+    assert not bad, "\n".join(bad)
 
 
 def test_rank_cube_fits_its_cell():

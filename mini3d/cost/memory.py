@@ -48,6 +48,14 @@ from mini3d.cost.activations import (ELEMENT_BYTES, head_activation_bytes, head_
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
+GIB = 2**30
+
+
+def gib(nbytes: float, digits: int = 1) -> str:
+    """THE memory formatter: bytes as GiB (2**30), e.g. gib(85899345920) -> '80.0 GiB'. The
+    planner's sentences and the course (mini3d.course.viz.theme.gib) print memory through it, so
+    GB (1e9) and GiB never mix; bandwidths (GB/s) and FLOP/s keep their decimal units."""
+    return f"{float(nbytes) / GIB:.{digits}f} GiB"
 # (params, grads, optimizer) bytes per parameter with mini3d's default gradients (float32 under bf16)
 STATE_BYTES = {"float32": (4, 4, 8), "bf16": (2, 4, 12), "float64": (8, 8, 16)}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from mini3d.cost.memory import gib as memory_gib
 from mini3d.course.viz.figure_widget import FigureWidget
 
 TEMPLATE_NAME = "mini3d"
@@ -80,8 +81,9 @@ def to_gib(nbytes: float) -> float:
 def gib(nbytes: float, digits: int = 1) -> str:
     """THE memory formatter of the course: bytes as GiB (2**30), e.g. gib(85899345920) -> '80.0 GiB'.
     Every memory number a chapter prints, draws or quotes in its prose goes through it, so GB (1e9) and
-    GiB never mix; bandwidths (GB/s) and FLOP/s keep their decimal units."""
-    return f"{to_gib(nbytes):.{digits}f} GiB"
+    GiB never mix; bandwidths (GB/s) and FLOP/s keep their decimal units. The planner's own
+    sentences use the same one (mini3d.cost.memory.gib)."""
+    return memory_gib(nbytes, digits)
 
 
 def human_bytes(nbytes: float) -> str:
