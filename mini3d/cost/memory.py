@@ -110,8 +110,8 @@ class MemoryEstimate:
         return d
 
     def summary(self) -> str:
-        parts = ", ".join(f"{k} {getattr(self, k) / GB:.2f}" for k in CATEGORIES)
-        return f"stage {self.stage}: {self.total / GB:.2f} GB per rank ({parts} GB)"
+        parts = ", ".join(f"{k} {getattr(self, k) / GIB:.2f}" for k in CATEGORIES)
+        return f"stage {self.stage}: {gib(self.total, 2)} per rank ({parts} GiB)"
 
 
 # ----------------------------------------------------------------------------- parameters
