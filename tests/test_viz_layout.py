@@ -93,6 +93,75 @@ def test_the_planners_sentences_and_the_graders_write_memory_in_gib():
     assert not bad, "\n".join(bad)
 
 
+def _figures():
+    """One figure of each kind the issue found a layout defect in (02, 05, 07, 09 and the 70B story
+    every chapter shows), at the sizes that broke them: one row, two ranks, a long axis title."""
+    from mini3d.config import PRESETS, Plan
+    from mini3d.cost.hardware import PRESETS as GPUS
+    from mini3d.cost.model import estimate_cost
+    from mini3d.course.viz import (comm, grid2d, long_sequences, memory, pipeline, planning,
+                                   recompute_tradeoff, story70b)
+    from tests.test_viz import gpipe_timeline
+
+    mib = 2**20
+    win = [dict(step=1, t1=0.05, buckets=[(0.02 + 0.003 * i, 0.03, 1e5) for i in range(8)])]
+    yield "02 dp_overlap, one row", dp_overlap.dp_overlap_figure({"small buckets": win})
+    yield "02 ring all-reduce", comm.ring_allreduce_figure(1e9, [2, 4, 8, 64], {"NVLink": 300, "IB": 25})
+    yield "05 gantt, p=2", pipeline.gantt_figure(gpipe_timeline(2, 4), formula="(p-1)/(m+p-1) = 1/5")
+    yield "05 gantt, p=4", pipeline.gantt_figure(gpipe_timeline(4, 8))
+    yield "06 rank grid, one stage", grid2d.rank_grid_2d_figure(Grid(tp=2, pp=1, dp=2))
+    yield "07 recompute", memory.recompute_figure(
+        [dict(policy="none", activation_bytes=40 * theme.GIB, compute_factor=1.0),
+         dict(policy="full", activation_bytes=4 * theme.GIB, compute_factor=1.33)])
+    yield "07 measured vs estimated", recompute_tradeoff.measured_vs_estimated_figure(
+        [dict(policy="none", measured_bytes=3 * mib, estimated_bytes=2.5 * mib, compute_factor=1.0,
+              measured_time_factor=1.0),
+         dict(policy="full", measured_bytes=0.5 * mib, estimated_bytes=0.5 * mib, compute_factor=1.33)])
+    yield "07b ring steps, cp=2", long_sequences.ring_steps_figure(2)
+    yield "07b zig-zag, cp=2", long_sequences.zigzag_figure(2)
+    yield "09 scaling", comm.scaling_efficiency_figure([8, 64, 1024], [0.95, 0.8, 0.64])
+    est = estimate_cost(PRESETS["llama-3.1-70b"], Plan(tp=4, pp=4, dp=2, global_batch=32,
+                                                        micro_batches=8, seq_len=4096, dtype="bf16"),
+                        GPUS["A100-80GB"])
+    yield "09 time breakdown", planning.time_breakdown_figure([planning._row(est, "x"), planning._row(est, "y")])
+    yield "the 70B story", story70b.story_figure(story70b.story_rows({"a": dict(dp=8), "b": dict(tp=8, pp=2)}))
+
+
+def _resolved(fig, path: str, key: str):
+    """A layout value as drawn: the figure's own, else the template's (mini3d's theme)."""
+    own = fig.layout[path][key]
+    return own if own is not None else fig.layout.template.layout[path.rstrip("0123456789")][key]
+
+
+def test_every_figure_keeps_the_layout_rules():
+    """theme.py's rules, on the figure objects: the legend right of the plot (not in the title's
+    band, where 05's and the story's legends wrapped over the title, nor under the x axis); a plot
+    area of at least MIN_ROW_PX per row of subplots (02's bucket chart had 40 px at one row, its
+    ticks on top of each other); automargin on every axis; a y title that fits along its axis
+    (07's "saved for backward (MiB per layer per micro-batch)" was clipped at both ends)."""
+    bad = []
+    for name, fig in _figures():
+        layout = fig.layout
+        if layout.showlegend is not False and len(fig.data) > 1:
+            x, anchor = _resolved(fig, "legend", "x"), _resolved(fig, "legend", "xanchor")
+            orient = _resolved(fig, "legend", "orientation")
+            if not (x is not None and x >= 1 and anchor == "left" and orient == "v"):
+                bad.append(f"{name}: legend at x={x} ({anchor}, {orient}), not right of the plot")
+        height = layout.height or 450
+        plot = height - _resolved(fig, "margin", "t") - _resolved(fig, "margin", "b")
+        axes = [k for k in layout.to_plotly_json() if k.startswith(("xaxis", "yaxis"))] or ["xaxis", "yaxis"]
+        rows = len({tuple(layout[k].domain or (0, 1)) for k in axes if k.startswith("yaxis")}) or 1
+        if plot / rows < theme.MIN_ROW_PX:
+            bad.append(f"{name}: {plot / rows:.0f} px of plot per row (< {theme.MIN_ROW_PX})")
+        for k in axes:
+            if _resolved(fig, k, "automargin") is not True:
+                bad.append(f"{name}: {k} without automargin")
+            title = layout[k].title.text or ""
+            if k.startswith("yaxis") and len(title) * theme.AXIS_TITLE_PX > plot / rows:
+                bad.append(f"{name}: {k} title {title!r} is longer than its axis ({plot / rows:.0f} px)")
+    assert not bad, "\n".join(bad)
+
+
 def test_rank_cube_fits_its_cell():
     fig = grid3d.rank_cube_figure(Grid(tp=4, pp=2, dp=4), color_by="pp", gpus_per_node=8)
     scene = fig.layout.scene
