@@ -74,8 +74,8 @@ def _names() -> tuple[str, str]:
 def recorder_env(run_dir: str) -> dict[str, str]:
     """The variable that points torch's own (automatic, on a timeout) dumps at RUN_DIR. Under
     torchrun the job's directory RUN_DIR/job-<id> is known only after the process group exists
-    (the ranks agree on the id through it): mini3d.run.torchrun sets this again then, which
-    torch, reading it when it first writes a dump, then follows."""
+    (the ranks agree on the id through it): `mini3d.diagnose.torchrun.agree_on_job` sets it again
+    then, and torch, which reads it when it first writes a dump, follows."""
     return {_names()[1]: os.path.join(run_dir, FLIGHT_RECORDER_PREFIX)}
 
 

@@ -21,7 +21,6 @@ def train(spec, device: str, derived: bool) -> int:
     import torch.distributed as dist
 
     from mini3d.diagnose.torchrun import agree_on_job, claim_marker, finish
-    from mini3d.diagnose.flight_recorder import recorder_env
     from mini3d.diagnose.save_clock import checkpoint_bytes
     from mini3d.diagnose.watchdog import nccl_env
     from mini3d.launch.launcher import _FAILURE_HOOKS, abort_marker, choose_device, init_from_env
@@ -43,7 +42,6 @@ def train(spec, device: str, derived: bool) -> int:
               f"--rdzv-endpoint. Nothing was trained.", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     root, run_dir = run_dir, agree_on_job(run_dir)  # this job's RUN_DIR/job-<id>
-    os.environ.update(recorder_env(run_dir))  # torch's automatic dumps too: the job's, not RUN_DIR
     spec = spec.replace(run_dir=run_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
