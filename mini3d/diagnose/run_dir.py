@@ -90,9 +90,13 @@ KEPT = "owner.kept"  # the owner record, renamed once a dead owner's post-mortem
 
 
 def holds_post_mortem(path: str) -> bool:
-    """Does run directory `path` hold a failed job's dumps or launcher record (its own or a job's)?"""
-    return job_outcome(path) == "failed" or any(
-        outcome == "failed" for _, outcome in jobs(path))
+    """Does run directory `path` hold a failed job's dumps or launcher record (its own or a job's)?
+    (True when it cannot be read: only what is known to hold nothing is removed.)"""
+    try:
+        return job_outcome(path) == "failed" or any(
+            outcome == "failed" for _, outcome in jobs(path))
+    except OSError:
+        return True
 
 
 def _keep_once(path: str) -> bool:
