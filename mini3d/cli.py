@@ -146,6 +146,11 @@ def cmd_train(args) -> int:
         return report_worker_error(e, got, spec.run_dir)
     except LaunchTimeout as e:
         return report_failure(e, spec.run_dir, EXIT_HUNG)
+    finally:  # reported (or about to go): a default run directory is not a killed launcher's
+        if not args.run_dir:
+            from mini3d.diagnose.run_dir import release
+
+            release(root)
     if not args.run_dir:  # the default (temporary) run directory served its purpose (no failure)
         import shutil
 

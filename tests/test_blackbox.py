@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from mini3d.comm_log import CommLog
-from mini3d.diagnose.blackbox import BlackBox, read
+from mini3d.diagnose.blackbox import BlackBox, ended, read
 from mini3d.diagnose.history import self_divergence
 from mini3d.diagnose.run_dir import Run
 
@@ -72,3 +72,30 @@ def test_a_skip_at_the_end_of_a_complete_step_is_seen(tmp_path):
     run = Run({}, None, {}, issued=read(str(tmp_path)))
     kind, text = self_divergence(run, 1)
     assert kind == "skip" and "step 3 ended without it" in text, text
+
+
+def test_a_last_op_skipped_in_a_step_that_ended_is_a_skip_and_not_before(tmp_path):
+    """The loss broadcast, the step's last op, skipped in step 2; the rank then waits at the step's
+    boundary (outside any op). Only the end-of-step line tells this from a rank still working
+    towards that broadcast (a straggler): without it, no verdict."""
+    log = CommLog(rank=1)
+    box = log.on_issue = BlackBox(str(tmp_path), 1)
+    for step in range(3):
+        _step(log, step)
+        log.context = {"step": step}
+        eid, ev = log.begin(AXIS, "broadcast", torch.zeros(1), 4, 4)
+        if step != 2:
+            log.end(eid, ev)
+        else:
+            log.retract(eid, ev)  # the fault's skip: the box holds no such op
+        if step != 2:
+            box.end_step(step)
+    run = Run({}, None, {}, issued=read(str(tmp_path)), ended=ended(str(tmp_path)))
+    assert run.ended == {1: {0, 1}}
+    assert self_divergence(run, 1) is None  # step 2 may still be on its way to the broadcast
+    box.end_step(2)
+    box.close()
+    run = Run({}, None, {}, issued=read(str(tmp_path)), ended=ended(str(tmp_path)))
+    kind, text = self_divergence(run, 1)
+    assert kind == "skip" and text == ("rank 1 skipped one broadcast on the dp group in step 2: step "
+                                       "1 ended with that broadcast, step 2 ended without it"), text

@@ -55,7 +55,7 @@ def test_plan_json_and_no_fit_exit_status(capsys):
     rc = run(["plan", "--model", "gpt-175b", "--gpus", "1", "--global-batch", "1",
               "--gpu", "A100-40GB"])
     text = capsys.readouterr().out
-    assert rc == 1 and "Smallest memory found" in text and "GB too much" in text
+    assert rc == 1 and "Smallest memory found" in text and "GiB too much" in text
 
 
 @pytest.mark.timeout(30)

@@ -83,8 +83,8 @@ def test_70b_on_8_a100_pure_data_parallelism_does_not_fit_and_the_planner_says_w
     assert not pure.fits
     text = why_not(pure)
     # every rank holds all ~70.4e9 parameters x 18 bytes (2 + 4 + 12: fp32 gradients, the byte rule
-    # cost.memory.state_bytes) = ~1267 GB of model states vs 85.9 GB
-    assert "70.36e9 parameters" in text and "1266.5 GB of model states" in text and "85.9 GB" in text
+    # cost.memory.state_bytes) = ~1179.5 GiB of model states vs 80 GiB
+    assert "70.36e9 parameters" in text and "1179.5 GiB of model states" in text and "80.0 GiB on a" in text
     assert "2+4+12 = 18 bytes each" in text
     res = search(cfg, 8, A100, global_batch=32)
     assert not res.fits and res.n_considered > 100
@@ -120,6 +120,6 @@ def test_a_model_that_fits_no_layout_gets_an_answer_not_a_crash():
     res = search(PRESETS["gpt-175b"], 2, GPUS["A100-40GB"], global_batch=2, suggest=False)
     assert not res.fits and res.candidates == [] and res.smallest is not None
     assert "no layout of gpt-175b fits 2 x A100-40GB" in res.explanation
-    assert f"{res.smallest.memory.total / 1e9:.1f} GB per rank" in res.explanation
+    assert f"{res.smallest.memory.total / 2**30:.1f} GiB per rank" in res.explanation
     d = res.as_dict()
     assert d["fits"] is False and d["smallest_memory"]["memory_per_rank_bytes"]["total"] > 40 * 2**30

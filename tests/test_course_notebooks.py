@@ -128,3 +128,12 @@ def test_told_fails_on_prose_that_disagrees(tmp_path):
     with pytest.raises(AssertionError, match="no <!--=gone--> span"):
         told("gone", "1")
     assert marked_spans("a <!--=x-->1\n2<!--/--> b <!--=y-->3<!--/-->") == [("x", "1\n2"), ("y", "3")]
+
+
+def test_about_words_a_fraction_only_while_it_is_near():
+    """Chapter 02's "about a third" (chapter 09's loss at 1,024 GPUs) is `about(1 - efficiency)`:
+    a fraction that moves to another word, or to none, no longer reads "about a third"."""
+    from mini3d.course.viz.prose import about
+
+    assert about(0.36) == about(1 / 3) == "about a third" and about(0.27) == "about a quarter"
+    assert about(0.52) == "about half" and about(0.42) == "about 42%" and about(0.05) == "about 5%"

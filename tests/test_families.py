@@ -171,7 +171,7 @@ def test_estimate_llama_70b_on_8_a100s_reports_its_size_and_why_it_does_not_fit(
     assert main(args) == 0
     text = capsys.readouterr().out
     assert "llama-3.1-70b (llama, 70.6B parameters)" in text
-    assert "too much" in text and "70.55e9 parameters" in text and "85.9 GB" in text
+    assert "too much" in text and "70.55e9 parameters" in text and "80.0 GiB" in text
     assert main(args + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == 70_553_706_496 and out["fits"] is False

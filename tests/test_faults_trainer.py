@@ -68,6 +68,10 @@ TWO = ["--hidden", "32", "--global-batch", "4", "--seq-len", "16", "--steps", "3
     (["--tp", "2"], "skip:1:1", "rank 1 (tp=1, pp=0, dp=0) skipped a collective"),
     # a skip that ends in a cycle of two collectives (was named a point-to-point order deadlock)
     (["--dp", "2", "--zero", "2"], "skip:1:1", "rank 1 (tp=0, pp=0, dp=1) skipped a collective"),
+    # the step's last op (the loss broadcast): the skipper waits at the step's boundary, not in an
+    # op (was "stopped responding"); its black box's end-of-step line makes the step whole
+    (["--pp", "2", "--micro-batches", "2"], "skip:0:1",
+     "rank 0 (tp=0, pp=0, dp=0) skipped a collective its group's other members entered in step 1"),
 ])
 def test_skip_and_shape_are_named_on_two_rank_layouts(tmp_path, capfd, layout, fault, first):
     rc = main(["train", *TWO, *layout, "--run-dir", str(tmp_path / "run"), "--inject-fault", fault])

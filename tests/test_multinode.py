@@ -119,6 +119,9 @@ def test_a_failure_under_torchrun_is_handled_as_in_a_plain_run(tmp_path, fault, 
     assert f"exitcode  : {code}" in both, both  # torchrun's summary of the failed worker(s)
     job, = run.glob("job-*")  # the job's own directory in the shared run directory
     assert (job / "rank0.json").exists() and (job / "rank1.json").exists()
+    for r in (0, 1):  # torch's automatic dump (an NCCL timeout) goes to the job's directory too
+        recorder = json.loads((job / f"rank{r}.json").read_text())["flight_recorder"]
+        assert recorder == str(job / "nccl_trace_rank_"), recorder
     assert "terminate called" not in both
 
 

@@ -74,7 +74,8 @@ def test_killing_the_launcher_during_start_up_leaves_no_worker(tmp_path):
 def test_a_killed_launcher_leaves_no_noise_and_its_rendezvous_dir_is_swept(tmp_path):
     """SIGKILL of a training launcher: its ranks die with it (PDEATHSIG) and print no traceback (no
     EOFError, no resource_tracker warning) on the terminal, and the private rendezvous directory it
-    could not remove is removed by the next launch (`rdzv.sweep`), the owner being gone."""
+    could not remove is removed by the next launch (`rdzv.sweep`), the owner being gone; so is its
+    default run directory, which holds no post-mortem."""
     from mini3d.launch import rdzv
 
     value = uuid.uuid4().hex
@@ -109,3 +110,10 @@ def test_a_killed_launcher_leaves_no_noise_and_its_rendezvous_dir_is_swept(tmp_p
     assert not rdzv.owner_alive(str(stale[0]))
     assert rdzv.sweep(str(tmp)) == [str(stale[0])]
     assert not stale[0].exists()
+    # its default run directory (no --run-dir): no post-mortem in it (its ranks died with it), so
+    # the next start removes it too (mini3d.diagnose.run_dir.sweep_default, called by make_default)
+    from mini3d.diagnose.run_dir import DEFAULT_PREFIX, sweep_default
+
+    (run_dir,) = [p for p in tmp.iterdir() if p.name.startswith(DEFAULT_PREFIX)]
+    assert not rdzv.owner_alive(str(run_dir))
+    assert sweep_default(str(tmp)) == [str(run_dir)] and not run_dir.exists()

@@ -54,6 +54,43 @@ def test_a_default_run_dir_is_removed_when_the_job_succeeds(monkeypatch, tmp_pat
     assert glob.glob(str(tmp_path / "mini3d-run-*")) == []
 
 
+def test_a_killed_launchers_default_run_dir_is_swept_unless_it_holds_a_post_mortem(tmp_path,
+                                                                                   monkeypatch, capsys):
+    """The next start removes a default run directory whose launcher is gone (SIGKILLed: it could
+    not remove it) and that holds no post-mortem; one with a failed job's record is kept and named
+    once; a live launcher's, and one without an owner record (torchrun's, a reported failure's),
+    are left alone. tests/test_orphans.py makes such a directory by SIGKILLing a real launcher."""
+    from mini3d.diagnose import run_dir as rd
+    from mini3d.launch import rdzv
+
+    def made(name, owner, failed=False):
+        d = tmp_path / f"{rd.DEFAULT_PREFIX}{name}"
+        (d / "job-1").mkdir(parents=True)
+        (d / "job-1" / "rank0.ops0").write_text("")  # a black box: evidence, not a post-mortem
+        if owner:
+            (d / rdzv.OWNER).write_text(owner)
+        if failed:
+            (d / "job-1" / "launcher.json").write_text('{"ranks": []}')
+        return d
+
+    dead = "999999999 0"  # above the kernel's pid_max: an owner that is gone
+    gone, kept = made("gone", dead), made("kept", dead, failed=True)
+    live = made("live", f"{os.getpid()} {rdzv._start_time(os.getpid())}")
+    ownerless = made("ownerless", None)
+    assert rd.sweep_default(str(tmp_path)) == [str(gone)]
+    err = capsys.readouterr().err
+    assert err.count("mini3d: kept") == 1 and f"kept {kept}:" in err and f"explain-hang {kept}" in err
+    assert kept.exists() and live.exists() and ownerless.exists()
+    assert rd.sweep_default(str(tmp_path)) == [] and capsys.readouterr().err == ""  # named once
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (live / rdzv.OWNER).write_text(dead)
+    new = rd.make_default()  # what `mini3d train` without --run-dir calls: sweeps first
+    assert not live.exists() and rdzv.owner_alive(new) and os.path.exists(os.path.join(new, rdzv.OWNER))
+    rd.release(new)  # a launcher that reported a failure gives the directory to the user
+    assert not os.path.exists(os.path.join(new, rdzv.OWNER))
+    assert rd.sweep_default(str(tmp_path)) == [] and os.path.isdir(new)
+
+
 @pytest.mark.timeout(180)
 def test_a_failed_jobs_post_mortem_survives_a_second_job_in_its_run_dir(tmp_path, capsys):
     """Two jobs, one --run-dir: the first fails (rank 1 crashes), the second succeeds afterwards.

@@ -59,6 +59,14 @@ from mini3d.cost.moe import a2a_buffer_bytes, experts_per_rank, kept_fraction
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm_buffers")
 GB = 1e9
+GIB = 2**30
+
+
+def gib(nbytes: float, digits: int = 1) -> str:
+    """THE memory formatter: bytes as GiB (2**30), e.g. gib(85899345920) -> '80.0 GiB'. The
+    planner's sentences and the course (mini3d.course.viz.theme.gib) print memory through it, so
+    GB (1e9) and GiB never mix; bandwidths (GB/s) and FLOP/s keep their decimal units."""
+    return f"{float(nbytes) / GIB:.{digits}f} GiB"
 # (params, grads, optimizer) bytes per parameter with mini3d's default gradients (float32 under bf16)
 STATE_BYTES = {"float32": (4, 4, 8), "bf16": (2, 4, 12), "float64": (8, 8, 16)}
 
@@ -113,8 +121,8 @@ class MemoryEstimate:
         return d
 
     def summary(self) -> str:
-        parts = ", ".join(f"{k} {getattr(self, k) / GB:.2f}" for k in CATEGORIES)
-        return f"stage {self.stage}: {self.total / GB:.2f} GB per rank ({parts} GB)"
+        parts = ", ".join(f"{k} {getattr(self, k) / GIB:.2f}" for k in CATEGORIES)
+        return f"stage {self.stage}: {gib(self.total, 2)} per rank ({parts} GiB)"
 
 
 # ----------------------------------------------------------------------------- parameters

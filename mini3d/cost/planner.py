@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.cost.memory import CATEGORIES, GB, estimate_memory, model_state_bytes, state_bytes
+from mini3d.cost.memory import CATEGORIES, estimate_memory, gib, model_state_bytes, state_bytes
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.model import CostEstimate, estimate_cost
 
@@ -119,16 +119,16 @@ def why_not(est: CostEstimate) -> str:
     """One paragraph, in numbers, on why a layout does not fit (or how much room it leaves)."""
     mem, cap = est.memory, est.capacity_bytes
     parts = sorted(((getattr(mem, k), k) for k in CATEGORIES), reverse=True)
-    items = ", ".join(f"{k} {v / GB:.1f} GB" for v, k in parts if v)
-    head = (f"{describe(est.plan)} needs {mem.total / GB:.1f} GB per rank (stage {mem.stage}: "
-            f"{items}) against {cap / GB:.1f} GB on a {est.hardware}")
+    items = ", ".join(f"{k} {gib(v)}" for v, k in parts if v)
+    head = (f"{describe(est.plan)} needs {gib(mem.total)} per rank (stage {mem.stage}: "
+            f"{items}) against {gib(cap)} on a {est.hardware}")
     if est.fits:
-        return head + f": fits with {(cap - mem.total) / GB:.1f} GB to spare."
+        return head + f": fits with {gib(cap - mem.total)} to spare."
     p, g, o = state_bytes(est.plan.dtype, est.plan.grad_dtype)
-    return (head + f": {(mem.total - cap) / GB:.1f} GB too much. This rank holds "
+    return (head + f": {gib(mem.total - cap)} too much. This rank holds "
             f"{mem.n_params / 1e9:.2f}e9 parameters at {p}+{g}+{o} = {p + g + o} bytes each before "
             f"ZeRO sharding (dp={est.plan.dp}, zero={est.plan.zero}), i.e. "
-            f"{mem.n_params * (p + g + o) / GB:.1f} GB of model states." + _ep_note(est)
+            f"{gib(mem.n_params * (p + g + o))} of model states." + _ep_note(est)
             + _cp_hint(est))
 
 
@@ -139,7 +139,7 @@ def _ep_note(est: CostEstimate) -> str:
         return ""
     plan = est.plan
     return (f" Of them {experts['n_params'] / 1e9:.2f}e9 are routed experts "
-            f"({experts['total'] / GB:.1f} GB after sharding: {plan.ep} ep rank(s) split the "
+            f"({gib(experts['total'])} after sharding: {plan.ep} ep rank(s) split the "
             f"experts, ZeRO shards them over the dp*cp/ep = {plan.dp * plan.cp // plan.ep} ranks "
             f"holding the same ones).")
 
@@ -158,7 +158,7 @@ def _cp_hint(est: CostEstimate) -> str:
         need = estimate_memory(est.model, trial).total
         if need <= cap:
             return text + (f": with cp={cp} ({trial.world_size} GPUs) this rank needs "
-                           f"{need / GB:.1f} GB.")
+                           f"{gib(need)}.")
     return text + ", but no cp up to 64 alone makes it fit."
 
 
@@ -166,12 +166,12 @@ def explain(best: CostEstimate, runner_up: CostEstimate | None) -> str:
     """Why `best` beats `runner_up`, term by term, in seconds."""
     text = (f"best: {describe(best.plan)}: {best.step_time_s:.3f} s/step, "
             f"{best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%}, "
-            f"{best.memory.total / GB:.1f} GB per rank.")
+            f"{gib(best.memory.total)} per rank.")
     if runner_up is None:
         return text + " It is the only layout that fits."
     slower = runner_up.step_time_s / best.step_time_s - 1
     text += (f" runner-up: {describe(runner_up.plan)}: {runner_up.step_time_s:.3f} s/step "
-             f"({slower:+.1%}), {runner_up.memory.total / GB:.1f} GB per rank.")
+             f"({slower:+.1%}), {gib(runner_up.memory.total)} per rank.")
     deltas = sorted(((runner_up.breakdown[k] - best.breakdown[k], k) for k in TIME_TERMS),
                     key=lambda d: -abs(d[0]))
     words = [f"{k.replace('_', ' ')} {d:+.3f} s ({best.breakdown[k]:.3f} -> "
@@ -180,7 +180,7 @@ def explain(best: CostEstimate, runner_up: CostEstimate | None) -> str:
         text += " The runner-up differs in " + "; ".join(words) + "."
     if abs(slower) < 1e-9:
         text += (f" Equal time; the best is ranked first for needing "
-                 f"{(runner_up.memory.total - best.memory.total) / GB:.2f} GB less memory.")
+                 f"{gib(runner_up.memory.total - best.memory.total, 2)} less memory.")
     return text
 
 
@@ -214,7 +214,7 @@ def search(cfg: ModelConfig, n_gpus: int, hw: Hardware, global_batch: int,
                               f"the global batch and tp the heads)")
     else:
         result.explanation = (f"no layout of {cfg.name} fits {n_gpus} x {hw.name} "
-                              f"({hw.memory_bytes / GB:.1f} GB each) among {n} valid layouts. "
+                              f"({gib(hw.memory_bytes)} each) among {n} valid layouts. "
                               f"Smallest memory found: " + why_not(small))
         if suggest:
             result.suggestion = _suggest(cfg, n_gpus, hw, global_batch, seq_len, dtype, top_k,

@@ -7,7 +7,10 @@ line `os.write`n to `RUN_DIR/rank{r}.ops{step % 3}` before the op is issued (the
 if the process dies the next instant), a retracted op (a fault's skip) is a line saying so, and a
 shape a fault changed is written again. The file of a new step is truncated when the step begins, so
 the box holds the current step and the two before it: what `history.self_divergence` compares
-(the current with the previous, and the previous, complete, with the one before).
+(the current with the previous, and the previous, complete, with the one before). At the step's
+boundary the training loop writes an end line (`end_step`): a rank that skipped the step's *last*
+op (a pipeline's loss broadcast) and then waits at the boundary has a complete current step, so the
+op missing at its end is a skip, not a rank still working towards it (`ended`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ class BlackBox:
         except OSError:
             pass  # a full disk must not stop training; the box is only evidence
 
+    def end_step(self, step: int):
+        """Step `step`'s ops are all issued: the rank is at the step's boundary."""
+        try:
+            os.write(self._file(step), (json.dumps({"end_of_step": step}) + "\n").encode())
+        except OSError:
+            pass
+
     def close(self):
         if self.fd is not None:
             try:
@@ -66,6 +76,8 @@ def read(run_dir: str) -> dict[int, list[dict]]:
             for line in f:
                 try:
                     rec = json.loads(line)
+                    if "end_of_step" in rec:
+                        continue  # (see `ended`)
                     key = (rec["axis"], rec["op"], rec.get("peer"), rec["seq"])
                 except (ValueError, KeyError, TypeError):
                     continue  # a line cut short by the abort
@@ -78,4 +90,20 @@ def read(run_dir: str) -> dict[int, list[dict]]:
     return out
 
 
-__all__ = ["BlackBox", "read"]
+def ended(run_dir: str) -> dict[int, set[int]]:
+    """{rank: the steps its black box records as ended (every op of the step issued)}."""
+    out: dict[int, set[int]] = {}
+    for path in glob.glob(os.path.join(run_dir, "rank*.ops[012]")):
+        rank = int(re.findall(r"rank(\d+)\.ops[012]$", path)[0])
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    step = json.loads(line).get("end_of_step")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(step, int):
+                    out.setdefault(rank, set()).add(step)
+    return out
+
+
+__all__ = ["BlackBox", "read", "ended"]

@@ -97,10 +97,11 @@ def diagnose_problems(args, plan) -> list[str]:
 
 
 def make_run_dir(spec):
-    """`spec` with a run dir: its own, else a new temp dir (made only for a run that starts)."""
-    import tempfile
+    """`spec` with a run dir: its own, else a new temp dir (made only for a run that starts, after
+    removing those a killed launcher left: mini3d.diagnose.run_dir.make_default)."""
+    from mini3d.diagnose.run_dir import make_default
 
-    return spec if spec.run_dir else spec.replace(run_dir=tempfile.mkdtemp(prefix="mini3d-run-"))
+    return spec if spec.run_dir else spec.replace(run_dir=make_default())
 
 
 def add_train_args(p):

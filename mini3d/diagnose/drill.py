@@ -66,6 +66,7 @@ def drill_worker(spec: dict) -> dict:
         grad = acc + topo.dp.index
         comm.all_reduce(grad, topo.dp)
         sums.append(float(grad.sum()))
+        diag.step_end(step)
     diag.finish()
     waits = [e.end - e.start for e in topo.log.events if e.end is not None]
     return {"rank": topo.rank, "coords": topo.coords, "sums": sums, "max_wait_s": max(waits, default=0.0)}

@@ -46,13 +46,10 @@ def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl",
 
     from mini3d.launch.launcher import PG_TIMEOUT_ENV
 
-    # the flight recorder's variables were renamed TORCH_FR_* in torch 2.7 (old names warn)
-    new = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 7)
-    buffer, trace = (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if new else
-                     ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    buffer, _ = _names()
     base = {PG_TIMEOUT_ENV: str(pg_timeout_s(hang_timeout, save_bytes)),
             buffer: BUFFER,  # gloo records too (torch >= 2.8); `write_dump` asks for the record
-            trace: os.path.join(run_dir, FLIGHT_RECORDER_PREFIX)}  # where NCCL writes its own
+            **recorder_env(run_dir)}  # where NCCL writes its own
     if backend != "nccl":
         return base
     return {
@@ -63,6 +60,28 @@ def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(hang_timeout) + 60),
         "TORCH_NCCL_DESYNC_DEBUG": "1",  # on timeout, report which rank did not join
     }
+
+
+def _names() -> tuple[str, str]:
+    """(buffer size, dump file) variables: renamed TORCH_FR_* in torch 2.7 (old names warn)."""
+    import torch
+
+    new = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 7)
+    return (("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE") if new else
+            ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+
+
+def recorder_env(run_dir: str) -> dict[str, str]:
+    """The variable that points torch's own (automatic, on a timeout) dumps at RUN_DIR. Under
+    torchrun the job's directory RUN_DIR/job-<id> is known only after the process group exists
+    (the ranks agree on the id through it): `mini3d.diagnose.torchrun.agree_on_job` sets it again
+    then, and torch, which reads it when it first writes a dump, follows."""
+    return {_names()[1]: os.path.join(run_dir, FLIGHT_RECORDER_PREFIX)}
+
+
+def recorder_path() -> str | None:
+    """Where torch would write this rank's automatic dump now (the prefix; None: its default)."""
+    return os.environ.get(_names()[1])
 
 
 def write_dump(run_dir: str, rank: int, backend: str | None = None) -> str | None:
@@ -163,4 +182,4 @@ def summary_lines(run_dir: str) -> list[str]:
     return lines
 
 
-__all__ = ["nccl_env", "write_dump", "read_dumps", "oldest_unfinished", "highest_seq", "behind", "summary_lines"]
+__all__ = ["nccl_env", "recorder_env", "recorder_path", "write_dump", "read_dumps", "oldest_unfinished", "highest_seq", "behind", "summary_lines"]

@@ -47,7 +47,8 @@ def self_divergence(run, r: int) -> tuple[str, str] | None:
     """(kind, text) when rank r's ops in its last step are not a prefix of its previous step's:
     "skip" when an op of the previous step is missing, "shape" when one has another shape
     ("shape-p2p" for a send or recv). Compared per (axis, op, peer), then in issue order (a skip
-    whose kind of op the rank never reached again in the step)."""
+    whose kind of op the rank never reached again in the step); a last step its black box saw
+    end (the rank waits at the step's boundary) is whole, so an op missing at its end is a skip."""
     d = run.dumps.get(r)
     box = getattr(run, "issued", {}).get(r)  # its black box: both steps whole (a dump keeps 256)
     events = box or (d.get("events") if d else None)
@@ -60,8 +61,9 @@ def self_divergence(run, r: int) -> tuple[str, str] | None:
     if not box and steps[0] == prev and len(events) >= 256:  # the dump's ring may have cut it
         return None
     before = _step_ops([e for e in events if (e.get("context") or {}).get("step") == prev], prev)
+    whole = box is not None and cur in getattr(run, "ended", {}).get(r, ())  # at its boundary
     found = (_per_key(r, before, _step_ops(events, cur), cur, prev)
-             or _in_order(r, _flat(events, prev), _flat(events, cur), cur, prev))
+             or _in_order(r, _flat(events, prev), _flat(events, cur), cur, prev, whole))
     if found or len(steps) < 3 or steps[-3] != prev - 1:
         return found
     return _in_order(r, _flat(events, prev - 1), _flat(events, prev), prev, prev - 1, whole=True)
@@ -101,9 +103,9 @@ def _in_order(r, before: list, now: list, cur: int, prev: int, whole: bool = Fal
     so an op of `before` missing at its end is a skip too."""
     if whole and len(now) < len(before) and before[:len(now)] == now:
         axis, name, _, _, ctx = before[len(now)]
-        where = ", ".join(f"{k} {v}" for k, v in ctx)
+        where = "".join(f" ({', '.join(f'{k} {v}' for k, v in ctx)})" for _ in ctx[:1])
         return "skip", (f"rank {r} skipped one {name} on the {axis} group in step {cur}: step "
-                        f"{prev} ended with that {name} ({where}), step {cur} ended without it")
+                        f"{prev} ended with that {name}{where}, step {cur} ended without it")
     for i, op in enumerate(now):
         if i < len(before) and before[i] == op:
             continue

@@ -7,6 +7,12 @@ watchdog.py), `launcher.json` (every rank's exit status, from `launch(run_dir=..
 
 `mini3d train` gives each job its own `RUN_DIR/job-<id>` (ids sort by start time), so jobs that
 share a `--run-dir` keep each other's post-mortems; `pick_job` chooses the one to explain.
+
+Without `--run-dir` a job runs in a temporary `TMPDIR/mini3d-run-*` (`make_default`), removed when
+the job ends well, kept (and named in the failure report) when it fails. A launcher killed outright
+(SIGKILL, the OOM killer) can do neither: its directory records its owner as the rendezvous
+directory does (mini3d.launch.rdzv), and the next start removes those whose owner is gone and that
+hold no post-mortem; one that holds a post-mortem is kept and named once (`sweep_default`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Run:
     stderr: dict = field(default_factory=dict)  # rank -> what C++ libraries wrote (rank{r}.stderr)
     world: int = 0
     issued: dict = field(default_factory=dict)  # rank -> its black box's ops (diagnose/blackbox.py)
+    ended: dict = field(default_factory=dict)  # rank -> the steps its black box saw end
 
     @property
     def exits(self) -> dict:
@@ -78,6 +85,69 @@ def pick_job(run_dir: str) -> tuple[str, list[tuple[str, str]]]:
     return chosen, found
 
 
+DEFAULT_PREFIX = "mini3d-run-"  # TMPDIR/mini3d-run-*: the run directory of a job without --run-dir
+KEPT = "owner.kept"  # the owner record, renamed once a dead owner's post-mortem was named
+
+
+def holds_post_mortem(path: str) -> bool:
+    """Does run directory `path` hold a failed job's dumps or launcher record (its own or a job's)?
+    (True when it cannot be read: only what is known to hold nothing is removed.)"""
+    try:
+        return job_outcome(path) == "failed" or any(
+            outcome == "failed" for _, outcome in jobs(path))
+    except OSError:
+        return True
+
+
+def _keep_once(path: str) -> bool:
+    """`sweep`'s keep: a dead owner's directory with a post-mortem stays, and is named this once."""
+    if not holds_post_mortem(path):
+        return False
+    from mini3d.launch.rdzv import OWNER
+
+    try:
+        os.replace(os.path.join(path, OWNER), os.path.join(path, KEPT))  # never named again
+    except OSError:
+        pass
+    import sys
+
+    print(f"mini3d: kept {path}: the launcher that made it was killed (SIGKILL?) and it holds a "
+          f"failed job's post-mortem (mini3d explain-hang {path}); remove it when you are done",
+          file=sys.stderr, flush=True)
+    return True
+
+
+def sweep_default(tmp: str | None = None) -> list[str]:
+    """Remove the default run directories under `tmp` (the temp dir) whose launcher is gone and
+    that hold no post-mortem; name the others once. Returns the removed ones."""
+    from mini3d.launch.rdzv import sweep
+
+    return sweep(tmp, DEFAULT_PREFIX, keep=_keep_once)
+
+
+def make_default() -> str:
+    """A new default run directory owned by this process (after sweeping stale ones)."""
+    import tempfile
+
+    from mini3d.launch.rdzv import claim
+
+    sweep_default()
+    path = tempfile.mkdtemp(prefix=DEFAULT_PREFIX)
+    claim(path)
+    return path
+
+
+def release(path: str):
+    """This launcher reported on its default run directory (a failure): it is the user's now,
+    never swept (the owner record goes; `sweep` leaves a directory without one alone)."""
+    from mini3d.launch.rdzv import OWNER
+
+    try:
+        os.remove(os.path.join(path, OWNER))
+    except OSError:
+        pass
+
+
 def load_run(run_dir: str) -> Run:
     run_dir = pick_job(run_dir)[0]
     dumps = {}
@@ -95,9 +165,9 @@ def load_run(run_dir: str) -> Run:
             text = f.read()
         if text.strip():
             stacks[int(re.findall(r"rank(\d+)\.stack$", path)[0])] = text
-    from mini3d.diagnose.blackbox import read
+    from mini3d.diagnose.blackbox import ended, read
 
-    run = Run(dumps, launcher, stacks, issued=read(run_dir))
+    run = Run(dumps, launcher, stacks, issued=read(run_dir), ended=ended(run_dir))
     for path in glob.glob(os.path.join(run_dir, "rank*.stderr")):
         with open(path, errors="replace") as f:
             run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)

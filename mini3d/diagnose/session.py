@@ -4,6 +4,7 @@
     for step in range(steps):
         diag.step_start(step, measure)    # injects the fault, if one was asked for
         ...
+        diag.step_end(step)               # every op of the step issued (the black box's mark)
     with diag.saving(nbytes, step): ...   # a checkpoint save: its own bound, not hang_timeout
     diag.finish()                         # "finished" dump; stops the watchdog
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 
+from mini3d.diagnose.blackbox import BlackBox
 from mini3d.diagnose.faults import FaultInjector, parse_fault, parse_size
 from mini3d.diagnose.watchdog import start_watchdog
 
@@ -34,6 +36,12 @@ class Diagnostics:
         """Mark the start of optimizer step `step`; `measure()` -> bytes per category (oom only)."""
         if self.injector is not None:
             self.injector.step_start(step, measure)
+
+    def step_end(self, step: int):
+        """Step `step` issued all its ops: the black box marks it whole (diagnose/blackbox.py)."""
+        box = self.watchdog.topo.log.on_issue if self.watchdog is not None else None
+        if isinstance(box, BlackBox):
+            box.end_step(step)
 
     def saving(self, nbytes: int, step: int):
         """Context of a checkpoint save of `nbytes` (all stage files): on the save's clock."""

@@ -57,9 +57,12 @@ def run_dir_for(run_dir: str | None) -> tuple[str | None, str | None]:
 def agree_on_job(run_dir: str) -> str:
     """Collective: one job id for every rank (rank 0 draws it), set as MINI3D_JOB_ID; returns the
     job's own directory RUN_DIR/job-<id> (made by rank 0), where the ranks dump and report, so that
-    a later job sharing the run directory never clears this one's post-mortem."""
+    a later job sharing the run directory never clears this one's post-mortem; torch's automatic
+    flight-recorder dumps are pointed there too (they were set to RUN_DIR before the process group
+    existed, and so before the job had an id)."""
     import torch.distributed as dist
 
+    from mini3d.diagnose.flight_recorder import recorder_env
     from mini3d.launch.jobs import JOB_ENV, job_dir, new_job
 
     box = [new_job() if dist.get_rank() == 0 else None]
@@ -68,6 +71,7 @@ def agree_on_job(run_dir: str) -> str:
     dist.broadcast_object_list(box, src=0)
     os.environ[JOB_ENV] = box[0]
     os.environ[MODE_ENV] = "1"
+    os.environ.update(recorder_env(job_dir(run_dir, box[0])))
     return job_dir(run_dir, box[0])
 
 

@@ -41,7 +41,7 @@ import threading
 import time
 
 from mini3d.diagnose.blackbox import BlackBox
-from mini3d.diagnose.flight_recorder import FLIGHT_RECORDER_PREFIX, nccl_env, write_dump
+from mini3d.diagnose.flight_recorder import FLIGHT_RECORDER_PREFIX, nccl_env, recorder_path, write_dump
 from mini3d.diagnose.history import describe_op
 from mini3d.diagnose.save_clock import SaveClock, save_bound
 from mini3d.launch.launcher import ABORTED_EXIT, HANG_EXIT, abort_marker, on_failure
@@ -142,7 +142,9 @@ class Watchdog:
             "pending": [_event_dict(e, now, blocked) for e in pending],
             "events": [_event_dict(e, now, blocked) for e in recent],
             "seq": log.seq_counts(), "time": time.time(),
-            "save": self.save.as_dict(now) if self.save else None, **(extra or {}),
+            "save": self.save.as_dict(now) if self.save else None,
+            "flight_recorder": recorder_path(),  # where torch's own dump on a timeout goes
+            **(extra or {}),
         }
 
     def dump(self, status: str, reason: str, extra: dict | None = None) -> str | None:

@@ -41,20 +41,29 @@ def owner_alive(path: str) -> bool:
         return True
 
 
-def sweep(tmp: str | None = None) -> list[str]:
-    """Remove the rendezvous directories under `tmp` (the temp dir) whose launcher is gone."""
+def sweep(tmp: str | None = None, prefix: str = PREFIX, keep=None) -> list[str]:
+    """Remove the directories `prefix*` under `tmp` (the temp dir) whose launcher is gone, except
+    those `keep(path)` is true of (the default run directories use it: mini3d.diagnose.run_dir)."""
     tmp = tmp or tempfile.gettempdir()
     gone = []
     try:
-        names = [n for n in os.listdir(tmp) if n.startswith(PREFIX)]
+        names = [n for n in os.listdir(tmp) if n.startswith(prefix)]
     except OSError:
         return gone
     for name in names:
         path = os.path.join(tmp, name)
-        if os.path.isdir(path) and not os.path.islink(path) and not owner_alive(path):
+        if (os.path.isdir(path) and not os.path.islink(path) and not owner_alive(path)
+                and not (keep and keep(path))):
             shutil.rmtree(path, ignore_errors=True)
             gone.append(path)
     return gone
+
+
+def claim(path: str):
+    """Record this process as the owner of directory `path` (what `sweep` checks)."""
+    pid = os.getpid()
+    with open(os.path.join(path, OWNER), "w") as f:
+        f.write(f"{pid} {_start_time(pid)}")
 
 
 def quiet_tracker():
@@ -84,10 +93,8 @@ def make() -> str:
     quiet_tracker()
     sweep()
     path = tempfile.mkdtemp(prefix=PREFIX)
-    pid = os.getpid()
-    with open(os.path.join(path, OWNER), "w") as f:
-        f.write(f"{pid} {_start_time(pid)}")
+    claim(path)
     return path
 
 
-__all__ = ["PREFIX", "make", "sweep", "owner_alive"]
+__all__ = ["PREFIX", "OWNER", "make", "sweep", "claim", "owner_alive"]

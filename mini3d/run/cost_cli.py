@@ -24,7 +24,7 @@ import sys
 from mini3d.config import ModelConfig, Plan, PlanError
 from mini3d.exits import BadInput, bad_input
 from mini3d.run import flags
-from mini3d.cost.memory import GB, estimate_all_stages
+from mini3d.cost.memory import GB, estimate_all_stages, gib
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.hardware import load_hardware, save_hardware
 
@@ -126,7 +126,7 @@ def cmd_plan(args) -> int:
               f"{res.n_fit} of {res.n_considered} valid layouts fit")
         for i, c in enumerate(res.candidates, 1):
             print(f"  {i}. {describe(c.plan)}: {c.step_time_s:.3f} s, MFU {c.mfu:.1%}, "
-                  f"{c.memory.total / GB:.1f} GB")
+                  f"{gib(c.memory.total)}")
         print(res.explanation)
         for note in res.notes:
             print(note)

@@ -269,6 +269,7 @@ def train_worker(run: RunConfig) -> dict:
         report.step(rec)
         saved = bool(run.save) and (done == run.steps or bool(run.save_every and
                                                                done % run.save_every == 0))
+        st["diag"].step_end(step)  # the step's ops are issued: the black box marks it whole
         signum = stop.agree(topo.device) if run.stop_on_signal else 0
         if saved or (signum and run.save):  # a stop saves first (at this boundary, on every rank)
             save_checkpoint(trainer, run, done, st["schedule"], st["tok"], st["diag"])

@@ -97,21 +97,23 @@ def _limit(ctx, rows, where: float) -> float:
 
 
 def _check_best(ctx, c, limit, what):
+    from mini3d.cost.memory import gib
+
     rows = _truth(c)
     fitting = [r for r in rows if r[1] <= limit]
     got = ctx.impl.best_plan(c["cfg"], c["n_gpus"], c["hw"], c["global_batch"], c["seq_len"], limit)
     if not fitting:
-        expect(got is None, f"best_plan{_args(c)} with a limit of {limit / 1e9:.3f} GB ({what})",
+        expect(got is None, f"best_plan{_args(c)} with a limit of {gib(limit, 3)} ({what})",
                "None (no plan fits)", got)
         return
     best = min(fitting, key=lambda r: r[2])
     row = next((r for r in rows if r[0] == got), None)
-    expect(row is not None, f"best_plan{_args(c)}, limit {limit / 1e9:.3f} GB ({what})",
+    expect(row is not None, f"best_plan{_args(c)}, limit {gib(limit, 3)} ({what})",
            "one of the candidate plans", got)
     expect(row[1] <= limit, f"memory of best_plan{_args(c)} ({what})",
-           f"<= the limit {limit / 1e9:.3f} GB", f"{row[1] / 1e9:.3f} GB for {got}")
+           f"<= the limit {gib(limit, 3)}", f"{gib(row[1], 3)} for {got}")
     expect(abs(row[2] - best[2]) <= 1e-9 * best[2], f"step time of best_plan{_args(c)}, limit "
-           f"{limit / 1e9:.3f} GB ({what})", f"{best[2]:.6f} s ({best[0]})", f"{row[2]:.6f} s ({got})")
+           f"{gib(limit, 3)} ({what})", f"{best[2]:.6f} s ({best[0]})", f"{row[2]:.6f} s ({got})")
 
 
 def fits_and_fastest(ctx):

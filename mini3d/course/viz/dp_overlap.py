@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 
 from mini3d.course.viz.figure_widget import FigureWidget
-from mini3d.course.viz.theme import AXIS_COLORS, new_figure
+from mini3d.course.viz.theme import AXIS_COLORS, fit_height, new_figure
 
 
 def _is_loss_marker(ev: Mapping) -> bool:
@@ -73,7 +73,7 @@ def dp_overlap_figure(runs: Mapping[str, Sequence[dict]],
                 marker=dict(color=AXIS_COLORS["dp"], opacity=0.75, line=dict(color="white", width=1)),
                 hovertemplate="%{text}<br>issued at %{base:.1f} ms, lasted %{x:.1f} ms<extra></extra>",
                 **buckets)
-    fig.update_layout(barmode="overlay", height=120 + 40 * max(1, len(rows)))
+    fig.update_layout(barmode="overlay", height=fit_height(1, 40 * len(rows)))  # not squashed at 1 row
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(rows)))
     return fig
 

@@ -6,7 +6,7 @@ which groups share a machine reads at a glance without rotating anything."""
 from __future__ import annotations
 
 from mini3d.course.viz.grid3d import _PALETTE, group_key, rank_points
-from mini3d.course.viz.theme import new_figure
+from mini3d.course.viz.theme import fit_height, new_figure
 
 NODE_OUTLINES = ("#222222", "#bbbbbb")  # even / odd node
 
@@ -32,7 +32,7 @@ def rank_grid_2d_figure(grid, color_by: str = "tp", gpus_per_node: int = 8, widg
     fig.update_xaxes(tickvals=sorted({c for _, c, _, _ in cells}), range=[-0.7, max(c for _, c, _, _ in cells) + 0.7],
                      showgrid=False)
     fig.update_yaxes(tickvals=sorted({r for _, _, r, _ in cells}), autorange="reversed", showgrid=False)
-    fig.update_layout(width=440, height=180 + 60 * (max(r for _, _, r, _ in cells) + 1),
+    fig.update_layout(width=440, height=fit_height(1, 60 * (max(r for _, _, r, _ in cells) + 1)),
                       meta={"cells": cells})
     return fig
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from mini3d.course.viz.theme import CAPACITY_COLOR, GIB, new_figure
+from mini3d.course.viz.theme import CAPACITY_COLOR, GIB, fit_height, new_figure
 
 RANK_COLORS = ["#3b6fb6", "#e8893a", "#2e9e5b", "#c8553d", "#8e6bbf", "#b59a2a", "#17becf", "#9a9a9a"]
 
@@ -30,7 +30,7 @@ def zigzag_figure(cp: int):
     owner = {c: r for r in range(cp) for c in zigzag_chunks(r, cp)}
     work = [0.0] * cp
     fig = new_figure(f"zig-zag, cp={cp}: who computes which attention block",
-                     "key chunk", "query chunk", width=120 + 55 * n, height=120 + 55 * n)
+                     "key chunk", "query chunk", width=120 + 55 * n, height=fit_height(1, 55 * n))
     for qc in range(n):
         for kc in range(n):
             kind = block_kind(qc, kc)
@@ -53,7 +53,7 @@ def zigzag_figure(cp: int):
 def ring_steps_figure(cp: int):
     """Rows: cp ranks; columns: ring steps 0..cp-1; cell: the rank whose K/V block is held."""
     fig = new_figure(f"ring attention, cp={cp}: K/V block held at each step (arrow: sent onward)",
-                     "ring step", "cp rank", height=120 + 50 * cp, width=160 + 90 * cp)
+                     "ring step", "cp rank", height=fit_height(1, 50 * cp), width=160 + 90 * cp)
     for r in range(cp):
         for t in range(cp):
             j = (r - t) % cp

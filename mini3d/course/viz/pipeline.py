@@ -19,7 +19,9 @@ from mini3d.pp.schedules import bubble_text
 from mini3d.pp.simulator import bubble_of, idle_gaps as sim_idle_gaps
 from mini3d.schedule_kinds import SCHEDULES, schedule_kind
 
-from mini3d.course.viz.theme import ACTION_COLORS, new_figure
+from mini3d.course.viz.theme import ACTION_COLORS, LEGEND_RIGHT, fit_height, new_figure
+
+GANTT_TOP = 100  # the top margin: the title's band, then the bubble annotation's
 
 _PRINTED = re.compile(r"^([A-Za-z_]+?)(\d+)\.(\d+)")
 _SHORT_OPS = {"sF": "SEND_F", "rF": "RECV_F", "sB": "SEND_B", "rB": "RECV_B"}
@@ -88,10 +90,11 @@ def gantt_figure(timeline: Sequence[Sequence], bubble_fraction: float | None = N
     fig = new_figure(title, f"time ({time_unit})", "pipeline rank", widget=widget)
     fill_gantt(fig, timeline, bubble_fraction, formula)
     fig.update_yaxes(autorange="reversed", type="category")
-    # Legend in a band right above the plot, the bubble annotation in the band above it, the title
-    # at the very top: three rows of the top margin that cannot overlap.
-    fig.update_layout(barmode="overlay", bargap=0.15, margin=dict(t=120), title=dict(y=0.98, yanchor="top"),
-                      legend=dict(orientation="h", x=0, y=1.0, xanchor="left", yanchor="bottom"))
+    # The title at the very top, the bubble annotation in the band under it, the legend right of
+    # the plot (theme.LEGEND_RIGHT): a horizontal legend above the plot wrapped upwards over both in
+    # a narrow cell (an interleaved schedule's chunk shades make many entries).
+    fig.update_layout(barmode="overlay", bargap=0.15, margin=dict(t=GANTT_TOP), title=dict(y=0.98, yanchor="top"),
+                      legend=LEGEND_RIGHT)
     return fig
 
 
@@ -163,7 +166,7 @@ def fill_gantt(fig: go.Figure, timeline, bubble_fraction=None, formula=None):
         fig.add_annotation(text=label, xref="paper", yref="paper", x=1, y=1, yshift=34, showarrow=False,
                            xanchor="right", yanchor="bottom", font=dict(size=14, color="#c0392b"),
                            name="bubble")
-        fig.layout.height = max(260, 110 + 50 * len(timeline))
+        fig.layout.height = fit_height(1, 50 * len(timeline), top=GANTT_TOP)
         fig.layout.meta = {"bubble_fraction": float(bubble_fraction)}
 
 

@@ -71,4 +71,16 @@ class Told:
         return text
 
 
-__all__ = ["SPAN", "Told", "marked_spans", "notebook_spans"]
+FRACTIONS = ((1 / 5, "a fifth"), (1 / 4, "a quarter"), (1 / 3, "a third"), (1 / 2, "half"),
+             (2 / 3, "two thirds"), (3 / 4, "three quarters"))
+
+
+def about(fraction: float, within: float = 0.04) -> str:
+    """A fraction as prose says it: 0.36 -> 'about a third' (the nearest of FRACTIONS, if within
+    `within`), else a percentage ('about 45%'), so a marked "about a third" fails once the cell's
+    number moves to another word."""
+    value, word = min(FRACTIONS, key=lambda f: abs(f[0] - fraction))
+    return f"about {word}" if abs(value - fraction) <= within else f"about {fraction:.0%}"
+
+
+__all__ = ["SPAN", "Told", "about", "marked_spans", "notebook_spans"]

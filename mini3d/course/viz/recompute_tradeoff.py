@@ -115,7 +115,7 @@ def measured_vs_estimated_figure(rows, title: str = "One block's saved activatio
 
     Each row: {'policy', 'measured_bytes', 'estimated_bytes', 'compute_factor'} and optionally
     'measured_time_factor' (measured step time / the `none` run's)."""
-    fig = new_figure(title, "recompute policy", "saved for backward (MiB per layer per micro-batch)")
+    fig = new_figure(title, "recompute policy", "saved (MiB per layer, micro-batch)")
     labels = []
     for r in rows:
         label = f"{r['policy']}<br>compute x{r['compute_factor']:.2f} est."

@@ -20,7 +20,8 @@ from __future__ import annotations
 from plotly.subplots import make_subplots
 
 from mini3d.course.viz.planning import TERM_COLORS, TERM_LABELS
-from mini3d.course.viz.theme import CAPACITY_COLOR, CATEGORY_COLORS, CATEGORY_LABELS, TEMPLATE_NAME, to_gib
+from mini3d.course.viz.theme import (CAPACITY_COLOR, CATEGORY_COLORS, CATEGORY_LABELS, LEGEND_RIGHT, TEMPLATE_NAME,
+                                     to_gib)
 
 STORY_BATCH = dict(global_batch=64, seq_len=4096, dtype="bf16")  # chapter 00's 64 x 4096 tokens
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers")
@@ -102,7 +103,7 @@ def story_figure(rows: list[dict], title: str | None = None):
         fig.update_yaxes(range=[0, 1.1 * top], row=1, col=1)
     fig.update_layout(template=TEMPLATE_NAME, barmode="stack", height=520, margin=dict(t=90),
                       title=title or f"The 70B story: {MODEL_70B} on {GPU_70B}",
-                      legend=dict(font=dict(size=11), groupclick="toggleitem", orientation="h", x=0, y=-0.12), meta={"rows": [_meta(r) for r in rows]})
+                      legend=dict(font=dict(size=11), groupclick="toggleitem", **LEGEND_RIGHT), meta={"rows": [_meta(r) for r in rows]})
     return fig
 
 
