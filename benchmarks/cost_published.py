@@ -10,7 +10,8 @@ import os
 
 from benchmarks.common import replace_section
 from mini3d.cost.hardware import H100_EFF_MAX
-from mini3d.cost.model import CALIBRATED, FLOPS_CONVENTION
+from mini3d.cost.flops import FLOPS_CONVENTION
+from mini3d.cost.model import CALIBRATED
 from mini3d.cost.published import published_errors, published_rows
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")

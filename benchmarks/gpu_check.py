@@ -5,7 +5,7 @@
 
 1. `mini3d train --device D --dtype bf16` at world size 1 (NCCL on CUDA, gloo on CPU), run as a
    subprocess exactly as a user would, with --log-jsonl; the first `--warmup` steps are dropped.
-2. MFU = model FLOPs per step (`mini3d.cost.model.model_flops`, Megatron's 6N + attention count)
+2. MFU = model FLOPs per step (`mini3d.cost.flops.model_flops`, Megatron's 6N + attention count)
    / median step time / peak FLOP/s; the peak is the bf16 tensor-core peak of the preset whose name
    matches `torch.cuda.get_device_name()` (H200 / H100 / A100, 40 or 80 GB by the device memory),
    or `--peak-tflops`. Without either (a CPU), MFU is left out.
@@ -32,7 +32,7 @@ import tempfile
 
 from mini3d.config import Plan, model_from_preset
 from mini3d.cost.hardware import PRESETS as GPUS
-from mini3d.cost.model import model_flops
+from mini3d.cost.flops import model_flops
 from mini3d.cost.memory import estimate_memory
 
 from .common import machine_description, replace_section

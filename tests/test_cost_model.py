@@ -7,7 +7,8 @@ import pytest
 from mini3d.config import PRESETS, Plan
 from mini3d.cost.calibration import fit_efficiency, reproduce_rows
 from mini3d.cost.hardware import PRESETS as GPUS
-from mini3d.cost.model import CALIBRATED, estimate_cost, model_flops, predict_step_time
+from mini3d.cost.model import CALIBRATED, estimate_cost, predict_step_time
+from mini3d.cost.flops import model_flops
 from mini3d.pp.simulator import bubble_formula
 from mini3d.cost.planner import search, why_not
 

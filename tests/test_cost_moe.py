@@ -14,8 +14,10 @@ from mini3d.config import PRESETS, ModelConfig, Plan
 from mini3d.cost.activations import layer_activation_bytes, moe_activation_bytes, moe_tokens
 from mini3d.cost.comm_time import ep_time, ep_wire_bytes, members_per_node
 from mini3d.cost.hardware import PRESETS as GPUS
-from mini3d.cost.memory import estimate_memory, stage_expert_count, stage_param_count
-from mini3d.cost.model import estimate_cost, flops_per_token, model_flops
+from mini3d.cost.memory import estimate_memory
+from mini3d.cost.params import stage_expert_count, stage_param_count
+from mini3d.cost.model import estimate_cost
+from mini3d.cost.flops import flops_per_token, model_flops
 from mini3d.cost.moe import A2A_PER_LAYER, a2a_buffer_bytes, a2a_bytes
 from mini3d.run.cost_cli import register
 

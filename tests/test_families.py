@@ -13,8 +13,9 @@ import torch
 
 from mini3d.cli import main
 from mini3d.config import PRESETS, ModelConfig, Plan
-from mini3d.cost.model import flops_per_token
-from mini3d.cost.memory import estimate_memory, stage_param_count
+from mini3d.cost.flops import flops_per_token
+from mini3d.cost.memory import estimate_memory
+from mini3d.cost.params import stage_param_count
 from mini3d.launch.launcher import launch
 from mini3d.models.transformer import GPT
 from mini3d.pp.partition import build_stages

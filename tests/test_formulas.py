@@ -9,7 +9,7 @@
     layer partition                    mini3d.pp.partition.partition_layers
     vocabulary padding                 mini3d.tp.layers.padded_size
     model-state bytes per ZeRO stage   mini3d.cost.memory.model_state_bytes (STATE_BYTES)
-    parameters / activations per stage mini3d.cost.memory.stage_param_count / layer_activation_bytes
+    parameters / activations per stage mini3d.cost.params.stage_param_count / layer_activation_bytes
     ZeRO traffic per step (M mbs)      mini3d.cost.comm_time.zero_traffic_psi (counts: the stage
                                        objects, mini3d.dp.STAGES, via dp_collectives)
 
@@ -31,7 +31,7 @@ from mini3d.comm import ring_steps, ring_wire_bytes
 from mini3d.config import PRESETS, Plan
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.activations import inflight_microbatches
-from mini3d.cost.memory import stage_layers
+from mini3d.cost.params import stage_layers
 from mini3d.pp.partition import partition_layers, stage_specs
 from mini3d.pp.rules import check
 from mini3d.pp.schedules import in_flight_bound, make_schedule

@@ -159,7 +159,7 @@ def test_moe_layout_equals_the_one_process_run(runs, name):
     if case["cfg"]["router_bias_rate"]:
         assert all(b.abs().sum() > 0 for b in ref["biases"].values())
     if case["plan"].get("zero", 0) < 3:  # the estimator counts the replicated MoE layers (tp)
-        from mini3d.cost.memory import stage_param_count
+        from mini3d.cost.params import stage_param_count
 
         plan = Plan(**case["plan"])
         for r in ranks:

@@ -234,7 +234,7 @@ def test_mfu_uses_the_known_peak_of_the_gpu(monkeypatch):
     import torch
 
     from mini3d.config import PRESETS, Plan
-    from mini3d.cost.model import model_flops
+    from mini3d.cost.flops import model_flops
     from mini3d.run.report import model_flops_utilisation, peak_flops_per_rank
 
     assert peak_flops_per_rank(torch.device("cpu"), "bf16") is None  # no MFU on CPU

@@ -177,7 +177,8 @@ def measure_layer_overhead(peak_flops: float, half_width: float,
     FLOPs leave out (softmax over the s x s scores, GELU, LayerNorm, the batched per-head matmuls)."""
     from mini3d.config import ModelConfig
     from mini3d.models.transformer import Block
-    from mini3d.cost.model import Efficiency, flops_per_token
+    from mini3d.cost.model import Efficiency
+    from mini3d.cost.flops import flops_per_token
 
     cfg = ModelConfig(1, 64, 4, 256, 64)
     rate = peak_flops * Efficiency(1.0, half_width).at(cfg.d_model)

@@ -16,7 +16,7 @@ from mini3d.comm import ring_steps, ring_wire_bytes
 from mini3d.dp.zero import zero_stage
 from mini3d.tp.layout import comm_per_layer
 from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, moe_tokens, ring_block_bytes
-from mini3d.cost.memory import expert_sharding_degree, head_rank, sharding_degree, stage_layers
+from mini3d.cost.params import expert_sharding_degree, head_rank, sharding_degree, stage_layers
 from mini3d.cost.moe import a2a_buffer_bytes, a2a_bytes_per_micro_batch, kept_fraction
 
 

@@ -200,7 +200,7 @@ def shared_host_step(cfg, plan, hw, rank_terms, adam_bytes_per_param: float) -> 
 
     from mini3d.pp.schedules import make_schedule
     from mini3d.cost.comm_time import dp_time
-    from mini3d.cost.memory import expert_sharding_degree, sharding_degree
+    from mini3d.cost.params import expert_sharding_degree, sharding_degree
 
     n, p, v, m = plan.world_size, plan.pp, plan.virtual_stages, plan.micro_batches
     cores = hw.gpus_per_node

@@ -1,25 +1,6 @@
 """Analytic step-time model of a GPT under a Plan on a cluster of identical accelerators.
 
-FLOPs (per token, forward; Megatron's convention, so MFU compares with published numbers):
-
-    layer  = 2 * (3h^2 + h^2 + 2hf)   qkv, attention projection, MLP fc and proj matmuls
-           + 4sh                      QK^T and attention-times-V over the full s x s square
-             (llama: qkv is h(h + 2kv) with kv = n_kv_heads * head_dim, the MLP 3hf; the
-             weights of `ModelConfig.layer_weights`)
-    head   = 2hV                      output projection (embedding lookups cost no FLOPs)
-    MoE layer: the MLP's 2hf becomes 2 x (the router's E x h + top_k experts + the shared
-             experts), the parameters one token computes with (`ModelConfig.moe_params(active=
-             True)`): MFU counts active parameters, as Megatron-Core and torchtitan do for MoE.
-             Dropped slots (a capacity factor) still count: the FLOPs are the nominal ones.
-
-The attention term counts the whole s x s square, causal masking or not (`FLOPS_CONVENTION`): the
-convention of Narayanan et al. 2021 (eq. 3) and of torchtitan's MFU. Tables that halve it for
-causal attention (some of NVIDIA's NeMo performance tables do) report a lower MFU for the same
-step time; compare like with like.
-
-Norm, GELU / SiLU, rotary, softmax and bias FLOPs are left out (well under 1% for these shapes). Model FLOPs
-are 3 * (L*layer + head) per token (backward = 2 x forward); hardware FLOPs add what recompute runs
-again: the whole layer forward under full recompute, the 4sh attention core under selective.
+FLOPs per token, model and hardware FLOPs: `mini3d.cost.flops` (the convention: `FLOPS_CONVENTION`).
 
 Step time, on the busiest pipeline rank:
 
@@ -95,14 +76,15 @@ from mini3d.config import ModelConfig, Plan, PlanError
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import bubble_formula, simulate
 from mini3d.cost.comm_time import cp_time, dp_time, ep_time, members_per_node, tp_time
+from mini3d.cost.flops import (FLOPS_CONVENTION, flops_per_token, hardware_flops, layers_flops,
+                               model_flops)
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, score_traffic_s
 from mini3d.cost.host_share import shared_host_step
-from mini3d.cost.memory import (MemoryEstimate, estimate_memory, expert_sharding_degree, head_rank,
-                                sharding_degree, stage_expert_count, stage_layers, stage_param_count)
+from mini3d.cost.memory import MemoryEstimate, estimate_memory
+from mini3d.cost.params import (expert_sharding_degree, head_rank, sharding_degree,
+                                stage_expert_count, stage_layers, stage_param_count)
 
-FLOPS_CONVENTION = ("full attention square (not causal-halved), Megatron-LM's and torchtitan's; "
-                    "MoE layers: active parameters (router, top_k routed and the shared experts)")
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
 
 
@@ -175,40 +157,6 @@ class CostEstimate:
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu, "mfu": self.mfu,
                 "hfu": self.hfu, "flops_convention": FLOPS_CONVENTION, "bubble_fraction": self.bubble_fraction,
                 "comm_bytes_per_rank": dict(self.comm_bytes), "breakdown_s": dict(self.breakdown)}
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
-    """Forward FLOPs per token: one dense layer's matmuls + attention ("layer"), its attention
-    core, the head, and for a MoE model one MoE layer's ("moe_layer": attention, router, top_k
-    experts, shared experts) and all the layers together ("layers")."""
-    h = cfg.d_model
-    attn = 4 * seq_len * h
-    w = cfg.layer_weights()  # GQA's narrower K/V; SwiGLU's three matrices
-    out = {"layer": 2 * sum(w.values()) + attn, "attention": attn, "head": 2 * h * cfg.vocab_size}
-    if cfg.n_experts:
-        active = sum(cfg.moe_params(1, active=True).values())  # router + top_k experts + shared
-        out["moe_layer"] = 2 * (w["qkv"] + w["proj"] + active) + attn
-    out["layers"] = layers_flops(cfg, seq_len, range(cfg.n_layers), out)
-    return out
-
-
-def layers_flops(cfg: ModelConfig, seq_len: int, layers, f: dict | None = None) -> float:
-    """Forward FLOPs per token of the given layers (MoE layers at their active FLOPs)."""
-    f = f or flops_per_token(cfg, seq_len)
-    return sum(f["moe_layer"] if cfg.is_moe_layer(i) else f["layer"] for i in layers)
-
-
-def model_flops(cfg: ModelConfig, plan: Plan) -> float:
-    """Useful FLOPs of one step: 3 x forward, over every token of the global batch."""
-    f = flops_per_token(cfg, plan.seq_len)
-    return 3.0 * (f["layers"] + f["head"]) * plan.global_batch * plan.seq_len
-
-
-def hardware_flops(cfg: ModelConfig, plan: Plan) -> float:
-    """Model FLOPs plus the forward work recomputation repeats."""
-    f = flops_per_token(cfg, plan.seq_len)
-    extra = {"none": 0, "selective": cfg.n_layers * f["attention"], "full": f["layers"]}[plan.recompute]
-    return model_flops(cfg, plan) + extra * plan.global_batch * plan.seq_len
 
 
 @functools.lru_cache(maxsize=4096)

@@ -56,10 +56,10 @@ def peak_flops_per_rank(device, dtype: str) -> float | None:
 
 
 def model_flops_utilisation(cfg, plan, step_time_s: float, peak: float | None) -> float | None:
-    """Useful model FLOPs of one step (mini3d.cost.model.model_flops) over what the ranks could do."""
+    """Useful model FLOPs of one step (mini3d.cost.flops.model_flops) over what the ranks could do."""
     if not peak:
         return None
-    from mini3d.cost.model import model_flops
+    from mini3d.cost.flops import model_flops
 
     return model_flops(cfg, plan) / step_time_s / (peak * plan.world_size)
 

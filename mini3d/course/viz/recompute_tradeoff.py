@@ -7,7 +7,7 @@
     measured_vs_estimated_figure   live ledgers next to the estimator, per policy, in one figure
 
 Sources: `mini3d.cost.memory.layer_activation_bytes` (bytes a block keeps, per micro-batch,
-per tp rank) and `mini3d.cost.model.hardware_flops / model_flops` (what recomputation runs again:
+per tp rank) and `mini3d.cost.flops.hardware_flops / model_flops` (what recomputation runs again:
 the attention core under `selective`, the whole block forward under `full`).
 """
 
@@ -28,7 +28,7 @@ def recompute_rows(cfg, seq_len: int, micro_batch: int = 1, tp: int = 1, dtype: 
     one micro-batch, plus the block being recomputed under `full`), 'layer_bytes' (one block),
     'compute_factor' (hardware FLOPs / model FLOPs of a step)}."""
     from mini3d.config import Plan
-    from mini3d.cost.model import hardware_flops, model_flops
+    from mini3d.cost.flops import hardware_flops, model_flops
     from mini3d.cost.memory import layer_activation_bytes
 
     rows = []

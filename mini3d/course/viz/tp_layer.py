@@ -112,7 +112,8 @@ def tp_layer_times(cfg, hw, tps: Sequence[int] = (1, 2, 4, 8), seq_len: int | No
     Compute uses mini3d.cost's FLOP count and efficiency model (narrower per-GPU matmuls run further
     from peak); communication is `Hardware.collective_s` of each op (ring wire bytes / link
     bandwidth + one latency per ring step), not overlapped with compute (as in Megatron-LM)."""
-    from mini3d.cost.model import efficiency_for, flops_per_token
+    from mini3d.cost.model import efficiency_for
+    from mini3d.cost.flops import flops_per_token
     from mini3d.tp import comm_per_layer
 
     s = seq_len or cfg.max_seq_len
