@@ -119,7 +119,7 @@ class RunConfig:
             out.append(data_problem)
         out += self._tokenizer_problems(data_problem is None)
         out += self._run_problems()
-        return out + self._moe_problems()
+        return out + self._moe_problems() + self._ep_problems()
 
     def _moe_problems(self) -> list[str]:
         """Experts are replicated like dense weights (dp, ZeRO-1/2); the other splits wait for
@@ -132,6 +132,31 @@ class RunConfig:
         return [f"n_experts={self.model.n_experts} with {', '.join(bad)}: expert layers under "
                 f"tp/pp/cp (and ZeRO-3) land with expert parallelism; train MoE models with dp "
                 f"and ZeRO-1/2"]
+
+    def _ep_problems(self) -> list[str]:
+        """Expert parallelism (ep > 1) runs with dp (and cp's ranks as token holders) and ZeRO-0-2;
+        its combinations with tp/pp/cp/sp land with the MoE splits (branch h-moe-splits), ZeRO-3
+        and the paths that need the full experts on one rank (checkpoints, samples) later."""
+        p = self.plan
+        if p.ep == 1 or not self.model.n_experts:
+            return []
+        bad = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1]
+        bad += ["sequence_parallel"] * p.sequence_parallel
+        out = []
+        if bad:
+            out.append(f"ep={p.ep} with {', '.join(bad)} is refused for now: expert parallelism "
+                       f"composes with tp/pp/cp/sp once the MoE splits land (h-moe-splits); use "
+                       f"--ep with --dp only (ep divides dp)")
+        if p.zero == 3:
+            out.append(f"ep={p.ep} with zero=3 is refused: ZeRO-3 does not shard expert slices over "
+                       f"edp yet; use --zero 1 or 2 with --ep")
+        needs_full = [f"--{n.replace('_', '-')}" for n in ("save", "resume", "init_from_hf",
+                                                           "sample_every") if getattr(self, n)]
+        if needs_full:
+            out.append(f"ep={p.ep} with {', '.join(needs_full)} is refused: checkpoints and samples "
+                       f"gather the full weights on one rank, and the expert slices are not "
+                       f"gathered over ep yet; train with --ep without them, or with --ep 1")
+        return out
 
     def _tokenizer_problems(self, data_ok: bool) -> list[str]:
         from mini3d.data.corpus import has_validation_split, shard_tokenizer
