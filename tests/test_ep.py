@@ -1,0 +1,123 @@
+"""Expert parallelism (`--ep`): the ep / edp groups, the traced all-to-all, and parity of MoE
+training under dp x ep with the one-process run.
+
+Parity: every case trains the same model from the same unsharded weights on the same global batch
+as one process that runs each dp rank's slice as one of its micro-batches (so the capacity rule and
+the balancing losses see the same tokens: they are per micro-batch), for 3 AdamW steps. float64:
+the same rows pass through the same experts, but an expert's matmuls now run over the ep group's
+rows at once, and the gradients are summed in another order (an edp average of ep-group sums vs one
+rank's accumulation over micro-batches), so float64 rounding (1e-16 relative per sum) is all that
+differs: 1e-12 relative on losses and grad norms, 1e-9 relative (1e-14 / 1e-12 absolute) on every
+gradient and weight, whose smallest elements Adam's first steps amplify (float32 puts that
+amplification at 1e-5 absolute on the expert weights: a bound that could hide a real slip); the
+load report and the sigmoid router's biases exactly. The CLI test runs the brief's command line
+in float32 against the one-process run: losses within 1e-4.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mini3d.config import ModelConfig, Plan
+from mini3d.grid import Grid, build_topology
+from mini3d.launch.launcher import launch
+from tests.ep_workers import train_cases
+
+BASE = ModelConfig(n_layers=3, d_model=16, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16,
+                   d_ff=32, family="llama", n_experts=4, top_k=2, name="ep-test")
+AUX = dataclasses.replace(BASE, aux_loss_coef=0.01, z_loss_coef=1e-3, n_shared_experts=1,
+                          dense_layers=1)
+CAP = dataclasses.replace(BASE, capacity_factor=1.0)
+SIGMOID = dataclasses.replace(BASE, router="sigmoid", router_bias_rate=0.05)
+STEPS = 3
+
+
+# ---- groups ------------------------------------------------------------------------------------
+def test_ep_groups_are_carved_out_of_dp_x_cp():
+    g = Grid(tp=2, dp=4, ep=2)
+    assert g.groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g.groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [g.coords(r)["ep"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # every dp x cp group is exactly tiled by its ep groups and by its edp groups
+    for axis in ("ep", "edp"):
+        for dpcp in g.groups("dp"):
+            parts = [s for s in g.groups(axis) if set(s) <= set(dpcp)]
+            assert sorted(r for s in parts for r in s) == dpcp
+    c = Grid(dp=2, cp=2, ep=2)  # cp is next to tp by default: ep pairs the cp ranks
+    assert c.groups("ep") == [[0, 1], [2, 3]] and c.groups("edp") == [[0, 2], [1, 3]]
+    one = Grid(dp=4)  # ep=1: single ranks, and edp is dp itself
+    assert one.groups("ep") == [[0], [1], [2], [3]] and one.groups("edp") == [[0, 1, 2, 3]]
+    assert "ep" not in one.coords(1)
+    text = g.describe(4)
+    assert "ep groups: [0, 2] [1, 3] [4, 6] [5, 7]" in text and "edp groups: [0, 4]" in text
+    assert "ep groups" not in one.describe()
+    with pytest.raises(ValueError, match="ep=3 must divide dp"):
+        Grid(dp=4, ep=3)
+
+
+def test_topology_axes():
+    topo = build_topology(Grid(dp=4, ep=2), 2, make_groups=False)
+    assert topo.ep.ranks == (2, 3) and topo.ep.index == 0 and topo.edp.ranks == (0, 2)
+    flat = build_topology(Grid(dp=2), 1, make_groups=False)
+    assert flat.ep.size == 1 and flat.edp is flat.dp_cp
+
+
+# ---- parity ------------------------------------------------------------------------------------
+def _assert_same(got: dict, ref: dict, clipped: bool = False):
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-12)
+    assert len(got["grads"]) == len(ref["grads"]) == STEPS
+    for g, r in zip(got["grads"], ref["grads"]):
+        assert sorted(g) == sorted(r)
+        for n in r:
+            torch.testing.assert_close(g[n], r[n], rtol=1e-9, atol=1e-14, msg=n)
+    for n, p in ref["params"].items():
+        torch.testing.assert_close(got["params"][n], p, rtol=1e-9, atol=1e-12, msg=n)
+    for n, b in ref["biases"].items():
+        torch.testing.assert_close(got["biases"][n], b, rtol=0, atol=0)
+    assert got["loads"] == ref["loads"]
+    if clipped:
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-12)
+
+
+def _ref(case):
+    cfg, plan, steps, clip = case
+    return cfg, plan.replace(dp=1, ep=1, zero=0, micro_batches=plan.dp * plan.micro_batches), \
+        steps, clip
+
+
+PLAN2 = Plan(dp=2, ep=2, global_batch=8, seq_len=16, dtype="float64")
+CASES2 = {  # name: (cfg, plan, steps, grad_clip), one 2-rank launch for all
+    "dropless": (BASE, PLAN2, STEPS, 0.0),
+    "capacity-1.0-aux-z-shared": (dataclasses.replace(AUX, capacity_factor=1.0), PLAN2, STEPS, 0.0),
+    "zero1-clip": (AUX, PLAN2.replace(zero=1), STEPS, 0.05),
+    "zero2-capacity-2mb": (CAP, PLAN2.replace(zero=2, micro_batches=2), STEPS, 0.0),
+    "clip-sigmoid-bias": (SIGMOID, PLAN2, STEPS, 0.05),
+}
+PLAN4 = PLAN2.replace(dp=4)
+CASES4 = {
+    "dp4-ep2-zero2-clip-capacity": (dataclasses.replace(AUX, capacity_factor=1.0),
+                                    PLAN4.replace(zero=2), STEPS, 0.05),
+    "dp4-ep4-zero1": (AUX, PLAN4.replace(ep=4, zero=1), STEPS, 0.0),
+}
+
+
+@pytest.mark.timeout(400)
+def test_ep_equals_the_one_process_run():
+    cases = {**CASES2, **CASES4}
+    refs = launch(train_cases, 1, [_ref(c) for c in cases.values()], device="cpu", timeout=300)[0]
+    ref = dict(zip(cases, refs))
+    two = launch(train_cases, 2, list(CASES2.values()), device="cpu", timeout=300)
+    four = launch(train_cases, 4, list(CASES4.values()), device="cpu", timeout=300)
+    for results, names in ((two, CASES2), (four, CASES4)):
+        for rank_results in results:
+            for name, got in zip(names, rank_results):
+                _assert_same(got, ref[name], clipped=cases[name][3] > 0)
+                assert got["a2a"] > 0 and got["ep_wire"] > 0, name  # the tokens did travel
+    assert ref["dropless"]["losses"][-1] < ref["dropless"]["losses"][0]  # it learns
+    for name, case in cases.items():  # the clip did act
+        assert not case[3] or min(ref[name]["norms"]) > case[3], name
+    assert sum(rec["dropped_tokens"] for rec in ref["capacity-1.0-aux-z-shared"]["loads"]) > 0
+    assert all(b.abs().sum() > 0 for b in ref["clip-sigmoid-bias"]["biases"].values())
