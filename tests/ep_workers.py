@@ -59,3 +59,39 @@ def train_case(cfg, plan, steps: int, grad_clip: float = 0.0) -> dict:
 
 def train_cases(cases: list) -> list:
     return [train_case(*case) for case in cases]
+
+
+def a2a_checks() -> dict:
+    """`comm.all_to_all` with uneven splits on the whole job as one ep group, traced; the differentiable
+    version's backward; a bad split list refused before anything is issued."""
+    from mini3d.comm import DeviceMismatch
+    from mini3d.ep import all_to_all
+
+    topo = build_topology(Grid(dp=dist.get_world_size(), ep=dist.get_world_size()), dist.get_rank())
+    ep, r, n = topo.ep, topo.ep.index, topo.ep.size
+    send = [r + j + 1 for j in range(n)]  # rank r sends r + j + 1 rows to member j
+    recv = [j + r + 1 for j in range(n)]  # and receives j + r + 1 rows from member j
+    x = torch.cat([torch.full((k, 3), 100.0 * r + j, device="cpu") for j, k in enumerate(send)])
+    x.requires_grad_(True)
+    y = all_to_all(x, ep, recv, send)
+    (y * torch.arange(1.0, y.shape[0] + 1, device="cpu")[:, None]).sum().backward()
+    ev = [e for e in topo.log.events if e.op == "all_to_all"]
+    out = {"y": y.detach()[:, 0].tolist(), "grad": x.grad[:, 0].tolist(),
+           "events": [(e.axis, e.seq, e.shape, e.bytes, e.wire_bytes, e.splits) for e in ev],
+           "bytes": topo.log.bytes_by_axis["ep"], "wire": topo.log.wire_bytes_by_axis["ep"]}
+    try:
+        comm.all_to_all(torch.zeros(n, 3, device="cpu"), torch.zeros(n + 1, 3, device="cpu"), ep,
+                        [1] * n, [1] * n)
+    except ValueError as e:
+        out["bad_splits"] = str(e)
+    try:
+        comm.all_to_all(torch.zeros(3, 2, device="meta"), torch.zeros(3, 2, device="cpu"), ep)
+    except DeviceMismatch as e:
+        out["device"] = str(e)
+    out["after"] = len([e for e in topo.log.events if e.op == "all_to_all"])
+    return out
+
+
+def a2a_and_cases(cases: list) -> tuple:
+    """`a2a_checks` then `train_cases` in one launch."""
+    return a2a_checks(), train_cases(cases)

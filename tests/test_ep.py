@@ -104,13 +104,46 @@ CASES4 = {
 }
 
 
+# ---- the traced all-to-all ---------------------------------------------------------------------
+def _check_all_to_all(res: list):
+    """`comm.all_to_all` with uneven splits (rank r sends r + j + 1 rows to member j) is traced
+    (event, bytes, wire bytes, splits), its differentiable version's backward is the reverse
+    exchange, bad splits and a wrong device are refused before anything is issued."""
+    n = len(res)
+    for r, out in enumerate(res):
+        # from member j: j + r + 1 rows of value 100 j + r (its block for r)
+        want = [100.0 * j + r for j in range(n) for _ in range(j + r + 1)]
+        assert out["y"] == want
+        # the gradient of row i of y is i + 1; it returns to the row's sender, in its order
+        got = []
+        for j in range(n):  # member j received r + j + 1 rows from r, at j's offset of block r
+            start = sum(m + j + 1 for m in range(r))
+            got += [float(start + i + 1) for i in range(r + j + 1)]
+        assert out["grad"] == got, r
+        fwd, bwd = out["events"]
+        rows_out, rows_in = sum(r + j + 1 for j in range(n)), sum(j + r + 1 for j in range(n))
+        assert fwd == ("ep", 1, (rows_out, 3), rows_out * 12, (rows_out - 2 * r - 1) * 12,
+                       (tuple(r + j + 1 for j in range(n)), tuple(j + r + 1 for j in range(n))))
+        assert bwd[0] == "ep" and bwd[1] == 2 and bwd[2] == (rows_in, 3)  # same kind: seq 2
+        assert bwd[5] == (fwd[5][1], fwd[5][0])  # the reverse exchange
+        assert out["bytes"] == fwd[3] + bwd[3] and out["wire"] == fwd[4] + bwd[4]
+        assert f"input_splits={[1] * n}" in out["bad_splits"] and f"{n + 1} rows" in out["bad_splits"]
+        assert "meta" in out["device"] and "all_to_all on the ep axis" in out["device"]
+        assert out["after"] == 2  # neither refused op was recorded or issued
+
+
 @pytest.mark.timeout(400)
 def test_ep_equals_the_one_process_run():
+    """Every case of CASES2 / CASES4 against its one-process reference (see the module
+    docstring); the 4-rank launch also checks the traced all-to-all (`_check_all_to_all`)."""
+    from tests.ep_workers import a2a_and_cases
+
     cases = {**CASES2, **CASES4}
     refs = launch(train_cases, 1, [_ref(c) for c in cases.values()], device="cpu", timeout=300)[0]
     ref = dict(zip(cases, refs))
     two = launch(train_cases, 2, list(CASES2.values()), device="cpu", timeout=300)
-    four = launch(train_cases, 4, list(CASES4.values()), device="cpu", timeout=300)
+    a2a, four = zip(*launch(a2a_and_cases, 4, list(CASES4.values()), device="cpu", timeout=300))
+    _check_all_to_all(list(a2a))
     for results, names in ((two, CASES2), (four, CASES4)):
         for rank_results in results:
             for name, got in zip(names, rank_results):
@@ -121,3 +154,59 @@ def test_ep_equals_the_one_process_run():
         assert not case[3] or min(ref[name]["norms"]) > case[3], name
     assert sum(rec["dropped_tokens"] for rec in ref["capacity-1.0-aux-z-shared"]["loads"]) > 0
     assert all(b.abs().sum() > 0 for b in ref["clip-sigmoid-bias"]["biases"].values())
+
+
+# ---- the command line --------------------------------------------------------------------------
+BRIEF = ["train", "--family", "llama", "--kv-heads", "2", "--experts", "4", "--top-k", "2"]
+
+
+@pytest.mark.timeout(400)
+def test_cli_dp2_ep2_equals_the_one_process_run(tmp_path):
+    """The command line verbatim (float32, the default model, 3 steps) against one process
+    running the two dp slices as two micro-batches: losses within 1e-4, the load report equal."""
+    import json
+
+    from tests.test_train_cli import run_cli
+
+    logs = {}
+    for name, extra in (("ep", ["--dp", "2", "--ep", "2"]), ("one", ["--micro-batches", "2"])):
+        logs[name] = tmp_path / f"{name}.jsonl"
+        r = run_cli(*BRIEF, *extra, "--steps", "3", "--log-jsonl", str(logs[name]), timeout=300)
+        assert r.returncode == 0, r.stderr
+    recs = {k: [json.loads(line) for line in v.read_text().splitlines()] for k, v in logs.items()}
+    assert [x["loss"] for x in recs["ep"]] == pytest.approx([x["loss"] for x in recs["one"]],
+                                                             rel=1e-4, abs=1e-4)
+    for a, b in zip(recs["ep"], recs["one"]):
+        assert {k: v for k, v in a.items() if k.startswith("expert_load") or k == "dropped_tokens"} \
+            == {k: v for k, v in b.items() if k.startswith("expert_load") or k == "dropped_tokens"}
+        assert "expert_load_max" in a
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--dp", "2", "--tp", "2"], "tp=2"), (["--pp", "2"], "pp=2"), (["--cp", "2"], "cp=2"),
+    (["--zero", "3"], "zero=3"), (["--save", "/nonexistent/ckpt"], "--save"),
+    (["--sample-every", "1"], "--sample-every")])
+def test_ep_combinations_not_built_yet_are_refused(flags, named, capsys):
+    from mini3d import cli
+
+    assert cli.main([*BRIEF, "--dp", "2", "--ep", "2", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "ep=2" in err
+
+
+def test_dry_run_records_the_all_to_alls(capsys):
+    from mini3d.config import Plan
+    from mini3d.run.dryrun import record_programs
+
+    cfg = dataclasses.replace(BASE, n_layers=2)
+    progs, grid = record_programs(cfg, Plan(dp=4, ep=4, global_batch=4, seq_len=16))
+    assert grid.ep == 4  # ep is kept whole (dp is capped at 2 only without it)
+    for prog in progs:
+        a2a = [op for what, _, op in prog if what == "issue" and op[2].startswith("all_to_all")]
+        # per MoE layer: counts, dispatch, combine forward; combine, dispatch backward
+        assert len(a2a) == 2 * 5 and all(op[1] == ("ep", (0, 1, 2, 3)) for op in a2a)
+    from mini3d.cli import main
+
+    assert main([*BRIEF, "--dp", "2", "--ep", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "ep groups: [0, 1]" in out and "deadlock-free" in out

@@ -29,6 +29,7 @@ from itself and 2 from rank 1 ([1, 1]: one for expert 0, one for expert 1); its 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from mini3d import comm
 
@@ -64,9 +65,16 @@ def exchange_counts(counts: torch.Tensor, axis) -> torch.Tensor:
     rank's counts per expert (E,) (an all-to-all of one row of the count table per member)."""
     n = axis.size
     mine = counts.view(n, -1).contiguous()
-    theirs = torch.zeros_like(mine)  # zeros: a fake process group (the dry run) leaves it as is
+    theirs = torch.empty_like(mine)
     comm.all_to_all(theirs, mine, axis)
+    if _recording_only(axis):  # the dry run's fake group moves no data: as if every member
+        return mine.clone()  # routed as this one, so the recorded exchanges have consistent sizes
     return theirs
+
+
+def _recording_only(axis) -> bool:
+    """Is the axis' group torch's fake backend (mini3d.run.dryrun records on it)?"""
+    return axis.group is not None and dist.get_backend(axis.group) == "fake"
 
 
 def by_local_expert(recv: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,7 @@ def record_rank(cfg, plan, rank: int, grad_clip: float = 0.0) -> list[tuple]:
     from mini3d.cp import chunk_micro_batches
     from mini3d.run.train import Trainer
 
-    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
     with fake_process_group(rank, grid.world_size):
         log = RecordingLog(rank)
         topo = build_topology(grid, rank, "cpu", log=log)
@@ -110,7 +110,7 @@ def as_op(ev: dict) -> tuple:
 def recording_setup(cfg, plan) -> tuple:
     """(model, plan) the step is recorded with: tp and dp capped at CAP; above RECORD_MAX_PARAMS a
     narrow copy of the model and short sequences (see the module docstring)."""
-    t, d = min(plan.tp, CAP), min(plan.dp, CAP)
+    t, d = min(plan.tp, CAP), min(plan.dp, max(CAP, plan.ep))  # ep (out of dp) kept whole
     small = plan.replace(tp=t, dp=d, global_batch=plan.micro_batch_size * plan.micro_batches * d)
     if cfg.n_params() <= RECORD_MAX_PARAMS:
         return cfg, small
@@ -123,7 +123,7 @@ def recording_setup(cfg, plan) -> tuple:
 def record_programs(cfg, plan, grad_clip: float = 0.0) -> tuple[list[list[tuple]], Grid]:
     """Every rank's recorded program (simulator form) on the recording grid, and that grid."""
     cfg, plan = recording_setup(cfg, plan)
-    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
     progs = [[(what, eid, as_op(ev)) for what, eid, ev in record_rank(cfg, plan, r, grad_clip)]
              for r in range(grid.world_size)]
     return progs, grid
@@ -188,7 +188,7 @@ def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
 
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:
     """Print the map, the recorded step's verdict, memory and bubble for a validated plan; 0 or 1."""
-    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
     cp = f"cp={plan.cp} " if plan.cp > 1 else ""
     out(f"dry run: {cfg.name} ({cfg.n_params() / 1e6:,.1f} M parameters) on tp={plan.tp} "
         f"{cp}pp={plan.pp} dp={plan.dp} ({plan.world_size} ranks); plan is valid")
