@@ -210,3 +210,7 @@ def test_dry_run_records_the_all_to_alls(capsys):
     assert main([*BRIEF, "--dp", "2", "--ep", "2", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "ep groups: [0, 1]" in out and "deadlock-free" in out
+    # the default model: 4 MoE layers, one micro-batch of 4 x 64 tokens per rank, d_model 64:
+    # 5 all-to-alls per layer (the counts, then 4 as recorded above), each sending
+    # 256 x top_k 2 x 1/2 x 64 x 4 B = 64 KiB of rows under balanced routing: 4 x 4 x 64 KiB
+    assert "20 all-to-alls on the ep group" in out and "sending 1.00 MiB" in out

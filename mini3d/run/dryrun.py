@@ -14,7 +14,12 @@
    per pair and per communicator in issue order, a send waiting for its receive, batches as units,
    pair communicators joined on first use): if every rank's program ends, no rank of one step
    waits forever under those rules (nor under gloo's, which are looser);
-5. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble.
+5. print the memory estimate per pipeline stage (`mini3d.cost.memory`) and the bubble; with
+   expert parallelism, the all-to-alls per step and their bytes (`all_to_all_line`).
+
+With ep > 1 the recorded grid keeps the whole ep group (dp is capped at max(2, ep)); the fake group
+moves no data, so each rank takes its peers' expert counts to be its own (mini3d.ep.dispatch): the
+order and groups of the all-to-alls are the real ones, their sizes are not.
 
 Every tp group and every dp replica runs the same program, so two members show every cross-group
 interaction that more would. A model above `RECORD_MAX_PARAMS` is recorded on a narrow copy
@@ -186,6 +191,28 @@ def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
                f"communicators joined on first use)")
 
 
+def all_to_all_line(cfg, plan) -> str | None:
+    """Expert parallelism's traffic per rank and step (ep > 1): the all-to-alls the recorded step
+    issues and the bytes they send under balanced routing (`mini3d.cost.moe`, the one formula;
+    dropless, so an upper bound with a capacity factor). None without ep."""
+    from mini3d.cost.moe import A2A_PER_LAYER, a2a_bytes_per_micro_batch, experts_per_rank
+
+    if plan.ep == 1 or not cfg.n_experts:
+        return None
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    tokens = plan.micro_batch_size * plan.seq_len // plan.cp
+    nbytes = {"float32": 4, "bf16": 2, "float64": 8}[plan.dtype]
+    sent = plan.micro_batches * a2a_bytes_per_micro_batch(tokens, cfg.d_model, cfg.top_k, plan.ep,
+                                                          nbytes, layers)
+    ops = plan.micro_batches * layers * (A2A_PER_LAYER + 1)  # + the counts exchange
+    return (f"expert parallelism: ep={plan.ep}, {experts_per_rank(cfg.n_experts, plan.ep)} of "
+            f"{cfg.n_experts} experts per rank in each of {layers} MoE layers; per rank and step "
+            f"{ops} all-to-alls on the ep group ({A2A_PER_LAYER} per MoE layer and micro-batch: "
+            f"dispatch and combine, forward and backward, + the counts exchange), sending "
+            f"{sent / 2**20:,.2f} MiB under balanced routing ({tokens} tokens x top_k={cfg.top_k} "
+            f"x (ep-1)/ep x d_model={cfg.d_model} x {nbytes} B per all-to-all: mini3d.cost.moe)")
+
+
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:
     """Print the map, the recorded step's verdict, memory and bubble for a validated plan; 0 or 1."""
     grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
@@ -196,6 +223,8 @@ def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: f
     out(schedule_note(plan))
     status, line = communication_line(cfg, plan, grad_clip)
     out(line)
+    if all_to_all_line(cfg, plan):
+        out(all_to_all_line(cfg, plan))
     for line in memory_lines(cfg, plan):
         out(line)
     out(bubble_line(plan))
