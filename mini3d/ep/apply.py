@@ -9,6 +9,9 @@ mini3d.dp.ddp, "Expert parallelism") and routes the layer's expert call through 
 (The full stacked tensors of a stage exist on every rank for a moment, between the reference
 initialisation and this slicing; `materialize_reference` draws them whole.)
 
+`gather_experts` / `slice_experts`: between an expert slice and the full stacked tensor, for
+checkpoints (mini3d.checkpoint.state saves the full tensors, so any layout resumes from them).
+
 `clip_grad_norm_ep`: the global norm over the unsharded model. Dense pieces as usual (replicated
 over dp x cp, or ZeRO shards summed over it); expert pieces are distinct per ep rank, so their
 squares are summed over ep (ZeRO-0: replicated over edp) or over dp x cp = ep x edp (ZeRO >= 1:
@@ -46,6 +49,24 @@ def apply_ep(module: nn.Module, topo) -> None:
             new.ep_expert = True
             m.experts._parameters[key] = new
         m.dispatch = ExpertDispatch(m.experts, ep)
+
+
+def gather_experts(p, value: torch.Tensor, topo) -> torch.Tensor:
+    """The full stacked tensor (E, ...) of expert slice `p`'s `value` (its weight or a moment;
+    all-gathered over ep along dim 0, collective); any other parameter's value as it is."""
+    if not getattr(p, "ep_expert", False) or topo.ep.size == 1:
+        return value
+    value = value.contiguous()
+    full = value.new_empty((topo.ep.size * value.shape[0],) + tuple(value.shape[1:]))
+    comm.all_gather(full, value, topo.ep)
+    return full
+
+
+def slice_experts(p, full: torch.Tensor, topo) -> torch.Tensor:
+    """Inverse of `gather_experts`: this ep rank's rows of a full stacked tensor (no communication)."""
+    if not getattr(p, "ep_expert", False) or topo.ep.size == 1:
+        return full
+    return full[expert_slice(full.shape[0], topo.ep.size, topo.ep.index)]
 
 
 def is_expert(group) -> bool:
