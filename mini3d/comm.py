@@ -10,7 +10,9 @@ Two byte counts are kept per event:
 * `bytes`: the payload, i.e. the size of the (full) tensor the op is about;
 * `wire_bytes`: what one rank sends under the bandwidth-optimal ring algorithm, for a group of n:
   all-reduce 2 (n-1)/n * bytes (a reduce-scatter then an all-gather), all-gather and reduce-scatter
-  (n-1)/n * bytes of the full tensor, broadcast bytes (pipelined), send = bytes, recv = 0.
+  (n-1)/n * bytes of the full tensor, broadcast bytes (pipelined), send = bytes, recv = 0;
+  all-to-all (`all_to_all`, expert parallelism's token exchange): the rows this rank sends to the
+  other members (its own block stays home), whatever the algorithm.
 
 Ops on a one-member group return at once and record nothing: there is nothing to communicate.
 
@@ -32,6 +34,8 @@ The wrappers are thin on purpose; the cost is one small object and two clock rea
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -89,7 +93,8 @@ DONE = _Done()
 SKIP = object()  # returned by a fault hook: do not issue this op at all (see diagnose/faults.py)
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier")  # the rest is p2p
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+               "all_to_all")  # the rest is p2p
 
 
 def ring_steps(op: str, n: int) -> int:
@@ -140,11 +145,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, after=None):
+def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, after=None,
+         splits=None):
     """Record, issue `fn(tensor)` (always asynchronously: it returns a Work), and wait for it
-    unless the caller asked for `async_op` (then the caller waits through TracedWork)."""
+    unless the caller asked for `async_op` (then the caller waits through TracedWork). `splits`:
+    an all-to-all's (input, output) split sizes, kept on the event (for explain-hang)."""
     log = axis.log
     eid, ev = log.begin(axis, op, tensor, nbytes, wire, peer, seq_key)
+    ev.splits = splits
     if log.fault is not None:
         tensor = log.fault(ev, tensor)
         if tensor is SKIP:
@@ -210,6 +218,42 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, axis, op: str = "s
                 lambda t: _reduce_scatter(output, t, op=_REDUCE["sum"], group=axis.group,
                                           async_op=True),
                 async_op, after=after)
+
+
+def _splits(name: str, splits, rows: int, n: int, axis) -> list[int]:
+    """Split sizes along dim 0, one per member (equal when None), checked against `rows`."""
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"all_to_all on the {axis.name} axis {list(axis.ranks)}: {rows} rows "
+                             f"do not split equally over {n} members (give {name})")
+        return [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
+        raise ValueError(f"all_to_all on the {axis.name} axis {list(axis.ranks)}: {name}={splits} "
+                         f"must be {n} sizes >= 0 summing to the tensor's {rows} rows")
+    return splits
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, axis, output_splits=None,
+               input_splits=None, async_op: bool = False, dtype: torch.dtype | None = None):
+    """Member i sends rows input_splits[j] (its j-th block of dim 0, by axis index) to member j
+    and receives member j's block for it into rows output_splits[j] of `output` (equal blocks
+    when the splits are None). The sizes must agree across the group (what i sends j is what j
+    expects from i); mini3d's MoE dispatch exchanges them first. The event's `bytes` is the input
+    tensor, `wire_bytes` the rows that leave this rank; the event keeps the splits."""
+    check_tensors(axis, "all_to_all", output, input, dtype=dtype)
+    n = axis.size
+    ins = _splits("input_splits", input_splits, input.shape[0] if input.dim() else 0, n, axis)
+    outs = _splits("output_splits", output_splits, output.shape[0] if output.dim() else 0, n, axis)
+    if n == 1:
+        output.copy_(input)
+        return DONE if async_op else None
+    row = input.element_size() * (math.prod(input.shape[1:]) if input.dim() else 1)
+    b, wire = _nbytes(input), (sum(ins) - ins[axis.index]) * row
+    return _run(axis, "all_to_all", input, b, wire,
+                lambda t: dist.all_to_all_single(output, t, outs, ins, group=axis.group,
+                                                 async_op=True),
+                async_op, splits=(tuple(ins), tuple(outs)))
 
 
 def broadcast(tensor: torch.Tensor, axis, src_index: int = 0, async_op: bool = False):

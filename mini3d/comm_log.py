@@ -55,7 +55,7 @@ def _p2p_entry(what: str, eid: int, log, ev) -> None:
 class Event:
     rank: int  # world rank that issued the op
     axis: str  # tp, pp, dp, mp, embedding or world
-    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier
+    op: str  # all_reduce, all_gather, reduce_scatter, broadcast, send, recv, barrier, all_to_all
     seq: int  # per (axis, op-kind) sequence number on this rank: equal across a group's members
     group: tuple  # world ranks of the group
     shape: tuple
@@ -67,6 +67,7 @@ class Event:
     peer: int | None = None  # p2p partner (world rank)
     context: dict = field(default_factory=dict)  # e.g. {"step": 3, "action": "F1", "mb": 2}
     batch: int | None = None  # p2p ops issued as one batch_isend_irecv group share it
+    splits: tuple | None = None  # all_to_all: (input split sizes, output split sizes), by member
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}

@@ -35,6 +35,23 @@ Worked example with context parallelism: 8 ranks, tp=2, cp=2, pp=2, order "tp-cp
                                                        same weights, so they sync like dp replicas
     mp groups        [0, 1, 4, 5] [2, 3, 6, 7]         one model replica (tp x pp); the sequence is
                                                        split over cp, so a replica is tp x cp x pp
+
+Worked example with expert parallelism: 8 ranks, tp=2, dp=4, ep=2 (cp=1, pp=1). The ep groups are
+carved out of each dp x cp group (sorted by world rank) as dp*cp/ep consecutive runs of ep ranks;
+an edp group holds the ranks at the same position of their ep group (the same experts):
+
+    rank : 0  1  2  3  4  5  6  7
+    tp   : 0  1  0  1  0  1  0  1
+    dp   : 0  0  1  1  2  2  3  3
+    ep   : 0  0  1  1  0  0  1  1        (position in the ep group)
+
+    dp groups        [0, 2, 4, 6] [1, 3, 5, 7]      dense gradients, as without ep
+    ep groups        [0, 2] [1, 3] [4, 6] [5, 7]      the MoE layers' token all-to-alls; each
+                                                       member holds n_experts/ep of the experts
+    edp groups       [0, 4] [1, 5] [2, 6] [3, 7]      expert gradients (ranks holding the same
+                                                       experts): |edp| = dp*cp/ep
+
+With ep=1 the ep groups are single ranks and edp is dp x cp itself.
 """
 
 from __future__ import annotations
@@ -61,8 +78,12 @@ class Grid:
     """Pure description of the rank grid (no process groups): coordinates and group membership."""
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, order: str = DEFAULT_ORDER,
-                 cp: int = 1):
+                 cp: int = 1, ep: int = 1):
         self.sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+        if ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} (the ep ranks are "
+                             f"carved out of dp x cp)")
+        self.ep = ep  # not an axis of the view: ep and edp groups are read off the dp x cp groups
         self.order = _parse_order(order)  # fastest-varying axis first
         self.world_size = tp * cp * pp * dp
         slow_to_fast = tuple(reversed(self.order))
@@ -70,12 +91,16 @@ class Grid:
         self.ranks = torch.arange(self.world_size, device="cpu").view(*(self.sizes[a] for a in slow_to_fast))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """{'tp': i, 'pp': j, 'dp': k} of a world rank, and 'cp': c when cp > 1 (so layouts without
-        context parallelism report the coordinates they always did)."""
+        """{'tp': i, 'pp': j, 'dp': k} of a world rank, and 'cp': c when cp > 1, 'ep': the position
+        in its ep group when ep > 1 (so layouts without them report the coordinates they always
+        did)."""
         idx = (self.ranks == rank).nonzero()
         if idx.numel() == 0:
             raise ValueError(f"rank {rank} is outside a grid of {self.world_size} ranks")
-        return {a: int(i) for a, i in zip(self._dims, idx[0]) if a != "cp" or self.sizes["cp"] > 1}
+        out = {a: int(i) for a, i in zip(self._dims, idx[0]) if a != "cp" or self.sizes["cp"] > 1}
+        if self.ep > 1:
+            out["ep"] = self.group_of(rank, "ep").index(rank)
+        return out
 
     def rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         c = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
@@ -86,7 +111,17 @@ class Grid:
 
         Axes: tp, cp, pp, dp; `mp` (tp x pp: the ranks that hold one model replica's weights
         together, at one cp coordinate); `dp_cp` (cp x dp: the ranks holding the same weights, over
-        which parameter gradients are summed); `embedding` (first and last stage)."""
+        which parameter gradients are summed); `embedding` (first and last stage); `ep` (each dp_cp
+        group, by world rank, cut into runs of ep ranks: the MoE all-to-all groups) and `edp` (the
+        ranks at one position of their ep groups in one dp_cp group: expert gradients)."""
+        if axis in ("ep", "edp"):
+            ep, out = self.ep, []
+            for g in self._span(("dp", "cp")):
+                if axis == "ep":
+                    out += [g[i:i + ep] for i in range(0, len(g), ep)]
+                else:
+                    out += [g[j::ep] for j in range(ep)]
+            return sorted(out)
         if axis in AXES:
             return self._span((axis,))
         if axis == "mp":
@@ -127,18 +162,21 @@ class Grid:
 
     def describe(self, gpus_per_node: int | None = None) -> str:
         """A printable rank map; flags tp groups (and notes cp groups) that cross a node boundary.
-        The cp axis is shown only when cp > 1."""
+        The cp axis is shown only when cp > 1, the ep position and the ep / edp groups when ep > 1."""
         s = self.sizes
         shown = tuple(a for a in AXES if a != "cp" or s["cp"] > 1)
         lines = [" ".join(f"{a}={s[a]}" for a in ("tp",) + shown[1:] if a in shown)]
         lines[0] = (f"grid {lines[0]} (world {self.world_size}, order "
                     f"{'-'.join(a for a in self.order if a in shown)}, fastest first)")
         lines.append("rank  " + " ".join(f"{r:>3}" for r in range(self.world_size)))
-        for a in shown:
+        if self.ep > 1:
+            lines[0] += f", ep={self.ep} out of dp x cp"
+        for a in shown + (("ep",) if self.ep > 1 else ()):
             lines.append(f"{a:<5} " + " ".join(f"{self.coords(r)[a]:>3}" for r in range(self.world_size)))
         if gpus_per_node:
             lines.append("node  " + " ".join(f"{r // gpus_per_node:>3}" for r in range(self.world_size)))
-        for a in shown + ("mp",) + (("dp_cp",) if s["cp"] > 1 else ()):
+        for a in shown + ("mp",) + (("dp_cp",) if s["cp"] > 1 else ()) + \
+                (("ep", "edp") if self.ep > 1 else ()):
             lines.append(f"{a} groups: " + " ".join(str(g) for g in self.groups(a)))
         if gpus_per_node:
             lines += self._node_notes(gpus_per_node)
@@ -166,7 +204,7 @@ class Grid:
 class Axis:
     """One rank's view of one axis: its group, members, and position."""
 
-    name: str  # tp, cp, pp, dp, dp_cp, mp or embedding
+    name: str  # tp, cp, pp, dp, dp_cp, mp, embedding, ep or edp
     ranks: tuple[int, ...]  # world ranks of the group, by coordinate along the axis
     index: int  # this rank's position in `ranks`
     group: object = None  # torch ProcessGroup (None when the group has one member)
@@ -215,6 +253,17 @@ class Topology:
         return self.axes["dp"] if self.axes["cp"].size == 1 else self.axes["dp_cp"]
 
     @property
+    def ep(self) -> Axis:
+        """The expert-parallel group (the MoE layers' all-to-alls); one rank when ep = 1."""
+        return self.axes["ep"]
+
+    @property
+    def edp(self) -> Axis:
+        """The ranks holding the same experts (expert gradients are averaged and ZeRO-sharded over
+        it); dp x cp itself when ep = 1."""
+        return self.axes["edp"] if self.grid.ep > 1 else self.dp_cp
+
+    @property
     def coords(self) -> dict[str, int]:
         return self.grid.coords(self.rank)
 
@@ -229,7 +278,8 @@ def build_topology(grid: Grid, rank: int, device: torch.device | str = "cpu", lo
 
     log = log if log is not None else CommLog(rank)
     topo = Topology(grid, rank, torch.device(device), log=log)
-    for name in AXES + ("mp", "embedding") + (("dp_cp",) if grid.sizes["cp"] > 1 else ()):
+    names = AXES + ("mp", "embedding") + (("dp_cp",) if grid.sizes["cp"] > 1 else ())
+    for name in names + ("ep",) + (("edp",) if grid.ep > 1 else ()):  # edp: dp_cp when ep = 1
         mine = None
         for g in grid.groups(name):
             pg = dist.new_group(g) if (make_groups and len(g) > 1) else None
@@ -237,6 +287,8 @@ def build_topology(grid: Grid, rank: int, device: torch.device | str = "cpu", lo
                 mine = (g, pg)
         g, pg = mine if mine else ([rank], None)
         topo.axes[name] = Axis(name, tuple(g), g.index(rank), pg, log, topo.device)
+    if grid.ep == 1:
+        topo.axes["edp"] = topo.dp_cp
     # the whole job; group None is torch's default (world) group
     topo.axes["world"] = Axis("world", tuple(range(grid.world_size)), rank, None, log, topo.device)
     return topo

@@ -1,6 +1,6 @@
 """Between the sharded training state of one rank and the full, named state of a checkpoint.
 
-`gather_full_state` turns this rank's (tp-sliced, ZeRO-sharded) fp32 masters and AdamW moments
+`gather_full_state` turns this rank's (tp-sliced, ep-sliced, ZeRO-sharded) fp32 masters and AdamW moments
 into full tensors keyed by reference parameter name (only writer ranks keep the host copies);
 `restore_full_state` slices full, named tensors back into any layout. The file format, the atomic
 commit and the verification are in `mini3d/checkpoint/store.py`.
@@ -35,6 +35,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
     the dp and tp axes: every rank must call it, but only a rank with `keep` (a writer) builds the
     full host copies; the others take part in each gather and drop its result at once."""
     from mini3d import comm
+    from mini3d.ep import gather_experts
     from mini3d.tp import unshard_like
 
     names = _names(chunks)
@@ -50,9 +51,11 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
             full = shard
             if sharded:
                 full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-                comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO's shard group
+                axis = getattr(group, "axis", topo.dp_cp)  # ZeRO's shard group (experts: edp)
+                comm.all_gather(full, shard.contiguous(), axis)
             for p, local in group.views(full):
                 value = unshard_like(p, local.to(torch.promote_types(local.dtype, torch.float32)), topo)
+                value = gather_experts(p, value, topo)  # ep: the full (E, ...) tensor
                 if not keep:
                     continue
                 value = value.cpu()
@@ -68,6 +71,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
 @torch.no_grad()
 def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, step: int):
     """Load full, named weights and AdamW moments into this rank's (tp-sliced, dp-sharded) state."""
+    from mini3d.ep import slice_experts
     from mini3d.tp import shard_like
 
     names = _names(chunks)
@@ -81,7 +85,7 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
             flat = torch.zeros(group.padded, dtype=master.dtype, device=master.device)
             for p, view in group.views(flat):
                 full = source[names[p]] if key is None else source[names[p]][key]
-                view.copy_(shard_like(p, full.to(master.device), topo))
+                view.copy_(shard_like(p, slice_experts(p, full, topo).to(master.device), topo))
             return flat[group.lo:group.hi] if sharded else flat
 
         master.copy_(local_flat(weights))

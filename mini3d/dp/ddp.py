@@ -23,6 +23,16 @@ bytes per gradient element, in memory and on the wire (`grad_dtype=bf16`: halves
 
 `meter` (a `ledger.GradMeter`) follows every gradient buffer allocated and freed here: `peak` bytes.
 
+Expert parallelism (`expert_axis`): the parameters marked `ep_expert` (a MoE layer's expert
+slices, mini3d.ep) are held by the ranks of one edp group only, so their buckets are separate ones,
+tagged with that axis (`FlatGroup.axis`; the others carry `dp_axis`): their collective runs on edp
+and ZeRO shards them over edp. One wrapper, one launch order and one meter for both kinds keeps
+the hooks, the in-order launches and the ledger as they are; each stage reads `b.axis`. Their
+divisor: a rank's expert gradient already sums the contributions of its whole ep group's tokens
+(the combine's backward brought them), so the mean over the global batch is the edp sum divided
+by dp*cp, not by |edp|: an expert bucket is scaled by |edp| / |dp x cp| = 1/ep (`b.prescale`)
+before its edp average.
+
 Averaging: the collective divides the sum by dp. With the caller scaling each micro-batch loss by
 1/micro_batches, the result equals the single-process gradient of the mean loss over the global batch.
 
@@ -71,8 +81,8 @@ class BucketStage(ZeroStage):
     what differs (its collective in `launch`, its shards, its parameter gather)."""
 
     def wrap(self, module: nn.Module, dp_axis, param_dtype=None, grad_dtype=None,
-             bucket_mb: float = 1.0) -> "DataParallel":
-        return DataParallel(module, dp_axis, self, bucket_mb, param_dtype, grad_dtype)
+             bucket_mb: float = 1.0, expert_axis=None) -> "DataParallel":
+        return DataParallel(module, dp_axis, self, bucket_mb, param_dtype, grad_dtype, expert_axis)
 
     def allocate_grads(self, dp: "DataParallel", b: FlatGroup, device):
         """The bucket's persistent gradient storage: here the full buffer (p.grad views of it)."""
@@ -107,16 +117,31 @@ class BucketStage(ZeroStage):
         """The bucket's averaged gradient at full (padded) size (collective: all-gathers shards)."""
         shard = self.grad_shard(b)
         full = torch.empty(b.padded, dtype=shard.dtype, device=shard.device)
-        comm.all_gather(full, shard.clone(), dp.axis)
+        comm.all_gather(full, shard.clone(), b.axis)
         return full
 
 
+def _runs_by_axis(params: list, dp_axis, expert_axis) -> list[tuple]:
+    """[(axis, consecutive parameters)]: maximal runs of dense parameters (on `dp_axis`) and of
+    expert slices (`ep_expert`, on `expert_axis`), in the given order (reverse registration: the
+    runs follow the backward, so expert buckets launch as their layer's gradients arrive)."""
+    out = []
+    for p in params:
+        axis = expert_axis if expert_axis is not None and getattr(p, "ep_expert", False) else dp_axis
+        if out and out[-1][0] is axis:
+            out[-1][1].append(p)
+        else:
+            out.append((axis, [p]))
+    return out
+
+
 class DataParallel(GradSyncWrapper):
-    """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis`, as the
-    ZeRO `stage` (a `BucketStage`: 0, 1 or 2) says."""
+    """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis` (expert
+    slices over `expert_axis`), as the ZeRO `stage` (a `BucketStage`: 0, 1 or 2) says."""
 
     def __init__(self, module: nn.Module, dp_axis, stage: BucketStage, bucket_mb: float = 1.0,
-                 param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
+                 expert_axis=None):
         super().__init__()
         if not isinstance(stage, BucketStage):
             raise ValueError(f"DataParallel handles the flat-bucket ZeRO stages 0, 1 or 2, got {stage!r}")
@@ -130,12 +155,16 @@ class DataParallel(GradSyncWrapper):
         self._views = not stage.shards_gradients and not separate  # p.grad views the full buffer
         self.meter = GradMeter()
         device = params[0].device
-        n, idx = stage.shard_of(dp_axis)
-        runs = split_into_buckets(list(reversed(params)), int(bucket_mb * 2**20))
+        self.buckets = []
+        for axis, run in _runs_by_axis(list(reversed(params)), dp_axis, expert_axis):
+            n, idx = stage.shard_of(axis)
+            for r in split_into_buckets(run, int(bucket_mb * 2**20)):
+                b = FlatGroup(len(self.buckets), r, n, idx)
+                b.axis, b.prescale = axis, (1.0 if axis is dp_axis else axis.size / dp_axis.size)
+                self.buckets.append(b)
         # one replica whose p.grad are views of the buckets has nothing to reduce or move: no
         # hooks (their Python, per parameter and step, is a few percent of a small model's step)
-        hooked = dp_axis.size > 1 or not self._views
-        self.buckets = [FlatGroup(i, r, n, idx) for i, r in enumerate(runs)]
+        hooked = any(b.axis.size > 1 or b.prescale != 1.0 for b in self.buckets) or not self._views
         self._bucket_of = {}
         for b in self.buckets:
             wide = torch.float64 if self.param_dtype == torch.float64 else torch.float32
@@ -212,6 +241,8 @@ class DataParallel(GradSyncWrapper):
                 self.buckets[self._next].ready == len(self.buckets[self._next].params):
             b = self.buckets[self._next]
             b.launched = True
+            if b.prescale != 1.0:  # expert bucket: the edp average, divided by dp*cp (see above)
+                self.strategy.grad_buffer(self, b).mul_(b.prescale)
             self.in_flight.add(*self.strategy.launch(self, b))
             self._next += 1
 

@@ -137,18 +137,20 @@ class ShardedOptimizer:
                 "optimizer_scalars": scalars}
 
 
-def make_dp(module: nn.Module, dp_axis, plan, optimizer_factory):
+def make_dp(module: nn.Module, dp_axis, plan, optimizer_factory, expert_axis=None):
     """(wrapped module, optimizer) for `plan.zero` in 0-3 and `plan.dtype` over `dp_axis`.
 
     The wrapper has forward, no_sync(), finish_grad_sync(), full_params(), full_grads(); the
     optimizer has step() and zero_grad(). `module` may be a whole model, a pipeline stage or a
-    tensor-parallel shard: only its local parameters are synchronised over the dp axis."""
+    tensor-parallel shard: only its local parameters are synchronised over the dp axis; the expert
+    slices of expert parallelism (`ep_expert`) over `expert_axis` (edp; ddp.py), ZeRO-0-2 only."""
     stage = zero_stage(plan.zero)
     grad = getattr(plan, "grad_dtype", "float32")
     for name, value in (("dtype", plan.dtype), ("grad_dtype", grad)):
         if value not in DTYPES:
             raise ValueError(f"{name}={value!r} is unknown (choose {', '.join(DTYPES)})")
     dtype, grad_dtype = DTYPES[plan.dtype], DTYPES[grad] if plan.dtype == "bf16" else None
+    extra = {} if expert_axis is None else {"expert_axis": expert_axis}
     wrapper = stage.wrap(module, dp_axis, param_dtype=dtype, grad_dtype=grad_dtype,
-                         bucket_mb=plan.bucket_mb)
+                         bucket_mb=plan.bucket_mb, **extra)
     return wrapper, ShardedOptimizer(wrapper, optimizer_factory)

@@ -20,7 +20,7 @@ class Zero0(BucketStage):
     param_gather = "never"
 
     def launch(self, dp, b):
-        return comm.all_reduce(b.grad_buf, dp.axis, op="avg", async_op=True), None
+        return comm.all_reduce(b.grad_buf, b.axis, op="avg", async_op=True), None
 
     def param_shard(self, b):
         return b.param_buf

@@ -27,10 +27,10 @@ class Zero1(BucketStage):
     param_gather = "after_step"
 
     def launch(self, dp, b):
-        return reduce_scatter_in_place(b, b.grad_buf, dp.axis), None
+        return reduce_scatter_in_place(b, b.grad_buf, b.axis), None
 
     def gather_params(self, dp):
         """All-gather every bucket's updated parameter shard (all issued, then all waited)."""
-        for w in [comm.all_gather(b.param_buf, b.param_buf[b.lo:b.hi].clone(), dp.axis,
+        for w in [comm.all_gather(b.param_buf, b.param_buf[b.lo:b.hi].clone(), b.axis,
                                   async_op=True) for b in dp.buckets]:
             w.wait()

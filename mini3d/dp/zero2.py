@@ -42,7 +42,7 @@ class Zero2(Zero1):
         return b.grad_buf
 
     def launch(self, dp, b):
-        work = reduce_scatter_in_place(b, b.grad_buf, dp.axis)
+        work = reduce_scatter_in_place(b, b.grad_buf, b.axis)
 
         def finish(b=b):  # add into the shard, free the full-size transient buffer
             b.grad_shard.add_(b.grad_buf[b.lo:b.hi])

@@ -21,7 +21,8 @@ otherwise: the same numbers (tests/test_moe.py).
 
 Capacity (`capacity_factor` C > 0): expert e takes at most ceil(C * N * k / E) of its assignments,
 those with the largest router weights (Megatron's "probs" drop policy); the rest are dropped (the
-token keeps its other experts and the residual). C = 0 is dropless.
+token keeps its other experts and the residual). C = 0 is dropless. Under expert parallelism (mini3d.ep) each rank applies it to its own tokens
+(N is the rank's), as the one-process run does to each micro-batch.
 
 Losses (`router_loss`, added to the model's loss by `GPT.forward`): the switch-style
 load-balancing loss E * sum_e f_e P_e, with f_e the fraction of token-slots routed to e and P_e
@@ -179,6 +180,7 @@ class MoE(nn.Module):
         self.shared = mlp_class(dataclasses.replace(cfg, d_ff=width)) if width else None
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         self.stats = None
+        self.dispatch = None  # expert parallelism: mini3d.ep's ExpertDispatch runs the experts
 
     def forward(self, x):
         B, T, d = x.shape
@@ -196,7 +198,7 @@ class MoE(nn.Module):
         order = torch.argsort(e, stable=True)
         e, w, tok = e[order], w[order], tok[order]
         counts = torch.bincount(e, minlength=E)  # tokens each expert processes
-        out = self.experts(flat[tok], counts) * w[:, None]
+        out = (self.dispatch or self.experts)(flat[tok], counts) * w[:, None]
         y = flat.new_zeros(N, d).index_add(0, tok, out)
         if self.shared is not None:
             y = y + self.shared(flat)

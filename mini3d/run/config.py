@@ -119,7 +119,7 @@ class RunConfig:
             out.append(data_problem)
         out += self._tokenizer_problems(data_problem is None)
         out += self._run_problems()
-        return out + self._moe_problems()
+        return out + self._moe_problems() + self._ep_problems()
 
     def _moe_problems(self) -> list[str]:
         """MoE layers run whole (router, experts, shared experts) on every tp rank and compose with
@@ -140,6 +140,32 @@ class RunConfig:
                        f"would cap the experts over its own part of the tokens, not the "
                        f"micro-batch's as one process does; use capacity_factor=0 (dropless) or "
                        f"leave out {' and '.join(split)}")
+        return out
+
+    def _ep_problems(self) -> list[str]:
+        """Expert parallelism (ep > 1) runs with dp (and cp's ranks as token holders) and ZeRO-0-2;
+        its combinations with tp/pp/cp/sp land with the MoE splits (branch h-moe-splits); ZeRO-3,
+        the Hugging Face import and the samples later. Checkpoints hold the full experts."""
+        p = self.plan
+        if p.ep == 1 or not self.model.n_experts:
+            return []
+        bad = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1]
+        bad += ["sequence_parallel"] * p.sequence_parallel
+        out = []
+        if bad:
+            out.append(f"ep={p.ep} with {', '.join(bad)} is refused for now: expert parallelism "
+                       f"composes with tp/pp/cp/sp once the MoE splits land (h-moe-splits); use "
+                       f"--ep with --dp only (ep divides dp)")
+        if p.zero == 3:
+            out.append(f"ep={p.ep} with zero=3 is refused: ZeRO-3 does not shard expert slices over "
+                       f"edp yet; use --zero 1 or 2 with --ep")
+        untested = [f"--{n.replace('_', '-')}" for n in ("init_from_hf", "sample_every")
+                    if getattr(self, n)]
+        if untested:
+            out.append(f"ep={p.ep} with {', '.join(untested)} is refused for now (the Hugging Face "
+                       f"import and the samples are not checked under expert parallelism yet); "
+                       f"train with --ep without them (checkpoints work: --save / --resume), or "
+                       f"with --ep 1")
         return out
 
     def _tokenizer_problems(self, data_ok: bool) -> list[str]:

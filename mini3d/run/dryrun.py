@@ -19,6 +19,10 @@
    expert parallelism's all-to-alls by `mini3d.cost.comm_time.ep_wire_bytes`, the volume of
    `mini3d.cost.moe`), with the ep axis's groups when ep > 1.
 
+With ep > 1 the recorded grid keeps the whole ep group (dp is raised from the cap until ep divides dp x cp); the fake group
+moves no data, so each rank takes its peers' expert counts to be its own (mini3d.ep.dispatch): the
+order and groups of the all-to-alls are the real ones, their sizes are not.
+
 Every tp group and every dp replica runs the same program, so two members show every cross-group
 interaction that more would. A model above `RECORD_MAX_PARAMS` is recorded on a narrow copy
 (same layers, heads, plan and schedule; small hidden size, vocabulary and sequence): message sizes
@@ -83,7 +87,7 @@ def record_rank(cfg, plan, rank: int, grad_clip: float = 0.0) -> list[tuple]:
     from mini3d.cp import chunk_micro_batches
     from mini3d.run.train import Trainer
 
-    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
     with fake_process_group(rank, grid.world_size):
         log = RecordingLog(rank)
         topo = build_topology(grid, rank, "cpu", log=log)
@@ -130,7 +134,7 @@ def recording_setup(cfg, plan) -> tuple:
 def record_programs(cfg, plan, grad_clip: float = 0.0) -> tuple[list[list[tuple]], Grid]:
     """Every rank's recorded program (simulator form) on the recording grid, and that grid."""
     cfg, plan = recording_setup(cfg, plan)
-    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
     progs = [[(what, eid, as_op(ev)) for what, eid, ev in record_rank(cfg, plan, r, grad_clip)]
              for r in range(grid.world_size)]
     return progs, grid
@@ -197,9 +201,7 @@ def ep_groups(grid: Grid, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     """(ep groups, expert-data-parallel groups) of `grid`: an ep group is ep consecutive members
     of a dp x cp group (world-rank order: cp fastest, then dp), the expert-data-parallel group
     every ep-th member (the ranks holding the same experts)."""
-    blocks = grid.groups("dp_cp")
-    return ([g[i:i + ep] for g in blocks for i in range(0, len(g), ep)],
-            [g[i::ep] for g in blocks for i in range(ep)])
+    return grid.groups("ep"), grid.groups("edp")
 
 
 def ep_lines(cfg, plan, grid: Grid) -> list[str]:
@@ -232,9 +234,31 @@ def bytes_line(cfg, plan) -> str:
             + ", ".join(f"{a} {b:,.0f} B" for a, b in sent.items()))
 
 
+def all_to_all_line(cfg, plan) -> str | None:
+    """Expert parallelism's traffic per rank and step (ep > 1): the all-to-alls the recorded step
+    issues and the bytes they send under balanced routing (`mini3d.cost.moe`, the one formula;
+    dropless, so an upper bound with a capacity factor). None without ep."""
+    from mini3d.cost.moe import A2A_PER_LAYER, a2a_bytes_per_micro_batch, experts_per_rank
+
+    if plan.ep == 1 or not cfg.n_experts:
+        return None
+    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    tokens = plan.micro_batch_size * plan.seq_len // plan.cp
+    nbytes = {"float32": 4, "bf16": 2, "float64": 8}[plan.dtype]
+    sent = plan.micro_batches * a2a_bytes_per_micro_batch(tokens, cfg.d_model, cfg.top_k, plan.ep,
+                                                          nbytes, layers)
+    ops = plan.micro_batches * layers * (A2A_PER_LAYER + 1)  # + the counts exchange
+    return (f"expert parallelism: ep={plan.ep}, {experts_per_rank(cfg.n_experts, plan.ep)} of "
+            f"{cfg.n_experts} experts per rank in each of {layers} MoE layers; per rank and step "
+            f"{ops} all-to-alls on the ep group ({A2A_PER_LAYER} per MoE layer and micro-batch: "
+            f"dispatch and combine, forward and backward, + the counts exchange), sending "
+            f"{sent / 2**20:,.2f} MiB under balanced routing ({tokens} tokens x top_k={cfg.top_k} "
+            f"x (ep-1)/ep x d_model={cfg.d_model} x {nbytes} B per all-to-all: mini3d.cost.moe)")
+
+
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:
     """Print the map, the recorded step's verdict, memory and bubble for a validated plan; 0 or 1."""
-    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp)
+    grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
     cp = f"cp={plan.cp} " if plan.cp > 1 else ""
     ep = f" ep={plan.ep} (of dp x cp)" if plan.ep > 1 else ""
     out(f"dry run: {cfg.name} ({cfg.n_params() / 1e6:,.1f} M parameters) on tp={plan.tp} "
@@ -245,6 +269,8 @@ def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: f
     out(schedule_note(plan))
     status, line = communication_line(cfg, plan, grad_clip)
     out(line)
+    if all_to_all_line(cfg, plan):
+        out(all_to_all_line(cfg, plan))
     for line in memory_lines(cfg, plan):
         out(line)
     out(bubble_line(plan))

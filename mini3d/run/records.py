@@ -87,6 +87,8 @@ def describe_plan(plan: Plan) -> str:
     s = f"tp{plan.tp} x pp{plan.pp} x dp{plan.dp}"
     if plan.cp > 1:
         s = f"tp{plan.tp} x cp{plan.cp} x pp{plan.pp} x dp{plan.dp}"
+    if plan.ep > 1:
+        s += f" (ep{plan.ep} of them)"
     if plan.zero:
         s += f" zero{plan.zero}"
     if plan.pp > 1:

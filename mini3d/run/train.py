@@ -31,6 +31,7 @@ from mini3d.diagnose.oom import check_budget, cuda_oom
 from mini3d.diagnose.session import for_run
 from mini3d.dp import DTYPES, make_dp
 from mini3d.dp.loss import mean_over_replicas
+from mini3d.ep import apply_ep, clip_grad_norm_ep
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
 from mini3d.models.moe import pool_router_stats_over, step_load
@@ -81,7 +82,8 @@ class Trainer:
                                            dtype=DTYPES[plan.dtype], device=topo.device)
 
     def _clip(self, local, max_norm: float):
-        self.last_grad_norm = clip_grad_norm_(local, self.topo, max_norm, self.plan.zero >= 1)
+        clip = clip_grad_norm_ep if self.plan.ep > 1 else clip_grad_norm_
+        self.last_grad_norm = clip(local, self.topo, max_norm, self.plan.zero >= 1)
 
     @property
     def holds_loss(self) -> bool:
@@ -165,10 +167,11 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     2. tensor parallelism: slice each stage's matrices for this tp rank (still shapes), then give
        each slice its value on this rank's device: the slice of the same parameter of the full
        reference model (one full parameter in host memory at a time, never the unsliced stage);
+    2b. expert parallelism: keep this ep rank's slice of every MoE layer's experts (mini3d.ep);
     3. the attention core (written out, or torch's fused sdpa; ring attention over cp when cp > 1),
        each block's torch.compile (`plan.compile`, mini3d.run.compile), the recomputation policy;
-    4. data parallelism / ZeRO over the cp x dp ranks (the dp axis when cp = 1), which also builds
-       the optimizer.
+    4. data parallelism / ZeRO over the cp x dp ranks (the dp axis when cp = 1; expert slices over
+       edp), which also builds the optimizer.
 
     Returns ({stage id: module}, the dp wrapper, the optimizer)."""
     stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta",
@@ -176,6 +179,7 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
     for module in stages.values():
         apply_tp(module, topo, plan)
         materialize_reference(module, topo, seed, topo.device)
+        apply_ep(module, topo)  # ep > 1: this rank's slice of each MoE layer's experts
         set_attention(module, plan.attention)
         apply_cp(module, topo, plan.attention)
         # the router losses' statistics summed over the ranks splitting a micro-batch's tokens
@@ -184,7 +188,8 @@ def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory
         apply_recompute(apply_compile(module, plan), plan.recompute)
     chunks = [stages[s] for s in sorted(stages)]
     root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory)  # then each step's expert load
+    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory,  # experts over edp (ep > 1)
+                             expert_axis=topo.edp if plan.ep > 1 else None)  # then the expert load
     # (each layer's summed over the ranks that split its tokens; the report over the stages too)
     sp_tp = topo.tp if plan.sequence_parallel else None
     optimizer.grad_hooks.append(lambda _: setattr(root, "moe_load", step_load(
@@ -196,7 +201,7 @@ def _setup(run: RunConfig) -> dict:
     """Everything this rank's loop reads: topology, tokenizer, batches, the trainer (resumed or
     initialised from Hugging Face), the lr schedule, diagnostics, the reporter."""
     cfg, plan = run.model, run.plan
-    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), dist.get_rank(),
+    topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep), dist.get_rank(),
                           current_device())
     torch.manual_seed(run.seed)
     tok = get_tokenizer(run.tokenizer)

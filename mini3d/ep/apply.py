@@ -1,0 +1,101 @@
+"""Expert parallelism applied to a built model, and the gradient norm that counts each expert once.
+
+`apply_ep(module, topo)` runs after the model got its reference values (mini3d.run.train's
+`parallelize`): in every MoE layer it keeps this rank's n_experts/ep slice of the stacked expert
+weights (`experts.w_*[lo:hi]`, lo = ep index x E/ep: the slice of the same unsharded tensors the
+one-process run has), marks them `ep_expert` (the dp wrapper reduces them over edp, not dp x cp:
+mini3d.dp.ddp, "Expert parallelism") and routes the layer's expert call through an
+`ExpertDispatch` on the ep axis. The router, the shared experts and the expert bias stay whole.
+(The full stacked tensors of a stage exist on every rank for a moment, between the reference
+initialisation and this slicing; `materialize_reference` draws them whole.)
+
+`gather_experts` / `slice_experts`: between an expert slice and the full stacked tensor, for
+checkpoints (mini3d.checkpoint.state saves the full tensors, so any layout resumes from them).
+
+`clip_grad_norm_ep`: the global norm over the unsharded model. Dense pieces as usual (replicated
+over dp x cp, or ZeRO shards summed over it); expert pieces are distinct per ep rank, so their
+squares are summed over ep (ZeRO-0: replicated over edp) or over dp x cp = ep x edp (ZeRO >= 1:
+edp shards of the ep slices).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mini3d import comm
+from mini3d.ep.dispatch import ExpertDispatch
+from mini3d.models.moe import moe_layers
+
+
+def expert_slice(n_experts: int, ep: int, index: int) -> slice:
+    """The experts rank `index` of an ep group holds."""
+    per = n_experts // ep
+    return slice(index * per, (index + 1) * per)
+
+
+@torch.no_grad()
+def apply_ep(module: nn.Module, topo) -> None:
+    """Keep this ep rank's experts in every MoE layer of `module` and dispatch through ep."""
+    ep = topo.ep
+    if ep.size == 1:
+        return
+    for m in moe_layers(module):
+        rows = expert_slice(m.cfg.n_experts, ep.size, ep.index)
+        for key, p in list(m.experts._parameters.items()):
+            if p is None:
+                continue
+            new = nn.Parameter(p.detach()[rows].clone(), p.requires_grad)
+            new.ep_expert = True
+            m.experts._parameters[key] = new
+        m.dispatch = ExpertDispatch(m.experts, ep)
+
+
+def gather_experts(p, value: torch.Tensor, topo) -> torch.Tensor:
+    """The full stacked tensor (E, ...) of expert slice `p`'s `value` (its weight or a moment;
+    all-gathered over ep along dim 0, collective); any other parameter's value as it is."""
+    if not getattr(p, "ep_expert", False) or topo.ep.size == 1:
+        return value
+    value = value.contiguous()
+    full = value.new_empty((topo.ep.size * value.shape[0],) + tuple(value.shape[1:]))
+    comm.all_gather(full, value, topo.ep)
+    return full
+
+
+def slice_experts(p, full: torch.Tensor, topo) -> torch.Tensor:
+    """Inverse of `gather_experts`: this ep rank's rows of a full stacked tensor (no communication)."""
+    if not getattr(p, "ep_expert", False) or topo.ep.size == 1:
+        return full
+    return full[expert_slice(full.shape[0], topo.ep.size, topo.ep.index)]
+
+
+def is_expert(group) -> bool:
+    """Whether a dp wrapper's flat group holds expert slices (its buckets hold one kind)."""
+    return any(getattr(p, "ep_expert", False) for p in group.params)
+
+
+@torch.no_grad()
+def clip_grad_norm_ep(local_grads, topo, max_norm: float, sharded_over_dp: bool) -> float:
+    """`mini3d.tp.clip_grad_norm_` for expert-parallel runs (tp = 1): scale the local gradients
+    so the global norm is at most `max_norm`; returns the norm before clipping (same on every
+    rank). Each piece's norm in float32 (float64 in float64 runs), the squares summed in float64."""
+    dev = local_grads[0][1].device
+    sq = torch.zeros(2, dtype=torch.float64, device=dev)  # [dense, expert]
+    for group, g in local_grads:
+        base = 0 if g.numel() == group.padded else group.lo
+        piece = g[:max(0, min(group.numel - base, g.numel()))]  # padding left out
+        wide = torch.promote_types(piece.dtype, torch.float32)
+        sq[int(is_expert(group))] += torch.linalg.vector_norm(piece, dtype=wide).double().square()
+    if sharded_over_dp:
+        total = sq.sum().reshape(1)
+        comm.all_reduce(total, topo.dp_cp)  # dense shards over dp x cp; experts over ep x edp
+    else:
+        comm.all_reduce(sq[1:], topo.ep)  # each ep rank's experts are its own
+        total = sq.sum().reshape(1)
+    comm.all_reduce(total, topo.pp)
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for _, g in local_grads:
+            g.mul_(coef)
+    return norm
