@@ -58,7 +58,8 @@ def run_moe_cases(cases: list[dict], steps: int, seed: int) -> list[dict]:
     rank, tokens, out = dist.get_rank(), load_tokens(), []
     for case in cases:
         cfg, plan = ModelConfig(**case["cfg"]), Plan(**case["plan"])
-        topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp), rank, current_device())
+        topo = build_topology(Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep), rank,
+                              current_device())
         trainer = Trainer(cfg, plan, topo, seed, 3e-3, 0.0, case.get("grad_clip", 0.0))
         seen = _capture_grads(trainer)
         held = sum(p.numel() for chunk in trainer.chunks for p in chunk.parameters())

@@ -183,7 +183,6 @@ def test_cli_dp2_ep2_equals_the_one_process_run(tmp_path):
 
 
 @pytest.mark.parametrize("flags,named", [
-    (["--dp", "2", "--tp", "2"], "tp=2"), (["--pp", "2"], "pp=2"), (["--cp", "2"], "cp=2"),
     (["--zero", "3"], "zero=3"), (["--sample-every", "1"], "--sample-every")])
 def test_ep_combinations_not_built_yet_are_refused(flags, named, capsys):
     from mini3d import cli

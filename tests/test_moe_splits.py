@@ -1,6 +1,7 @@
 """MoE layers under tp, sequence parallelism, pp (every schedule, dense-only stages), cp, ZeRO-3,
-recomputation, bf16 and clipping equal the one-process MoE run: losses, every gradient of every
-step (gathered to full shape, captured just before the inner AdamW step: after the dp / tp / pp
+recomputation, bf16 and clipping, and expert parallelism composed with them (ep x cp, ep x tp x
+sp, ep x pp, ep x tp x pp x ZeRO-1: the issue's layout), equal the one-process MoE run: losses,
+every gradient of every step (gathered to full shape, captured just before the inner AdamW step: after the dp / tp / pp
 syncs and clipping), the per-step expert load report, and the aux-loss-free biases, over 3 steps.
 
 One launch per world size runs all its cases in turn (tests/moe_workers.run_moe_cases), and one
@@ -67,12 +68,20 @@ CASES = {
         ("pp2-zb-h1-clip", CFG, dict(pp=2, schedule="zb-h1", micro_batches=2), CLIP),
         ("pp2-zbv-recompute-full", CFG, dict(pp=2, schedule="zbv", virtual_stages=2,
                                              micro_batches=2, recompute="full"), 0.0),
-        ("dp2-zero1-bf16", CFG, dict(dp=2, zero=1, micro_batches=2, dtype="bf16"), CLIP)],
+        ("dp2-zero1-bf16", CFG, dict(dp=2, zero=1, micro_batches=2, dtype="bf16"), CLIP),
+        ("cp2-ep2-clip", CFG, dict(cp=2, ep=2, micro_batches=2), CLIP)],
     4: [("tp2-pp2-sp-zb-h1-sigmoid", SIGMOID, dict(tp=2, pp=2, sequence_parallel=True,
                                                    schedule="zb-h1", micro_batches=2), 0.0),
         ("cp2-dp2-zero3-clip", CFG, dict(cp=2, dp=2, zero=3), CLIP),
         ("tp2-cp2-sp-bf16", CFG, dict(tp=2, cp=2, sequence_parallel=True, micro_batches=2,
-                                      dtype="bf16"), 0.0)],
+                                      dtype="bf16"), 0.0),
+        ("tp2-sp-dp2-ep2-zero2-clip", CFG, dict(tp=2, sequence_parallel=True, dp=2, ep=2, zero=2,
+                                                micro_batches=2), CLIP),
+        ("pp2-dp2-ep2-interleaved-sigmoid", SIGMOID, dict(pp=2, dp=2, ep=2, schedule="interleaved",
+                                                          virtual_stages=2, micro_batches=2), 0.0),
+        ("cp2-dp2-ep4-zero1", CFG, dict(cp=2, dp=2, ep=4, zero=1, micro_batches=2), 0.0)],
+    8: [("tp2-pp2-dp2-ep2-zero1-clip", CFG, dict(tp=2, pp=2, dp=2, ep=2, zero=1, micro_batches=2),
+         CLIP)],
 }
 
 

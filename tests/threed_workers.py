@@ -48,17 +48,23 @@ def _capture_grads(trainer: Trainer) -> list:
 
 
 def full_grads(trainer: Trainer, shards: list) -> dict:
-    """{reference name: full gradient} from one step's gradient shards (collective over dp, tp)."""
+    """{reference name: full gradient} from one step's gradient shards (collective over dp, tp;
+    expert slices, mini3d.ep, over their edp shard group and then over ep along dim 0)."""
     opt, topo = trainer.optimizer, trainer.topo
     names, out = _names(trainer.chunks), {}
     sharded = opt.wrapper.stage >= 1
     for (group, _, _), shard in zip(opt.shards, shards):
         full = shard
-        if sharded:
+        if sharded:  # ZeRO shards over the group's axis: cp x dp, or edp for expert slices
             full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-            comm.all_gather(full, shard.contiguous(), topo.dp_cp)  # ZeRO shards over cp x dp
+            comm.all_gather(full, shard.contiguous(), getattr(group, "axis", None) or topo.dp_cp)
         for p, local in group.views(full):
-            out[names[p]] = unshard_like(p, local, topo).cpu()
+            t = unshard_like(p, local, topo)
+            if getattr(p, "ep_expert", False) and topo.axes["ep"].size > 1:
+                whole = t.new_empty((topo.axes["ep"].size * t.shape[0],) + tuple(t.shape[1:]))
+                comm.all_gather(whole, t.contiguous(), topo.axes["ep"])
+                t = whole
+            out[names[p]] = t.cpu()
     return out
 
 

@@ -3,9 +3,9 @@ out of dp x cp (mini3d.grid's ep and edp groups); tokens reach their experts and
 all-to-all (dispatch.py), the expert slices are cut from the reference weights and their
 gradients reduced over edp (apply.py, mini3d.dp.ddp)."""
 
-from mini3d.ep.apply import (apply_ep, clip_grad_norm_ep, expert_slice, gather_experts, is_expert,
+from mini3d.ep.apply import (apply_ep, expert_slice, gather_experts, is_expert,
                              slice_experts)
 from mini3d.ep.dispatch import ExpertDispatch, all_to_all, exchange_counts
 
-__all__ = ["ExpertDispatch", "all_to_all", "apply_ep", "clip_grad_norm_ep", "exchange_counts",
+__all__ = ["ExpertDispatch", "all_to_all", "apply_ep", "exchange_counts",
            "expert_slice", "gather_experts", "is_expert", "slice_experts"]

@@ -1,4 +1,4 @@
-"""Expert parallelism applied to a built model, and the gradient norm that counts each expert once.
+"""Expert parallelism applied to a built model.
 
 `apply_ep(module, topo)` runs after the model got its reference values (mini3d.run.train's
 `parallelize`): in every MoE layer it keeps this rank's n_experts/ep slice of the stacked expert
@@ -12,10 +12,7 @@ initialisation and this slicing; `materialize_reference` draws them whole.)
 `gather_experts` / `slice_experts`: between an expert slice and the full stacked tensor, for
 checkpoints (mini3d.checkpoint.state saves the full tensors, so any layout resumes from them).
 
-`clip_grad_norm_ep`: the global norm over the unsharded model. Dense pieces as usual (replicated
-over dp x cp, or ZeRO shards summed over it); expert pieces are distinct per ep rank, so their
-squares are summed over ep (ZeRO-0: replicated over edp) or over dp x cp = ep x edp (ZeRO >= 1:
-edp shards of the ep slices).
+The global gradient norm counts each expert once: `mini3d.tp.clip_grad_norm_` (`ep_expert` pieces).
 """
 
 from __future__ import annotations
@@ -74,28 +71,3 @@ def is_expert(group) -> bool:
     return any(getattr(p, "ep_expert", False) for p in group.params)
 
 
-@torch.no_grad()
-def clip_grad_norm_ep(local_grads, topo, max_norm: float, sharded_over_dp: bool) -> float:
-    """`mini3d.tp.clip_grad_norm_` for expert-parallel runs (tp = 1): scale the local gradients
-    so the global norm is at most `max_norm`; returns the norm before clipping (same on every
-    rank). Each piece's norm in float32 (float64 in float64 runs), the squares summed in float64."""
-    dev = local_grads[0][1].device
-    sq = torch.zeros(2, dtype=torch.float64, device=dev)  # [dense, expert]
-    for group, g in local_grads:
-        base = 0 if g.numel() == group.padded else group.lo
-        piece = g[:max(0, min(group.numel - base, g.numel()))]  # padding left out
-        wide = torch.promote_types(piece.dtype, torch.float32)
-        sq[int(is_expert(group))] += torch.linalg.vector_norm(piece, dtype=wide).double().square()
-    if sharded_over_dp:
-        total = sq.sum().reshape(1)
-        comm.all_reduce(total, topo.dp_cp)  # dense shards over dp x cp; experts over ep x edp
-    else:
-        comm.all_reduce(sq[1:], topo.ep)  # each ep rank's experts are its own
-        total = sq.sum().reshape(1)
-    comm.all_reduce(total, topo.pp)
-    norm = float(total.sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for _, g in local_grads:
-            g.mul_(coef)
-    return norm

@@ -143,19 +143,13 @@ class RunConfig:
         return out
 
     def _ep_problems(self) -> list[str]:
-        """Expert parallelism (ep > 1) runs with dp (and cp's ranks as token holders) and ZeRO-0-2;
-        its combinations with tp/pp/cp/sp land with the MoE splits (branch h-moe-splits); ZeRO-3,
-        the Hugging Face import and the samples later. Checkpoints hold the full experts."""
+        """Expert parallelism (ep > 1) composes with tp, sequence parallelism, pp, cp and ZeRO-0-2
+        (tests/test_ep.py); refused: ZeRO-3, the Hugging Face import and the samples.
+        Checkpoints hold the full experts."""
         p = self.plan
         if p.ep == 1 or not self.model.n_experts:
             return []
-        bad = [f"{k}={v}" for k, v in (("tp", p.tp), ("pp", p.pp), ("cp", p.cp)) if v > 1]
-        bad += ["sequence_parallel"] * p.sequence_parallel
         out = []
-        if bad:
-            out.append(f"ep={p.ep} with {', '.join(bad)} is refused for now: expert parallelism "
-                       f"composes with tp/pp/cp/sp once the MoE splits land (h-moe-splits); use "
-                       f"--ep with --dp only (ep divides dp)")
         if p.zero == 3:
             out.append(f"ep={p.ep} with zero=3 is refused: ZeRO-3 does not shard expert slices over "
                        f"edp yet; use --zero 1 or 2 with --ep")

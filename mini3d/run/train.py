@@ -31,7 +31,7 @@ from mini3d.diagnose.oom import check_budget, cuda_oom
 from mini3d.diagnose.session import for_run
 from mini3d.dp import DTYPES, make_dp
 from mini3d.dp.loss import mean_over_replicas
-from mini3d.ep import apply_ep, clip_grad_norm_ep
+from mini3d.ep import apply_ep
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
 from mini3d.models.moe import pool_router_stats_over, step_load
@@ -82,8 +82,7 @@ class Trainer:
                                            dtype=DTYPES[plan.dtype], device=topo.device)
 
     def _clip(self, local, max_norm: float):
-        clip = clip_grad_norm_ep if self.plan.ep > 1 else clip_grad_norm_
-        self.last_grad_norm = clip(local, self.topo, max_norm, self.plan.zero >= 1)
+        self.last_grad_norm = clip_grad_norm_(local, self.topo, max_norm, self.plan.zero >= 1)
 
     @property
     def holds_loss(self) -> bool:

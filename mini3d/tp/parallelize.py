@@ -143,7 +143,7 @@ def _sum_in_place(tensors: list, axis) -> None:
 
 
 def _local_parts(local_grads):
-    """(piece, replicated over tp?) for each parameter's piece of the local flat gradients that a
+    """(piece, parameter) for each parameter's piece of the local flat gradients that a
     data-parallel wrapper holds (`ShardedOptimizer.grad_hooks` items: (group, the whole flat
     gradient or this rank's lo:hi shard of it)); padding is left out."""
     for group, g in local_grads:
@@ -151,7 +151,7 @@ def _local_parts(local_grads):
         for p, off in zip(group.params, group.offsets):
             lo, hi = max(off, base), min(off + p.numel(), base + g.numel())
             if lo < hi and not getattr(p, "tied_copy", False):  # see mini3d.pp.tied
-                yield g[lo - base:hi - base], not is_tp_sharded(p)
+                yield g[lo - base:hi - base], p
 
 
 def sum_replicated_grads(local_grads, tp_axis) -> None:
@@ -159,7 +159,8 @@ def sum_replicated_grads(local_grads, tp_axis) -> None:
     tp, in place, the parts of the local flat gradients that belong to replicated parameters. One
     flattened all-reduce; tp ranks hold equal layouts, so equal parts."""
     if tp_axis.size > 1:
-        _sum_in_place([part for part, replicated in _local_parts(local_grads) if replicated], tp_axis)
+        _sum_in_place([part for part, p in _local_parts(local_grads) if not is_tp_sharded(p)],
+                      tp_axis)
 
 
 @torch.no_grad()
@@ -172,21 +173,29 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     every tp rank, after `sum_replicated_grads`) taken once; ZeRO >= 1 shards are summed over their
     shard group, `topo.dp_cp` (cp x dp: the group the dp wrapper reduces every gradient over),
     replicas (ZeRO-0: equal on every cp x dp rank after its average) not; pipeline stages are summed
-    over pp (a tied head's copy, `tied_copy`, is left out: the matrix counts once). Each piece's
-    norm is taken in float32 (as torch does; float64 in float64 runs), the squares are summed in
-    float64."""
-    norms = ([], [])  # [replicated, sharded]: one float32 norm per piece, summed once below
-    for part, replicated in _local_parts(local_grads):
+    over pp (a tied head's copy, `tied_copy`, is left out: the matrix counts once). Expert slices
+    (`ep_expert`, mini3d.ep: whole on every tp rank, a different E/ep of the experts on each ep
+    rank) are taken once over tp and summed over ep; under ZeRO >= 1 their edp shards and the ep
+    slices together tile dp x cp, so the one dp_cp sum counts them once too. Each piece's norm is
+    taken in float32 (as torch does; float64 in float64 runs), the squares are summed in float64."""
+    norms = ([], [], [])  # [replicated, tp-sharded, expert]: float32 norms per piece, summed below
+    for part, p in _local_parts(local_grads):
         wide = torch.promote_types(part.dtype, torch.float32)  # float64 runs: float64 norms
-        norms[0 if replicated else 1].append(torch.linalg.vector_norm(part, dtype=wide))
+        kind = 2 if getattr(p, "ep_expert", False) else int(is_tp_sharded(p))
+        norms[kind].append(torch.linalg.vector_norm(part, dtype=wide))
     dev = local_grads[0][1].device
     sq = torch.stack([torch.stack(n).double().square().sum() if n else
                       torch.zeros((), dtype=torch.float64, device=dev) for n in norms])
-    # one tp all-reduce of both sums; the replicated sum then counts each element tp times
+    # one tp all-reduce of the sums; replicated and expert sums then count each element tp times
     comm.all_reduce(sq, topo.tp)
-    total = (sq[0] / topo.tp.size + sq[1]).reshape(1)
+    dense, experts = (sq[0] / topo.tp.size + sq[1]).reshape(1), (sq[2] / topo.tp.size).reshape(1)
     if sharded_over_dp:
+        total = dense + experts
         comm.all_reduce(total, topo.dp_cp)  # ZeRO shards over cp x dp (the dp axis when cp=1)
+    else:
+        if topo.axes["ep"].size > 1:
+            comm.all_reduce(experts, topo.axes["ep"])  # each ep rank's experts are its own
+        total = dense + experts
     comm.all_reduce(total, topo.pp)
     norm = float(total.sqrt())
     coef = max_norm / (norm + 1e-6)
