@@ -1,8 +1,9 @@
 """MoE layers under tp, sequence parallelism, pp (every schedule, dense-only stages), cp, ZeRO-3,
-recomputation, bf16 and clipping, and expert parallelism composed with them (ep x cp, ep x tp x
-sp, ep x pp, ep x tp x pp x ZeRO-1: the issue's layout), equal the one-process MoE run: losses,
-every gradient of every step (gathered to full shape, captured just before the inner AdamW step: after the dp / tp / pp
-syncs and clipping), the per-step expert load report, and the aux-loss-free biases, over 3 steps.
+recomputation, bf16 and clipping, and expert parallelism composed with them (ep x cp, ep x tp x sp,
+ep x pp, ep x tp x pp x ZeRO-1: the issue's layout), equal the one-process MoE run: losses, every
+gradient of every step (gathered to full shape, captured just before the inner AdamW step: after the
+dp / tp / pp syncs and clipping), the per-step expert load report, and the aux-loss-free biases,
+over 3 steps.
 
 One launch per world size runs all its cases in turn (tests/moe_workers.run_moe_cases), and one
 1-rank launch the deduplicated references: the same `Trainer` with tp = pp = dp = cp = 1, the
