@@ -111,8 +111,8 @@ def attention_core(q, k, v):
     if g > 1:
         causal = causal.repeat(g, 1)
     att = torch.softmax(att.masked_fill(causal, float("-inf")), dim=-1)
-    y = att @ v  # (B, nkv, g*T, hd)
-    return y.view(B, nh, T, hd) if g > 1 else y  # (B, nh, T, hd)
+    y = att @ v  # (B, nkv, g*T, v's width: hd, or MLA's v_head_dim)
+    return y.view(B, nh, T, v.shape[-1]) if g > 1 else y  # (B, nh, T, hd)
 
 
 def sdpa_core(q, k, v):

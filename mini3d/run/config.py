@@ -119,7 +119,19 @@ class RunConfig:
             out.append(data_problem)
         out += self._tokenizer_problems(data_problem is None)
         out += self._run_problems()
-        return out + self._moe_problems()
+        return out + self._moe_problems() + self._mla_problems()
+
+    def _mla_problems(self) -> list[str]:
+        """The deepseek family's latent attention trains over dp (any ZeRO stage), tp (heads
+        split; the latent down-projections replicated: mini3d.tp.parallelize) and pp; ring
+        attention over cp and sequence parallelism (which would shard the replicated latent
+        projections' input) come later."""
+        p = self.plan
+        bad = [f"cp={p.cp}"] * (p.cp > 1) + ["sequence_parallel"] * bool(p.sequence_parallel)
+        if not self.model.mla or not bad:
+            return []
+        return [f"family='deepseek' with {', '.join(bad)}: multi-head latent attention is not "
+                f"split over cp or the sequence yet (train it with --tp, --pp, --dp and --zero)"]
 
     def _moe_problems(self) -> list[str]:
         """Experts are replicated like dense weights (dp, ZeRO-1/2); the other splits wait for

@@ -1,0 +1,101 @@
+"""Multi-head latent attention (MLA), the attention of the deepseek family (DeepSeek-V2 / V3).
+
+Keys and values are not projected per head from x but expanded from one small latent per token;
+queries likewise from a latent of their own (or, with `q_lora_rank=0` as DeepSeek-V2-Lite, by one
+full projection). Each query/key head is the concatenation of a position-free part (qk_nope_dim
+wide, from the latents) and a rotary part (qk_rope_dim wide); the key's rotary part is one head
+shared by every query head, projected straight from x next to the kv latent. For x (B, T, d):
+
+    q      = q_b(q_a_norm(q_a(x)))  or  q(x)         (B, T, n, nope + rope)
+    c, k_r = split(kv_a(x))                           (B, T, kv_lora_rank), (B, T, rope)
+    k_n, v = split(kv_b(kv_a_norm(c)))                (B, T, n, nope), (B, T, n, v_head_dim)
+    q = [q_nope, rotary(q_rope)],  k = [k_n, rotary(k_r) for every head]
+    y = proj(softmax(q k^T / sqrt(nope + rope)) v)    the attention core of mini3d.models.attention
+
+The two latent RMSNorms use epsilon 1e-6 whatever `norm_eps` is, as the reference code and
+transformers' DeepseekV3Attention do. `rope_interleave` reads the rotary features as DeepSeek's
+checkpoints lay them out, pairs (2i, 2i+1): they are gathered into the (i, i + d/2) order of
+`mini3d.models.attention.rotary` first, which rotates the same pairs by the same angles (q and k
+alike, so the scores are those of the interleaved rotation).
+
+The core is the same slot as `Attention.core` (explicit, sdpa, the KV cache); its softmax scale is
+1/sqrt of q's width, nope + rope, DeepSeek's scale without YaRN (YaRN's rescaling, which would
+also scale the softmax by mscale^2, is refused by ModelConfig.problems). The cache keeps the
+expanded keys and values, not the latent a production decoder would keep: the same numbers.
+Tensor parallelism (mini3d.tp.parallelize) splits the heads: it shrinks `n_local_heads`, makes
+q_b / kv_b column- and proj row-parallel, keeps the latent down-projections whole, and sets
+`share_key` to its `f` so the shared rotary key's gradient sums over the ranks' heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mini3d.models.attention import attention_core, dropout, rotary
+from mini3d.models.config import ModelConfig
+from mini3d.wgrad import Linear
+
+LATENT_NORM_EPS = 1e-6  # the reference's RMSNorm default for q_a_norm and kv_a_norm
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Features (x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): DeepSeek's rotary pairs
+    (2i, 2i+1) become rotate-half's pairs (i, i + d/2)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention of one block (see the module docstring). Parameters: `q_a`,
+    `q_a_norm`, `q_b` (or `q` when q_lora_rank is 0), `kv_a`, `kv_a_norm`, `kv_b`, `proj`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_local_heads = self.n_local_kv_heads = cfg.n_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
+        self.kv_rank = cfg.kv_lora_rank
+        self.rope_base, self.rope_scaling, self.interleave = cfg.rope_base, (), cfg.rope_interleave
+        h, n, qk = cfg.d_model, cfg.n_heads, cfg.head_dim
+        self.q = self.q_a = self.q_a_norm = self.q_b = None
+        if cfg.q_lora_rank:
+            self.q_a = Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_norm = nn.RMSNorm(cfg.q_lora_rank, eps=LATENT_NORM_EPS)
+            self.q_b = Linear(cfg.q_lora_rank, n * qk, bias=False)
+        else:
+            self.q = Linear(h, n * qk, bias=False)
+        self.kv_a = Linear(h, cfg.kv_lora_rank + cfg.qk_rope_dim, bias=False)  # [latent | k rope]
+        self.kv_a_norm = nn.RMSNorm(cfg.kv_lora_rank, eps=LATENT_NORM_EPS)
+        self.kv_b = Linear(cfg.kv_lora_rank, n * (cfg.qk_nope_dim + cfg.v_head_dim), bias=False)
+        self.proj = Linear(n * cfg.v_head_dim, h, bias=False)
+        self.drop = dropout(cfg)
+        self.core = attention_core
+        # the shared rotary key enters the heads through this: tensor parallelism's `f`
+        # (identity forward, gradient summed over the ranks' heads backward), else nothing
+        self.share_key = _same
+
+    def _rotate(self, t, positions):
+        if self.interleave:
+            t = deinterleave(t)
+        return rotary(t, self.rope_base, (), positions)
+
+    def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        n = self.n_local_heads
+        q = self.q_b(self.q_a_norm(self.q_a(x))) if self.q is None else self.q(x)
+        q = q.view(B, T, n, self.nope + self.rope).transpose(1, 2)  # (B, n, T, nope + rope)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a(x).split([self.kv_rank, self.rope], dim=-1)
+        kv = self.kv_b(self.kv_a_norm(latent)).view(B, T, n, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, n, T, nope), (B, n, T, v)
+        k_rope = self._rotate(self.share_key(k_rope).unsqueeze(1), positions)  # (B, 1, T, rope): one for all heads
+        q = torch.cat([q_nope, self._rotate(q_rope, positions)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, n, T, self.rope)], dim=-1)
+        y = self.core(q, k, v.contiguous())  # (B, n, T, v)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, n * self.v_dim)))
+
+
+__all__ = ["MLA", "deinterleave", "LATENT_NORM_EPS"]

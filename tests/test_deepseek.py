@@ -1,0 +1,236 @@
+"""The deepseek family (issue #31): multi-head latent attention and DeepSeek-V3's grouped sigmoid
+routing equal transformers' DeepseekV3ForCausalLM on the same weights (logits, loss, every
+gradient), its directories import, sample what `generate` samples and export back exactly, the
+parameter counts are those of the built model, and the presets those of the model cards. Tiny
+random configs built here; nothing is downloaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mini3d.config import PRESETS, ModelConfig
+from mini3d.models.moe import GroupedSigmoidRouter
+from mini3d.models.transformer import GPT
+
+V, T = 97, 12
+
+
+def ds_config(**kw):
+    """A tiny DeepseekV3: 3 layers, the first dense; 8 experts in 4 groups, tokens limited to the
+    best 2 groups, top 3, one shared expert, scaling 2.5; q latent 24, kv latent 16, heads
+    16 + 8 (rotary) wide for q/k and 12 for v (so every width differs)."""
+    transformers = pytest.importorskip("transformers")
+    base = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                n_shared_experts=1, n_routed_experts=8,
+                routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=3,
+                first_k_dense_replace=1, max_position_embeddings=64, rope_theta=1e4,
+                tie_word_embeddings=False)
+    return transformers.DeepseekV3Config(**{**base, **kw})
+
+
+CONFIGS = {
+    "v3": lambda: ds_config(),
+    # V2-Lite's attention (no query latent), the rotate-half layout, scores not renormalised
+    "full-q-no-interleave-unnormalised": lambda: ds_config(q_lora_rank=None, rope_interleave=False,
+                                                           norm_topk_prob=False),
+    "tied-one-group": lambda: ds_config(n_group=1, topk_group=1, tie_word_embeddings=True),
+}
+
+
+def hf_model(hf_cfg, seed=0):
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg._attn_implementation = "eager"
+    model = transformers.DeepseekV3ForCausalLM(hf_cfg).float()
+    with torch.no_grad():  # random norms and biases too, so that every mapping matters
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change the choice
+                b.copy_(0.05 * torch.randn_like(b))
+    return model
+
+
+def saved(hf_cfg, path):
+    model = hf_model(hf_cfg)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def mini3d_model(path) -> GPT:
+    from mini3d.checkpoint.hf import read_hf_dir
+
+    cfg, weights = read_hf_dir(str(path))
+    model = GPT(cfg, init=False)
+    with torch.no_grad():  # every parameter (a tied head once) and the routers' biases
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            t.copy_(weights[n])
+    return model
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_loss_and_gradients_equal_transformers(name, tmp_path):
+    pytest.importorskip("safetensors")
+    from mini3d.checkpoint.hf import from_hf_state, to_hf_state
+
+    hf = saved(CONFIGS[name](), tmp_path)
+    mini = mini3d_model(tmp_path)
+    assert mini.cfg.family == "deepseek" and mini.cfg.n_experts == 8
+    x = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(1))
+    # float32, same weights and the same expert choices: only summation order differs
+    assert (mini(x) - hf(x).logits).abs().max() < 1e-5
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-2)
+    for step in range(2):  # the first step's gradients, then after one AdamW update
+        ref = hf(x, labels=x).loss
+        loss = mini(x[:, :-1], x[:, 1:])
+        assert abs(loss.item() - ref.item()) < 1e-5, (step, loss.item(), ref.item())
+        ref.backward()
+        loss.backward()
+        want = {n: p.grad for n, p in hf.named_parameters()}
+        got = to_hf_state({n: p.grad for n, p in mini.named_parameters()}, mini.cfg, layout="fused")
+        got.pop("lm_head.weight", None) if mini.cfg.tie_embeddings else None
+        assert set(want) == set(got)
+        for n, g in want.items():
+            err = float((got[n] - g).abs().max() / (g.abs().max() + 1e-12))
+            assert err < 1e-4, (step, n, err)  # relative to the tensor's largest entry
+        opt.step()
+        opt.zero_grad()
+        mini.zero_grad()
+        with torch.no_grad():
+            new = from_hf_state(hf.state_dict(), mini.cfg)
+            for n, p in mini.named_parameters():
+                p.copy_(new[n])
+
+
+def test_grouped_router_keeps_each_token_within_its_best_groups():
+    """8 experts in 4 groups, top 2 groups: a token whose single best expert sits in a group whose
+    second best is poor goes elsewhere (the group score is the sum of its top two)."""
+    logits = torch.full((1, 8), -4.0)
+    logits[0, 0] = 4.0  # group 0: one excellent expert, one poor
+    logits[0, 2:4] = 1.0  # group 1: two good ones
+    logits[0, 4:6] = torch.tensor([0.6, 0.5])  # group 2: two fair ones
+    r = GroupedSigmoidRouter(groups=4, topk_groups=2, scale=2.5, norm=True)
+    w, e, _ = r.route(logits, 3, torch.zeros(8))
+    assert sorted(e[0].tolist()) == [2, 3, 4]  # groups 1 and 2; expert 0 excluded
+    assert abs(float(w.sum()) - 2.5) < 1e-6  # renormalised, then scaled
+    ungrouped = GroupedSigmoidRouter(groups=1, topk_groups=1, scale=1.0, norm=False)
+    w, e, _ = ungrouped.route(logits, 3, torch.zeros(8))
+    assert 0 in e[0].tolist() and abs(float(w.sum()) - float(torch.sigmoid(logits)[0, e[0]].sum())) < 1e-6
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(q_lora_rank=12, tie_embeddings=True),
+    dict(q_lora_rank=12, n_experts=4, top_k=2, n_shared_experts=1, dense_layers=1, router="sigmoid",
+         route_groups=2, route_topk_groups=1, moe_ffn=8),
+])
+def test_counts_exact_for_the_built_model(kw):
+    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=2, vocab_size=40, max_seq_len=8,
+                      family="deepseek", kv_lora_rank=6, qk_rope_dim=4, qk_nope_dim=6,
+                      v_head_dim=5, **kw)
+    model = GPT(cfg, init=False)
+    assert not cfg.problems()
+    assert cfg.n_params() == sum(p.numel() for p in model.parameters())
+    per_token = sum(p.numel() * (cfg.top_k / cfg.n_experts if ".experts." in n else 1)
+                    for n, p in model.named_parameters())
+    assert cfg.active_params() == per_token
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(n_kv_heads=2), "n_kv_heads=2 != n_heads=4"),
+    (dict(qk_rope_dim=5), "qk_rope_dim=5 must be even"),
+    (dict(rope_scaling=(40.0, 1.0, 32.0, 4096)), "YaRN"),
+    (dict(route_groups=3), "route_groups=3 must divide n_experts=8"),
+    (dict(route_groups=4, route_topk_groups=1, top_k=3), "top_k=3 exceeds the 2 experts"),
+    (dict(router="softmax"), "need router='sigmoid'"),
+])
+def test_bad_deepseek_shapes_are_named(change, named):
+    base = dict(n_layers=2, d_model=32, n_heads=4, family="deepseek", n_experts=8, top_k=2,
+                router="sigmoid", route_groups=4, route_topk_groups=2, routed_scaling_factor=2.5)
+    problems = ModelConfig(**{**base, **change}).problems()
+    assert any(named in p for p in problems), problems
+    assert not ModelConfig(**base).problems()
+    assert any("rope_interleave" in p for p in ModelConfig(family="llama", rope_interleave=True).problems())
+
+
+DS = ModelConfig(n_layers=3, d_model=16, n_heads=2, vocab_size=64, max_seq_len=16, d_ff=32,
+                 family="deepseek", q_lora_rank=12, kv_lora_rank=8, qk_rope_dim=4, qk_nope_dim=6,
+                 v_head_dim=5, rope_interleave=True, n_experts=8, top_k=2, moe_ffn=8,
+                 n_shared_experts=1, dense_layers=1, router="sigmoid", route_groups=4,
+                 route_topk_groups=2, routed_scaling_factor=2.5, router_bias_rate=0.05,
+                 name="deepseek-test")
+
+
+@pytest.mark.timeout(300)
+def test_dp2_equals_one_process():
+    """float32; dp's average against one rank's accumulation of the same micro-batches (the
+    tolerances of tests/test_moe_train.py): losses, every step's gradients, final weights, the
+    aux-loss-free biases and the expert load."""
+    from mini3d.config import Plan
+    from mini3d.launch.launcher import launch
+    from tests.moe_workers import train_moe
+
+    one = launch(train_moe, 1, DS, Plan(global_batch=8, seq_len=16, micro_batches=2), 3,
+                 device="cpu", timeout=120)[0]
+    two = launch(train_moe, 2, DS, Plan(dp=2, global_batch=8, seq_len=16, micro_batches=1), 3,
+                 device="cpu", timeout=120)
+    assert one["losses"][-1] < one["losses"][0]
+    assert any(".attn.kv_b." in n for n in one["params"])  # the latent attention trained
+    for r in two:
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        for a, b in zip(r["grads"], one["grads"]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+        for n, p in one["params"].items():
+            torch.testing.assert_close(r["params"][n], p, rtol=1e-5, atol=1e-6)
+        for n, b in one["biases"].items():
+            torch.testing.assert_close(r["biases"][n], b)
+        assert r["loads"] == one["loads"]
+
+
+@pytest.mark.parametrize("flags,named", [(["--cp", "2"], "cp=2"),
+                                         (["--tp", "2", "--sequence-parallel"], "sequence_parallel")])
+def test_splits_mla_does_not_have_yet_are_refused(flags, named, capsys):
+    from mini3d import cli
+
+    assert cli.main(["train", "--family", "deepseek", "--steps", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "family='deepseek'" in err and "latent attention" in err
+
+
+DENSE = dataclasses.replace(DS, n_experts=0, router="softmax", route_groups=1, route_topk_groups=1,
+                            routed_scaling_factor=1.0, router_bias_rate=0.0, n_layers=2, vocab_size=256,
+                            name="deepseek-dense-test")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cfg", [DENSE, dataclasses.replace(DENSE, q_lora_rank=0, tie_embeddings=True)],
+                         ids=["q-latent", "full-q-tied"])
+def test_mla_under_tp2_and_pp2_equals_the_reference(cfg):
+    """tp=2 (heads split: q_b / q and kv_b by rows, proj by columns; q_a, kv_a and the latent
+    norms replicated, their gradients whole on each rank through `f`) and pp=2, in float64
+    against the one-process model: test_3d's F64 bounds (summation order only). The replicated
+    kv_a's gradient is the one a missing `f` on the shared rotary key would get wrong (each
+    rank would keep only its heads' part)."""
+    from mini3d.config import Plan
+    from mini3d.launch.launcher import launch
+    from tests.test_3d import F64, F64_BASE, SEED, STEPS, check_float32, reference
+    from tests.threed_workers import run_layouts
+
+    cases = [("tp2", Plan(tp=2, micro_batches=2, **F64_BASE)),
+             ("pp2", Plan(pp=2, micro_batches=2, **F64_BASE))]
+    results = launch(run_layouts, 2, [{"name": n, "plan": dataclasses.asdict(p)} for n, p in cases],
+                     dataclasses.asdict(cfg), STEPS, SEED, device="cpu", timeout=200)
+    ref = reference(STEPS, cfg=cfg, dtype=torch.float64)
+    assert all(ref[1][0][f"blocks.{i}.attn.kv_a.weight"].abs().max() > 0 for i in range(cfg.n_layers))
+    for name, plan in cases:
+        for r in (r for per_rank in results for r in per_rank if r["name"] == name):
+            assert r["losses"] == pytest.approx(ref[0], abs=F64["loss"]), name
+        check_float32(name, plan, results, ref, cfg=cfg, bounds=F64)
