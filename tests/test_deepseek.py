@@ -278,3 +278,60 @@ def test_yarn_and_other_variants_are_refused_naming_the_field():
     assert config_from_hf(config_to_hf(cfg), name=cfg.name) == cfg
     with pytest.raises(HFError, match="no Hugging Face class"):
         config_to_hf(dataclasses.replace(cfg, capacity_factor=1.25))
+
+
+# Published totals / activated parameters (B): DeepSeek-V3 "671B total, 37B activated", without
+# the 14B multi-token-prediction module (github.com/deepseek-ai/DeepSeek-V3, README, and its
+# Hugging Face model card); DeepSeek-V2-Lite "15.7B total, 2.4B activated" (the DeepSeek-V2
+# paper, arXiv 2405.04434, and its model card). The same tolerance as tests/test_moe.py's cards
+# (0.5%, or within the card's last digit, rounded or truncated).
+CARDS = {"deepseek-v3": (671, 37), "deepseek-v2-lite": (15.7, 2.4)}
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_presets_match_model_cards(name, capsys):
+    """params within 0.5% of the card (671.03e9, 15.706e9). active_params counts the embedding
+    and the head too (the project's convention, tests/test_moe.py): deepseek-v3's 37.55e9 reads
+    "37B" truncated (1.5% above 37.0: the card's figure is rounded to the unit). DeepSeek's cards
+    leave the input embedding (a lookup, no matmul) out of "activated": without it V3 has
+    36.63e9 ("37B") and V2-Lite 2.451e9 ("2.4B"), while V2-Lite's active_params with it, 2.66e9,
+    is not the card's 2.4B, which is why that one is pinned without the embedding only."""
+    from mini3d import cli
+    from tests.test_moe import _close
+
+    cfg = PRESETS[name]
+    total, active = CARDS[name]
+    assert _close(cfg.n_params() / 1e9, total) and abs(cfg.n_params() / 1e9 / total - 1) < 0.005
+    assert _close((cfg.active_params() - cfg.vocab_size * cfg.d_model) / 1e9, active)
+    assert cli.main(["estimate", "--model", name, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["params"], out["active_params"]) == (cfg.n_params(), cfg.active_params())
+    if name == "deepseek-v3":
+        assert _close(out["active_params"] / 1e9, active)
+        assert any("MTP" in n for n in out["notes"])
+        assert cli.main(["estimate", "--model", name]) == 0
+        assert "MTP" in capsys.readouterr().out
+
+
+def test_v3_preset_round_trips_through_its_hf_config():
+    transformers = pytest.importorskip("transformers")
+    from mini3d.checkpoint.hf_config import config_from_hf, config_to_hf
+
+    cfg = PRESETS["deepseek-v3"]
+    d = config_to_hf(cfg)
+    assert config_from_hf(d, name="deepseek-v3") == cfg
+    hf = transformers.DeepseekV3Config(**d)
+    assert (hf.n_routed_experts, hf.first_k_dense_replace, hf.topk_group, hf.q_lora_rank) == (256, 3, 4, 1536)
+    assert config_from_hf(hf.to_dict(), name="deepseek-v3") == cfg
+
+
+def test_tp_counts_split_the_heads_and_replicate_the_latents():
+    """layer_param_count(tp): q_b / kv_b / proj divided by tp, q_a / kv_a and the two latent
+    norms whole on every rank: what apply_tp builds (the tp2 test trains that layout)."""
+    cfg = DENSE
+    w = cfg.mla_weights()
+    whole = w["q_a"][0] + w["kv_a"][0] + cfg.q_lora_rank + cfg.kv_lora_rank
+    split = w["q_b"][0] + w["kv_b"][0] + cfg.n_heads * cfg.v_head_dim * cfg.d_model
+    mlp = 3 * cfg.d_model * cfg.d_ff
+    for tp in (1, 2):
+        assert cfg.layer_param_count(tp) == whole + (split + mlp) // tp + 2 * cfg.d_model
