@@ -335,3 +335,27 @@ def test_tp_counts_split_the_heads_and_replicate_the_latents():
     mlp = 3 * cfg.d_model * cfg.d_ff
     for tp in (1, 2):
         assert cfg.layer_param_count(tp) == whole + (split + mlp) // tp + 2 * cfg.d_model
+
+
+@pytest.mark.timeout(300)
+def test_train_init_from_hf_starts_from_the_hf_weights(tmp_path):
+    """`train --init-from-hf` of a DeepseekV3 directory over dp=2: the first step's loss is
+    transformers' on the same batch (so the routers' correction biases, which change the expert
+    choice here, came along with the weights)."""
+    from mini3d.cli import main
+    from mini3d.data.corpus import Batches, load_tokens
+
+    hf = saved(ds_config(vocab_size=256, max_position_embeddings=128), tmp_path / "hf").eval()
+    log = tmp_path / "a.jsonl"
+    assert main(["train", "--init-from-hf", str(tmp_path / "hf"), "--log-jsonl", str(log),
+                 "--steps", "1", "--seq-len", "32", "--global-batch", "4", "--micro-batches", "1",
+                 "--dp", "2", "--no-progress", "--timeout", "250"]) == 0
+    x, y = Batches(load_tokens(), 32, 4, 0).global_batch_at(0)  # the batch of step 1 (seed 0)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+        for b in (m.mlp.gate.e_score_correction_bias for m in hf.model.layers[1:]):
+            b.zero_()
+        unbiased = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    first = json.loads(log.read_text().splitlines()[0])["loss"]
+    assert abs(want - unbiased) > 1e-4  # the biases matter to this loss
+    assert first == pytest.approx(want, abs=1e-5), (first, want)
