@@ -40,26 +40,34 @@ CONFIGS = {
     "full-q-no-interleave-unnormalised": lambda: ds_config(q_lora_rank=None, rope_interleave=False,
                                                            norm_topk_prob=False),
     "tied-one-group": lambda: ds_config(n_group=1, topk_group=1, tie_word_embeddings=True),
+    # DeepSeek-V3's YaRN, over a context short enough that the ramp lands inside the 4 rotary
+    # frequencies, and mscale != mscale_all_dim so that both the attention factor on cos / sin
+    # and the softmax scale differ from 1
+    "yarn": lambda: ds_config(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 1.0}),
 }
 
 
-def hf_model(hf_cfg, seed=0):
+def hf_model(hf_cfg, seed=0, attention_scale=1.0):
     import transformers
 
     torch.manual_seed(seed)
     hf_cfg._attn_implementation = "eager"
     model = transformers.DeepseekV3ForCausalLM(hf_cfg).float()
     with torch.no_grad():  # random norms and biases too, so that every mapping matters
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.add_(0.02 * torch.randn_like(p))
+            if any(k in name for k in ("q_proj", "q_b_proj", "kv_a_proj", "kv_b_proj")):
+                p.mul_(attention_scale)  # 10: scores of order 1, not 0.05, so positions show
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # large enough to change the choice
                 b.copy_(0.05 * torch.randn_like(b))
     return model
 
 
-def saved(hf_cfg, path):
-    model = hf_model(hf_cfg)
+def saved(hf_cfg, path, attention_scale=1.0):
+    model = hf_model(hf_cfg, attention_scale=attention_scale)
     model.save_pretrained(path, safe_serialization=True)
     return model
 
@@ -81,7 +89,9 @@ def test_logits_loss_and_gradients_equal_transformers(name, tmp_path):
     pytest.importorskip("safetensors")
     from mini3d.checkpoint.hf import from_hf_state, to_hf_state
 
-    hf = saved(CONFIGS[name](), tmp_path)
+    # q and k 10x the init's: attention scores of order 1, so that a wrong rotary frequency
+    # (YaRN's) or layout shows in the logits (at the init's scale, scores of 0.05 hide it)
+    hf = saved(CONFIGS[name](), tmp_path, attention_scale=10.0)
     mini = mini3d_model(tmp_path)
     assert mini.cfg.family == "deepseek" and mini.cfg.n_experts == 8
     x = torch.randint(0, V, (3, T), generator=torch.Generator().manual_seed(1))
@@ -147,7 +157,8 @@ def test_counts_exact_for_the_built_model(kw):
 @pytest.mark.parametrize("change,named", [
     (dict(n_kv_heads=2), "n_kv_heads=2 != n_heads=4"),
     (dict(qk_rope_dim=5), "qk_rope_dim=5 must be even"),
-    (dict(rope_scaling=(40.0, 1.0, 32.0, 4096)), "YaRN"),
+    (dict(rope_scaling=(40.0, 1.0, 32.0, 4096)), "the deepseek family's is YaRN"),
+    (dict(yarn=(40.0, 4096, 32.0)), "yarn=(40.0, 4096, 32.0) must be"),
     (dict(route_groups=3), "route_groups=3 must divide n_experts=8"),
     (dict(route_groups=4, route_topk_groups=1, top_k=3), "top_k=3 exceeds the 2 experts"),
     (dict(router="softmax"), "need router='sigmoid'"),
@@ -159,6 +170,7 @@ def test_bad_deepseek_shapes_are_named(change, named):
     assert any(named in p for p in problems), problems
     assert not ModelConfig(**base).problems()
     assert any("rope_interleave" in p for p in ModelConfig(family="llama", rope_interleave=True).problems())
+    assert any("yarn" in p for p in ModelConfig(family="llama", yarn=(4.0, 16, 32, 1, 1, 1)).problems())
 
 
 DS = ModelConfig(n_layers=3, d_model=16, n_heads=2, vocab_size=64, max_seq_len=16, d_ff=32,
@@ -237,7 +249,7 @@ def test_mla_under_tp2_and_pp2_equals_the_reference(cfg):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["v3", "full-q-no-interleave-unnormalised"])
+@pytest.mark.parametrize("kind", ["v3", "full-q-no-interleave-unnormalised", "yarn"])
 def test_import_samples_what_transformers_generates_and_exports_back(kind, tmp_path, capsys):
     """import-hf -> `mini3d sample` greedy (through the KV cache, whose v is narrower than k
     here) equals `generate`; export-hf -> DeepseekV3ForCausalLM loads it with every tensor
@@ -264,14 +276,17 @@ def test_import_samples_what_transformers_generates_and_exports_back(kind, tmp_p
     assert (cfg["model_type"], cfg["n_group"], cfg["routed_scaling_factor"]) == ("deepseek_v3", 4, 2.5)
 
 
-def test_yarn_and_other_variants_are_refused_naming_the_field():
+def test_yarn_reads_and_other_variants_are_refused_naming_the_field():
     from mini3d.checkpoint.hf_config import HFError, config_from_hf, config_to_hf
 
     d = ds_config().to_dict()
     yarn = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 1e4}
+    assert config_from_hf({**d, "rope_parameters": yarn}).yarn == (40.0, 4096, 32.0, 1.0, 1.0, 1.0)
     with pytest.raises(HFError, match="rope_scaling / rope_parameters of type 'yarn'"):
-        config_from_hf({**d, "rope_parameters": yarn})
+        config_from_hf({**d, "rope_parameters": {**yarn, "attention_factor": 1.2}})
+    with pytest.raises(HFError, match="of type 'dynamic'"):
+        config_from_hf({**d, "rope_parameters": {**yarn, "rope_type": "dynamic"}})
     with pytest.raises(HFError, match="attention_bias"):
         config_from_hf({**d, "attention_bias": True})
     cfg = config_from_hf(d)

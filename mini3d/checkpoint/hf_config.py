@@ -141,16 +141,24 @@ DEEPSEEK = ("deepseek_v3", "DeepseekV3ForCausalLM")
 def deepseek_fields(d: dict) -> dict:
     """The ModelConfig fields of a DeepseekV3 config.json: MLA's widths, its rotary layout, and
     the MoE (every layer from first_k_dense_replace on; sigmoid scores with the correction bias,
-    grouped, scaled, renormalised as norm_topk_prob says). YaRN (DeepSeek-V3's own config has
-    it, factor 40, for its 128K context) is refused: mini3d does not implement it."""
+    grouped, scaled, renormalised as norm_topk_prob says), and YaRN as DeepSeek-V3's own config
+    has it (factor 40 over 4096 positions, for its 128K context). Other rope types, and YaRN with
+    an explicit attention_factor or truncate=false, are refused."""
     if d.get("attention_bias") or d.get("hidden_act", "silu") != "silu":
         raise HFError("deepseek_v3 variants with attention_bias or another activation than silu "
                       "are not supported")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise HFError(f"rope_scaling / rope_parameters of type {kind!r}: mini3d's deepseek family "
-                      f"implements the default rotary embedding only (YaRN is not implemented)")
+    if kind not in ("default", "yarn") or (kind == "yarn" and (
+            rope.get("attention_factor") is not None or rope.get("truncate", True) is False)):
+        raise HFError(f"rope_scaling / rope_parameters of type {kind!r} (attention_factor="
+                      f"{rope.get('attention_factor')}, truncate={rope.get('truncate', True)}): "
+                      f"mini3d's deepseek family implements the default rotary embedding and YaRN "
+                      f"with its attention factor from mscale / mscale_all_dim, truncated")
+    yarn = () if kind == "default" else (
+        float(rope["factor"]), int(rope["original_max_position_embeddings"]),
+        float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+        float(rope.get("mscale") or 0), float(rope.get("mscale_all_dim") or 0))
     n, experts = d["num_hidden_layers"], d.get("n_routed_experts") or 0
     out = dict(n_layers=n, d_model=d["hidden_size"], n_heads=d["num_attention_heads"],
                vocab_size=d["vocab_size"], max_seq_len=d.get("max_position_embeddings", 2048),
@@ -159,7 +167,7 @@ def deepseek_fields(d: dict) -> dict:
                norm_eps=d.get("rms_norm_eps", 1e-6), q_lora_rank=d.get("q_lora_rank") or 0,
                kv_lora_rank=d["kv_lora_rank"], qk_rope_dim=d["qk_rope_head_dim"],
                qk_nope_dim=d["qk_nope_head_dim"], v_head_dim=d["v_head_dim"],
-               rope_interleave=bool(d.get("rope_interleave", True)))
+               rope_interleave=bool(d.get("rope_interleave", True)), yarn=yarn)
     dense = min(d.get("first_k_dense_replace") or 0, n)
     if not experts or dense == n:
         return out
@@ -180,13 +188,18 @@ def deepseek_to_hf(cfg: ModelConfig) -> dict:
                       f"Face class (DeepseekV3: the sigmoid router, shared experts, every layer from "
                       f"dense_layers on, dropless)")
     moe = cfg.n_experts > 0
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.yarn:
+        factor, context, fast, slow, mscale, mscale_all = cfg.yarn
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_base, "factor": factor,
+                "original_max_position_embeddings": int(context), "beta_fast": fast,
+                "beta_slow": slow, "mscale": mscale, "mscale_all_dim": mscale_all}
     return {"architectures": [DEEPSEEK[1]], "model_type": DEEPSEEK[0],
             "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
             "intermediate_size": cfg.d_ff, "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
-            "rope_interleave": cfg.rope_interleave, "hidden_act": "silu", "attention_bias": False,
+            "rope_parameters": rope, "rope_interleave": cfg.rope_interleave, "hidden_act": "silu", "attention_bias": False,
             "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
             "qk_rope_head_dim": cfg.qk_rope_dim, "qk_nope_head_dim": cfg.qk_nope_dim,
             "v_head_dim": cfg.v_head_dim, "n_routed_experts": cfg.n_experts if moe else 1,

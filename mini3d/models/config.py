@@ -96,6 +96,9 @@ class ModelConfig:
     """deepseek: width of each value head (the output projection reads n_heads * v_head_dim)"""
     rope_interleave: bool = False
     """rotate feature pairs (2i, 2i+1) as DeepSeek's checkpoints lay them out, not (i, i + d/2)"""
+    yarn: tuple = ()
+    """deepseek: YaRN rotary rescaling (factor, original context, beta_fast, beta_slow, mscale,
+    mscale_all_dim); () for none"""
     # ---- mixture of experts (mini3d.models.moe; h-moe's block) ----
     n_experts: int = 0
     """routed experts per MoE layer (0 = a dense model)"""
@@ -134,6 +137,7 @@ class ModelConfig:
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # (JSON gives a list)
+        object.__setattr__(self, "yarn", tuple(self.yarn))
         if not self.activation:
             object.__setattr__(self, "activation", "silu" if self.llama_like else "gelu")
         if self.family in FAMILY_FEATURES:  # the feature that makes the family
@@ -296,8 +300,9 @@ class ModelConfig:
     def _mla_problems(self) -> list[str]:
         """The deepseek family's latent attention: its widths, and what it does not combine with."""
         if not self.mla:
-            return [f"rope_interleave=True is the deepseek family's rotary layout (got family="
-                    f"{self.family!r}; use --family deepseek)"] if self.rope_interleave else []
+            return [f"{k}={getattr(self, k)} is the deepseek family's rotary {what} (got family="
+                    f"{self.family!r}; use --family deepseek)" for k, what in
+                    (("rope_interleave", "layout"), ("yarn", "rescaling")) if getattr(self, k)]
         out = [f"{k}={getattr(self, k)} must be >= {lo}" for k, lo in
                (("q_lora_rank", 0), ("kv_lora_rank", 1), ("qk_rope_dim", 2), ("qk_nope_dim", 0),
                 ("v_head_dim", 1)) if getattr(self, k) < lo]
@@ -311,9 +316,13 @@ class ModelConfig:
                        f"qkv_bias={self.qkv_bias}: the deepseek family's head widths are qk_nope_dim, "
                        f"qk_rope_dim and v_head_dim, without q/k norms or biases")
         if self.rope_scaling:
-            out.append(f"rope_scaling={self.rope_scaling}: the deepseek family's YaRN rescaling (its "
-                       f"128K-context extension) is not implemented; leave rope_scaling out (the "
-                       f"pre-training context, 4096 for DeepSeek-V3)")
+            out.append(f"rope_scaling={self.rope_scaling} is Llama 3.1's rescaling; the deepseek "
+                       f"family's is YaRN (--yarn FACTOR CONTEXT BETA_FAST BETA_SLOW "
+                       f"MSCALE MSCALE_ALL_DIM)")
+        if self.yarn and (len(self.yarn) != 6 or not all(math.isfinite(v) and v >= 0 for v in self.yarn)
+                          or self.yarn[0] < 1 or self.yarn[1] < 1):
+            out.append(f"yarn={self.yarn} must be (factor >= 1, original context >= 1, beta_fast, "
+                       f"beta_slow, mscale, mscale_all_dim), all finite and >= 0")
         return out
 
     def _moe_problems(self) -> list[str]:

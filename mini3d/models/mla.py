@@ -19,8 +19,12 @@ checkpoints lay them out, pairs (2i, 2i+1): they are gathered into the (i, i + d
 alike, so the scores are those of the interleaved rotation).
 
 The core is the same slot as `Attention.core` (explicit, sdpa, the KV cache); its softmax scale is
-1/sqrt of q's width, nope + rope, DeepSeek's scale without YaRN (YaRN's rescaling, which would
-also scale the softmax by mscale^2, is refused by ModelConfig.problems). The cache keeps the
+1/sqrt of q's width, nope + rope. YaRN (`yarn`: DeepSeek-V3's 128K extension, factor 40 over a
+4096 context) changes three things, as the reference does: the rotary frequencies (`yarn_frequencies`:
+interpolated by the factor below beta_slow rotations over the original context, kept above
+beta_fast, a linear ramp between), cos and sin scaled by the attention factor
+mscale(factor, mscale) / mscale(factor, mscale_all_dim), and the softmax scale multiplied by
+mscale(factor, mscale_all_dim)^2, here by scaling q (the same scores; mscale(s, m) = 0.1 m ln s + 1). The cache keeps the
 expanded keys and values, not the latent a production decoder would keep: the same numbers.
 Tensor parallelism (mini3d.tp.parallelize) splits the heads: it shrinks `n_local_heads`, makes
 q_b / kv_b column- and proj row-parallel, keeps the latent down-projections whole, and sets
@@ -28,6 +32,8 @@ q_b / kv_b column- and proj row-parallel, keeps the latent down-projections whol
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn as nn
@@ -45,6 +51,26 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def yarn_frequencies(dim: int, base: float, yarn: tuple, device=None) -> torch.Tensor:
+    """YaRN's dim/2 rotary frequencies (see the module docstring), in float32."""
+    factor, context, beta_fast, beta_slow = yarn[:4]
+    beta_fast, beta_slow = beta_fast or 32, beta_slow or 1
+
+    def rotations_dim(rotations):  # the feature index whose wavelength fits `rotations` times
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(rotations_dim(beta_fast)), 0)
+    high = min(math.ceil(rotations_dim(beta_slow)), dim - 1)
+    high = high + 0.001 if low == high else high
+    pos = base ** (torch.arange(0, dim, 2, device=device).float() / dim)
+    keep = 1 - ((torch.arange(dim // 2, device=device).float() - low) / (high - low)).clamp(0, 1)
+    return (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep
+
+
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -59,6 +85,14 @@ class MLA(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_dim, cfg.qk_rope_dim, cfg.v_head_dim
         self.kv_rank = cfg.kv_lora_rank
         self.rope_base, self.rope_scaling, self.interleave = cfg.rope_base, (), cfg.rope_interleave
+        self.yarn, self.amplitude, self.q_scale = cfg.yarn, 1.0, 1.0
+        if cfg.yarn:
+            factor, _, _, _, mscale, mscale_all = cfg.yarn
+            if mscale and mscale_all:
+                self.amplitude = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+            else:
+                self.amplitude = yarn_mscale(factor)
+            self.q_scale = yarn_mscale(factor, mscale_all) ** 2 if mscale_all else 1.0
         h, n, qk = cfg.d_model, cfg.n_heads, cfg.head_dim
         self.q = self.q_a = self.q_a_norm = self.q_b = None
         if cfg.q_lora_rank:
@@ -80,7 +114,10 @@ class MLA(nn.Module):
     def _rotate(self, t, positions):
         if self.interleave:
             t = deinterleave(t)
-        return rotary(t, self.rope_base, (), positions)
+        if not self.yarn:
+            return rotary(t, self.rope_base, (), positions)
+        inv_freq = yarn_frequencies(self.rope, self.rope_base, self.yarn, t.device)
+        return rotary(t, self.rope_base, (), positions, inv_freq, self.amplitude)
 
     def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -93,9 +130,11 @@ class MLA(nn.Module):
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, n, T, nope), (B, n, T, v)
         k_rope = self._rotate(self.share_key(k_rope).unsqueeze(1), positions)  # (B, 1, T, rope): one for all heads
         q = torch.cat([q_nope, self._rotate(q_rope, positions)], dim=-1)
+        if self.q_scale != 1.0:  # YaRN's softmax scale
+            q = q * self.q_scale
         k = torch.cat([k_nope, k_rope.expand(B, n, T, self.rope)], dim=-1)
         y = self.core(q, k, v.contiguous())  # (B, n, T, v)
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, n * self.v_dim)))
 
 
-__all__ = ["MLA", "deinterleave", "LATENT_NORM_EPS"]
+__all__ = ["MLA", "deinterleave", "yarn_frequencies", "yarn_mscale", "LATENT_NORM_EPS"]
