@@ -40,7 +40,9 @@ class ModelConfig:
     (`n_kv_heads` key/value heads), no biases. `family="qwen2"` is llama with biases on the q, k
     and v projections (`qkv_bias`), `family="qwen3"` llama with an RMSNorm over each query and key
     head before the rotation (`qk_norm`) and usually a head width of its own (`explicit_head_dim`,
-    so n_heads * head_dim may differ from d_model). Any family may tie the output head to the token
+    so n_heads * head_dim may differ from d_model). `family="deepseek"` is llama with multi-head
+    latent attention (mini3d.models.mla: q_lora_rank, kv_lora_rank, qk_rope_dim, qk_nope_dim,
+    v_head_dim, rope_interleave, yarn) in place of q/k/v projections. Any family may tie the output head to the token
     embedding. The defaults (and the course's `tiny` / `small` presets) keep exact GELU and an
     untied head: the numbers the course and its parity tests were built on; the `gpt2-*` presets
     and Hugging Face imports are the real GPT-2 (tanh GELU, tied)."""
@@ -60,7 +62,7 @@ class ModelConfig:
     name: str = "custom"
     """preset name, for reports"""
     family: str = "gpt2"
-    """gpt2, llama, qwen2 or qwen3 (see the class docstring)"""
+    """gpt2, llama, qwen2, qwen3 or deepseek (see the class docstring)"""
     n_kv_heads: int = 0
     """key/value heads (grouped-query attention); 0 means n_heads"""
     rope_base: float = 10000.0

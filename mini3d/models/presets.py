@@ -73,8 +73,8 @@ PRESETS: dict[str, ModelConfig] = {
     # sigmoid scores, renormalised, x 2.5; a 1536-wide query latent. 671B parameters, 37B
     # activated per token, as the model card counts them: WITHOUT the multi-token-prediction
     # (MTP) module (the card's 685B includes its 14B), which mini3d does not build. max_seq_len
-    # 4096 is the pre-training context: the 128K extension's YaRN rescaling (factor 40) is not
-    # implemented (ModelConfig refuses a rope_scaling for the family).
+    # 4096 is the pre-training context, without YaRN; the released 128K model is this with
+    # --yarn 40 4096 32 1 1 1 --max-seq-len 163840 (what importing its config.json gives).
     "deepseek-v3": ModelConfig(61, 7168, 128, 129280, 4096, 18432, name="deepseek-v3",
                                q_lora_rank=1536, n_experts=256, top_k=8, moe_ffn=2048,
                                n_shared_experts=1, dense_layers=3, router="sigmoid",
@@ -83,7 +83,7 @@ PRESETS: dict[str, ModelConfig] = {
     # DeepSeek-V2-Lite (DeepSeek-V2 paper, 2024, appendix; its config.json): 15.7B total, 2.4B
     # active; no query latent (one full q projection), the first layer dense, then 64 experts
     # 1408 wide + 2 shared, top 6 of the softmax, not renormalised (V2's routing). The course's
-    # laptop-sized deepseek; the same context note as deepseek-v3.
+    # laptop-sized deepseek; its 32K context's YaRN left out as for deepseek-v3.
     "deepseek-v2-lite": ModelConfig(27, 2048, 16, 102400, 4096, 10944, name="deepseek-v2-lite",
                                     q_lora_rank=0, n_experts=64, top_k=6, moe_ffn=1408,
                                     n_shared_experts=2, dense_layers=1, router="softmax",
