@@ -377,3 +377,16 @@ def test_train_init_from_hf_starts_from_the_hf_weights(tmp_path):
     first = json.loads(log.read_text().splitlines()[0])["loss"]
     assert abs(want - unbiased) > 1e-4  # the biases matter to this loss
     assert first == pytest.approx(want, abs=1e-5), (first, want)
+
+
+def test_flops_count_the_latent_attention():
+    """Per token and layer: the matmuls of mla_weights + proj + SwiGLU (2 FLOPs per weight), and
+    the attention core over 128 heads of 192-wide q/k and 128-wide v (3.4x a 7168-wide full
+    attention's 4 s h): what the model computes, not the d_model-wide rule of the other families."""
+    from mini3d.cost.model import flops_per_token
+
+    cfg, s = PRESETS["deepseek-v3"], 4096
+    w = sum(n for n, _ in cfg.mla_weights().values()) + 128 * 128 * 7168 + 3 * 7168 * 18432
+    f = flops_per_token(cfg, s)
+    assert f["attention"] == 2 * s * 128 * (192 + 128)
+    assert f["layer"] == 2 * w + f["attention"]

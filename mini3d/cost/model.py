@@ -167,6 +167,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     """Forward FLOPs per token: one layer's matmuls + attention, its attention core, the head."""
     h = cfg.d_model
     attn = 4 * seq_len * h
+    if cfg.mla:  # scores over n_heads (nope + rope)-wide heads, the sum over v_head_dim-wide ones
+        attn = 2 * seq_len * cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
     matmuls = sum(cfg.layer_weights().values())  # GQA's narrower K/V; SwiGLU's three matrices
     return {"layer": 2 * matmuls + attn, "attention": attn, "head": 2 * h * cfg.vocab_size}
 
