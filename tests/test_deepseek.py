@@ -209,14 +209,14 @@ def test_dp2_equals_one_process():
         assert r["loads"] == one["loads"]
 
 
-@pytest.mark.parametrize("flags,named", [(["--cp", "2"], "cp=2"),
+@pytest.mark.parametrize("flags,named", [(["--cp", "2", "--v-head-dim", "32"], "v_head_dim=32 <="),
                                          (["--tp", "2", "--sequence-parallel"], "sequence_parallel")])
 def test_splits_mla_does_not_have_yet_are_refused(flags, named, capsys):
     from mini3d import cli
 
     assert cli.main(["train", "--family", "deepseek", "--steps", "1", *flags]) == 2
     err = capsys.readouterr().err
-    assert named in err and "family='deepseek'" in err and "latent attention" in err
+    assert named in err and "family='deepseek'" in err
 
 
 DENSE = dataclasses.replace(DS, n_experts=0, router="softmax", route_groups=1, route_topk_groups=1,
@@ -390,3 +390,27 @@ def test_flops_count_the_latent_attention():
     f = flops_per_token(cfg, s)
     assert f["attention"] == 2 * s * 128 * (192 + 128)
     assert f["layer"] == 2 * w + f["attention"]
+
+
+@pytest.mark.timeout(240)
+def test_mla_under_cp2_equals_the_reference():
+    """Ring attention over cp=2 (zig-zag chunks at their global positions, so the rotary key of
+    each chunk is rotated where it belongs; v padded to k's width for the ring's one message),
+    float64 against the one-process model with test_3d's F64 bounds."""
+    from mini3d.config import Plan
+    from mini3d.launch.launcher import launch
+    from tests.cp_workers import run_cp_layouts
+    from tests.test_3d import F64, F64_BASE, SEED, STEPS, check_float32, reference
+
+    cfg = DENSE
+    assert cfg.v_head_dim < cfg.head_dim  # the padded case
+    cases = [("cp2", Plan(cp=2, micro_batches=2, **F64_BASE))]
+    results = launch(run_cp_layouts, 2, [{"name": n, "plan": dataclasses.asdict(p)} for n, p in cases],
+                     dataclasses.asdict(cfg), STEPS, SEED, device="cpu", timeout=200)
+    ref = reference(STEPS, cfg=cfg, dtype=torch.float64)
+    for name, plan in cases:
+        mine = [r for per_rank in results for r in per_rank if r["name"] == name]
+        assert mine and all(r["cp_sends"] > 0 for r in mine)
+        for r in mine:
+            assert r["losses"] == pytest.approx(ref[0], abs=F64["loss"]), name
+        check_float32(name, plan, results, ref, cfg=cfg, bounds=F64)

@@ -28,7 +28,9 @@ mscale(factor, mscale_all_dim)^2, here by scaling q (the same scores; mscale(s, 
 expanded keys and values, not the latent a production decoder would keep: the same numbers.
 Tensor parallelism (mini3d.tp.parallelize) splits the heads: it shrinks `n_local_heads`, makes
 q_b / kv_b column- and proj row-parallel, keeps the latent down-projections whole, and sets
-`share_key` to its `f` so the shared rotary key's gradient sums over the ranks' heads.
+`share_key` to its `f` so the shared rotary key's gradient sums over the ranks' heads. Ring
+attention (mini3d.cp) sends k and v as one message, so v goes in padded to k's width with zero
+features (their outputs are zero and dropped): v_head_dim <= qk_nope_dim + qk_rope_dim there.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from mini3d.models.attention import attention_core, dropout, rotary
 from mini3d.models.config import ModelConfig
@@ -133,7 +136,11 @@ class MLA(nn.Module):
         if self.q_scale != 1.0:  # YaRN's softmax scale
             q = q * self.q_scale
         k = torch.cat([k_nope, k_rope.expand(B, n, T, self.rope)], dim=-1)
-        y = self.core(q, k, v.contiguous())  # (B, n, T, v)
+        pad = q.shape[-1] - self.v_dim if getattr(self.core, "same_kv_width", False) else 0
+        if pad:  # (ring attention: zero features of v give zero outputs, dropped again)
+            y = self.core(q, k, F.pad(v, (0, pad)))[..., :self.v_dim]
+        else:
+            y = self.core(q, k, v.contiguous())  # (B, n, T, v)
         return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, n * self.v_dim)))
 
 

@@ -123,15 +123,20 @@ class RunConfig:
 
     def _mla_problems(self) -> list[str]:
         """The deepseek family's latent attention trains over dp (any ZeRO stage), tp (heads
-        split; the latent down-projections replicated: mini3d.tp.parallelize) and pp; ring
-        attention over cp and sequence parallelism (which would shard the replicated latent
-        projections' input) come later."""
-        p = self.plan
-        bad = [f"cp={p.cp}"] * (p.cp > 1) + ["sequence_parallel"] * bool(p.sequence_parallel)
-        if not self.model.mla or not bad:
+        split; the latent down-projections replicated: mini3d.tp.parallelize), pp and cp (ring
+        attention, v padded to k's width: mini3d.models.mla); sequence parallelism (which would
+        shard the replicated latent projections' input) comes later."""
+        p, m = self.plan, self.model
+        if not m.mla:
             return []
-        return [f"family='deepseek' with {', '.join(bad)}: multi-head latent attention is not "
-                f"split over cp or the sequence yet (train it with --tp, --pp, --dp and --zero)"]
+        out = [] if not p.sequence_parallel else [
+            "family='deepseek' with sequence_parallel: multi-head latent attention is not split "
+            "over the sequence yet (train it with --tp, --cp, --pp, --dp and --zero)"]
+        if p.cp > 1 and m.v_head_dim > m.head_dim:
+            out.append(f"family='deepseek' with cp={p.cp} needs v_head_dim={m.v_head_dim} <= "
+                       f"qk_nope_dim + qk_rope_dim = {m.head_dim} (ring attention sends v padded "
+                       f"to k's width)")
+        return out
 
     def _moe_problems(self) -> list[str]:
         """Experts are replicated like dense weights (dp, ZeRO-1/2); the other splits wait for
