@@ -150,7 +150,7 @@ def cmd_export(args) -> int:
 
 def register(subparsers) -> None:
     """Add `import-hf` and `export-hf` to an argparse subparsers object."""
-    p = subparsers.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama / Qwen directory -> a checkpoint")
+    p = subparsers.add_parser("import-hf", help="a Hugging Face GPT-2 / Llama / Qwen / Mixtral / DeepSeek-V3 directory -> a checkpoint")
     p.add_argument("hf_dir", help="local directory with config.json and *.safetensors")
     p.add_argument("ckpt_dir", help="checkpoint root to write (step 0)")
     p.set_defaults(func=_run(cmd_import))

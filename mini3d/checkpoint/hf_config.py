@@ -7,6 +7,7 @@
     qwen3        Qwen3ForCausalLM      qwen3           RMSNorm per q / k head, explicit head_dim
     mixtral      MixtralForCausalLM    llama + experts softmax-norm router, experts d_ff wide
     qwen3_moe    Qwen3MoeForCausalLM   qwen3 + experts softmax(-norm) router, moe_intermediate_size
+    deepseek_v3  DeepseekV3ForCausalLM deepseek        latent attention (MLA), grouped sigmoid router
 
 A MoE model's routing fields are its config's: experts, top_k, the router (Mixtral renormalises
 the top-k weights; Qwen3-MoE when `norm_topk_prob`), and the balancing loss's coefficient only
@@ -134,6 +135,83 @@ def moe_to_hf(cfg: ModelConfig) -> dict:
     return out
 
 
+DEEPSEEK = ("deepseek_v3", "DeepseekV3ForCausalLM")
+
+
+def deepseek_fields(d: dict) -> dict:
+    """The ModelConfig fields of a DeepseekV3 config.json: MLA's widths, its rotary layout, and
+    the MoE (every layer from first_k_dense_replace on; sigmoid scores with the correction bias,
+    grouped, scaled, renormalised as norm_topk_prob says), and YaRN as DeepSeek-V3's own config
+    has it (factor 40 over 4096 positions, for its 128K context). Other rope types, and YaRN with
+    an explicit attention_factor or truncate=false, are refused."""
+    if d.get("attention_bias") or d.get("hidden_act", "silu") != "silu":
+        raise HFError("deepseek_v3 variants with attention_bias or another activation than silu "
+                      "are not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "yarn") or (kind == "yarn" and (
+            rope.get("attention_factor") is not None or rope.get("truncate", True) is False)):
+        raise HFError(f"rope_scaling / rope_parameters of type {kind!r} (attention_factor="
+                      f"{rope.get('attention_factor')}, truncate={rope.get('truncate', True)}): "
+                      f"mini3d's deepseek family implements the default rotary embedding and YaRN "
+                      f"with its attention factor from mscale / mscale_all_dim, truncated")
+    yarn = () if kind == "default" else (
+        float(rope["factor"]), int(rope["original_max_position_embeddings"]),
+        float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+        float(rope.get("mscale") or 0), float(rope.get("mscale_all_dim") or 0))
+    n, experts = d["num_hidden_layers"], d.get("n_routed_experts") or 0
+    out = dict(n_layers=n, d_model=d["hidden_size"], n_heads=d["num_attention_heads"],
+               vocab_size=d["vocab_size"], max_seq_len=d.get("max_position_embeddings", 2048),
+               d_ff=d["intermediate_size"], rope_base=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+               tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+               norm_eps=d.get("rms_norm_eps", 1e-6), q_lora_rank=d.get("q_lora_rank") or 0,
+               kv_lora_rank=d["kv_lora_rank"], qk_rope_dim=d["qk_rope_head_dim"],
+               qk_nope_dim=d["qk_nope_head_dim"], v_head_dim=d["v_head_dim"],
+               rope_interleave=bool(d.get("rope_interleave", True)), yarn=yarn)
+    dense = min(d.get("first_k_dense_replace") or 0, n)
+    if not experts or dense == n:
+        return out
+    return {**out, "n_experts": experts, "top_k": d["num_experts_per_tok"],
+            "moe_ffn": d["moe_intermediate_size"], "n_shared_experts": d.get("n_shared_experts") or 0,
+            "dense_layers": dense, "router": "sigmoid", "route_groups": d.get("n_group") or 1,
+            "route_topk_groups": d.get("topk_group") or 1,
+            "routed_scaling_factor": float(d.get("routed_scaling_factor", 1.0)),
+            "norm_topk_prob": bool(d.get("norm_topk_prob", True))}
+
+
+def deepseek_to_hf(cfg: ModelConfig) -> dict:
+    """A DeepseekV3 config.json of a deepseek `cfg` (a dense one: every layer first_k_dense)."""
+    if cfg.n_experts and (cfg.router != "sigmoid" or not cfg.n_shared_experts or cfg.moe_every != 1
+                          or cfg.capacity_factor):
+        raise HFError(f"this deepseek model (router={cfg.router}, shared experts={cfg.n_shared_experts}, "
+                      f"moe_every={cfg.moe_every}, capacity_factor={cfg.capacity_factor}) has no Hugging "
+                      f"Face class (DeepseekV3: the sigmoid router, shared experts, every layer from "
+                      f"dense_layers on, dropless)")
+    moe = cfg.n_experts > 0
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.yarn:
+        factor, context, fast, slow, mscale, mscale_all = cfg.yarn
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_base, "factor": factor,
+                "original_max_position_embeddings": int(context), "beta_fast": fast,
+                "beta_slow": slow, "mscale": mscale, "mscale_all_dim": mscale_all}
+    return {"architectures": [DEEPSEEK[1]], "model_type": DEEPSEEK[0],
+            "num_hidden_layers": cfg.n_layers, "hidden_size": cfg.d_model,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
+            "intermediate_size": cfg.d_ff, "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
+            "rope_parameters": rope, "rope_interleave": cfg.rope_interleave, "hidden_act": "silu", "attention_bias": False,
+            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_rope_head_dim": cfg.qk_rope_dim, "qk_nope_head_dim": cfg.qk_nope_dim,
+            "v_head_dim": cfg.v_head_dim, "n_routed_experts": cfg.n_experts if moe else 1,
+            "num_experts_per_tok": cfg.top_k if moe else 1,
+            "moe_intermediate_size": cfg.moe_width if moe else cfg.d_ff,
+            "n_shared_experts": cfg.n_shared_experts if moe else 1,
+            "first_k_dense_replace": cfg.dense_layers if moe else cfg.n_layers,
+            "n_group": cfg.route_groups, "topk_group": cfg.route_topk_groups,
+            "routed_scaling_factor": cfg.routed_scaling_factor, "norm_topk_prob": cfg.norm_topk_prob,
+            "num_nextn_predict_layers": 0}
+
+
 def config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
     """The ModelConfig of an HF `config.json` (one of the classes in the module docstring)."""
     kind = d.get("model_type")
@@ -144,8 +222,10 @@ def config_from_hf(d: dict, name: str = "hf") -> ModelConfig:
     if kind in MOE:
         return ModelConfig(name=name, family=MOE[kind][0], **llama_like_fields(d, kind),
                            **moe_fields(d, kind))
+    if kind == DEEPSEEK[0]:
+        return ModelConfig(name=name, family="deepseek", **deepseek_fields(d))
     raise HFError(f"model_type={kind!r} is not supported (mini3d converts gpt2, "
-                  f"{', '.join(LLAMA_LIKE)}, {', '.join(MOE)})")
+                  f"{', '.join(LLAMA_LIKE)}, {', '.join(MOE)}, {DEEPSEEK[0]})")
 
 
 def _gpt2_to_hf(cfg: ModelConfig) -> dict:
@@ -182,6 +262,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
               "torch_dtype": "float32", "dtype": "float32"}
     if cfg.family == "gpt2" and not cfg.n_experts:
         return {**_gpt2_to_hf(cfg), **common}
+    if cfg.mla:
+        return {**deepseek_to_hf(cfg), **common}
     if cfg.n_experts:
         return {**moe_to_hf(cfg), **common}
     if (cfg.qkv_bias, cfg.qk_norm) != VARIANT[cfg.family]:
@@ -192,4 +274,4 @@ def config_to_hf(cfg: ModelConfig) -> dict:
 
 
 __all__ = ["HFError", "config_from_hf", "config_to_hf", "llama_like_fields", "llama_like_to_hf",
-           "moe_fields", "moe_to_hf", "LLAMA_LIKE", "MOE"]
+           "moe_fields", "moe_to_hf", "deepseek_fields", "deepseek_to_hf", "LLAMA_LIKE", "MOE", "DEEPSEEK"]

@@ -13,6 +13,11 @@ still writes them (Mixtral: `block_sparse_moe.experts.{j}.w1` gate, `w3` up, `w2
 stacks them as `mlp.experts.w_gate`, `w_up` (E, F, d) and `w_down` (E, d, F), router
 `mlp.router.weight`; its aux-loss-free `mlp.expert_bias` starts at zero. `to_hf_state` writes the
 per-expert layout (`layout="fused"`: the modules' own tensors, e.g. to compare gradients).
+
+DeepseekV3 (the deepseek family): the latent attention's tensors one to one (`_mla_attention`),
+experts as Qwen3-MoE's under `mlp.experts`, the router's correction bias
+`mlp.gate.e_score_correction_bias` as mini3d's `mlp.expert_bias` (read, not zeroed), and the
+shared experts `mlp.shared_experts.{gate,up,down}_proj` as `mlp.shared.{gate,fc,proj}`.
 """
 
 from __future__ import annotations
@@ -58,7 +63,30 @@ def _llama_mlp(b: str, h: str) -> list[tuple[str, list[str], bool]]:
 
 
 PER_EXPERT = {"llama": ("block_sparse_moe", ("w1", "w3", "w2")),  # Mixtral: gate, up, down
-              "qwen3": ("mlp", ("gate_proj", "up_proj", "down_proj"))}  # Qwen3-MoE
+              "qwen3": ("mlp", ("gate_proj", "up_proj", "down_proj")),  # Qwen3-MoE
+              "deepseek": ("mlp", ("gate_proj", "up_proj", "down_proj"))}  # DeepseekV3
+
+
+def _mla_attention(b: str, h: str, cfg: ModelConfig) -> list[tuple[str, list[str], bool]]:
+    """The latent attention's tensors (and both block norms) of a deepseek block."""
+    a = h + "self_attn."
+    q = ([("q_a", "q_a_proj"), ("q_a_norm", "q_a_layernorm"), ("q_b", "q_b_proj")]
+         if cfg.q_lora_rank else [("q", "q_proj")])
+    pairs = q + [("kv_a", "kv_a_proj_with_mqa"), ("kv_a_norm", "kv_a_layernorm"),
+                 ("kv_b", "kv_b_proj"), ("proj", "o_proj")]
+    return ([(b + "ln1.weight", [h + "input_layernorm.weight"], False),
+             (b + "ln2.weight", [h + "post_attention_layernorm.weight"], False)]
+            + [(f"{b}attn.{ours}.weight", [f"{a}{theirs}.weight"], False) for ours, theirs in pairs])
+
+
+def _deepseek_moe_extras(b: str, h: str, cfg: ModelConfig) -> list[tuple[str, list[str], bool]]:
+    """A deepseek MoE layer's tensors beside its experts and router: the shared experts' MLP."""
+    if not cfg.n_shared_experts:
+        return []
+    s = h + "mlp.shared_experts."
+    return [(b + "mlp.shared.gate.weight", [s + "gate_proj.weight"], False),
+            (b + "mlp.shared.fc.weight", [s + "up_proj.weight"], False),
+            (b + "mlp.shared.proj.weight", [s + "down_proj.weight"], False)]
 OURS = ("experts.w_gate", "experts.w_up", "experts.w_down")
 
 
@@ -85,6 +113,9 @@ def moe_from_hf(hf: dict, cfg: ModelConfig, i: int) -> dict:
     out = {b + o: t.float().contiguous() for o, t in zip(OURS, parts)}
     out[b + "router.weight"] = router.float().contiguous()
     out[b + "expert_bias"] = torch.zeros(cfg.n_experts, device="cpu")  # (host: the strict-device mode makes bare tensors meta)
+    if cfg.mla:  # DeepseekV3's router keeps its aux-loss-free bias
+        out[b + "expert_bias"] = _get(hf, h + "mlp.gate.e_score_correction_bias",
+                                      b + "expert_bias").float().contiguous()
     return out
 
 
@@ -92,12 +123,14 @@ def moe_to_hf(state: dict, cfg: ModelConfig, i: int, layout: str = "per-expert")
     """HF's tensors of MoE layer `i` (the inverse of `moe_from_hf`), in `layout`."""
     b, h = f"blocks.{i}.mlp.", f"model.layers.{i}."
     gate, up, down = (state[b + o] for o in OURS)
+    bias = {h + "mlp.gate.e_score_correction_bias": state[b + "expert_bias"].float().contiguous()} \
+        if cfg.mla and b + "expert_bias" in state else {}  # (a gradient dict has none)
     if layout == "fused":
         return {h + "mlp.gate.weight": state[b + "router.weight"].contiguous(),
                 h + "mlp.experts.gate_up_proj": torch.cat([gate, up], dim=1).contiguous(),
-                h + "mlp.experts.down_proj": down.contiguous()}
+                h + "mlp.experts.down_proj": down.contiguous(), **bias}
     prefix, theirs = PER_EXPERT[cfg.family]
-    out = {h + prefix + ".gate.weight": state[b + "router.weight"].contiguous()}
+    out = {h + prefix + ".gate.weight": state[b + "router.weight"].contiguous(), **bias}
     for j in range(cfg.n_experts):
         for n, t in zip(theirs, (gate, up, down)):
             out[h + prefix + f".experts.{j}.{n}.weight"] = t[j].contiguous()
@@ -116,9 +149,11 @@ def names(cfg: ModelConfig) -> list[tuple[str, list[str], bool]]:
         if gpt2:
             out += _gpt2_block(b, h)
             continue
-        out += llama_attention(b, h, cfg)
+        out += _mla_attention(b, h, cfg) if cfg.mla else llama_attention(b, h, cfg)
         if not cfg.is_moe_layer(i):  # (a MoE layer's experts: moe_from_hf / moe_to_hf)
             out += _llama_mlp(b, h)
+        elif cfg.mla:
+            out += _deepseek_moe_extras(b, h, cfg)
     ln_f = "transformer.ln_f." if gpt2 else "model.norm."
     out.append(("head.ln_f.weight", [ln_f + "weight"], False))
     if gpt2:

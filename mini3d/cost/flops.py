@@ -36,6 +36,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     experts, shared experts) and all the layers together ("layers")."""
     h = cfg.d_model
     attn = 4 * seq_len * h
+    if cfg.mla:  # scores over n_heads (nope + rope)-wide heads, the sum over v_head_dim-wide ones
+        attn = 2 * seq_len * cfg.n_heads * (cfg.head_dim + cfg.v_head_dim)
     w = cfg.layer_weights()  # GQA's narrower K/V; SwiGLU's three matrices
     out = {"layer": 2 * sum(w.values()) + attn, "attention": attn, "head": 2 * h * cfg.vocab_size}
     if cfg.n_experts:

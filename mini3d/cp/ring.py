@@ -137,6 +137,10 @@ class RingCore:
     """An attention core (the `Attention.core` slot of mini3d.models.transformer) that runs ring attention on one
     cp axis with block math `kind` ("explicit" or "sdpa")."""
 
+    # k and v travel around the ring as one stacked message: a caller whose v is narrower than
+    # k (deepseek's latent attention) pads v with zero features and drops them from the output
+    same_kv_width = True
+
     def __init__(self, axis, kind: str = "explicit"):
         self.axis, self.kind = axis, kind
 

@@ -33,17 +33,24 @@ def rotary_frequencies(hd: int, base: float, scaling: tuple = (), device=None) -
     return inv_freq * (smooth + (1 - smooth) / factor)
 
 
-def rotary(x: torch.Tensor, base: float, scaling: tuple = (), positions=None) -> torch.Tensor:
+def rotary(x: torch.Tensor, base: float, scaling: tuple = (), positions=None, inv_freq=None,
+           amplitude: float = 1.0) -> torch.Tensor:
     """Rotary position embedding of q or k, (B, n, T, hd), at `positions` (T,) (default
     t = 0..T-1; a context-parallel rank passes its chunk's global positions): each pair of
     features (i, i + hd/2) is rotated by the angle t * frequency i (the "rotate half" layout of
-    Hugging Face's Llama, whose checkpoints mini3d reads). Angles in float32."""
+    Hugging Face's Llama, whose checkpoints mini3d reads). Angles in float32. `inv_freq` given
+    (deepseek's YaRN frequencies) replaces base and scaling; cos and sin are multiplied by
+    `amplitude` (YaRN's attention factor; 1 otherwise)."""
     T, hd = x.shape[-2], x.shape[-1]
-    inv_freq = rotary_frequencies(hd, base, scaling, x.device)
+    if inv_freq is None:
+        inv_freq = rotary_frequencies(hd, base, scaling, x.device)
     pos = torch.arange(T, device=x.device) if positions is None else positions
     freqs = torch.outer(pos.float(), inv_freq)  # (T, hd/2)
     angles = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if amplitude != 1.0:
+        cos, sin = cos * amplitude, sin * amplitude
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -111,8 +118,8 @@ def attention_core(q, k, v):
     if g > 1:
         causal = causal.repeat(g, 1)
     att = torch.softmax(att.masked_fill(causal, float("-inf")), dim=-1)
-    y = att @ v  # (B, nkv, g*T, hd)
-    return y.view(B, nh, T, hd) if g > 1 else y  # (B, nh, T, hd)
+    y = att @ v  # (B, nkv, g*T, v's width: hd, or MLA's v_head_dim)
+    return y.view(B, nh, T, v.shape[-1]) if g > 1 else y  # (B, nh, T, hd)
 
 
 def sdpa_core(q, k, v):

@@ -22,8 +22,9 @@ class PlanError(BadInput):
         super().__init__("invalid plan: " + "; ".join(self.problems))
 
 
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
-LLAMA_LIKE = ("llama", "qwen2", "qwen3")  # RMSNorm, rotary positions, SwiGLU, grouped-query attention
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "deepseek")
+# RMSNorm, rotary positions, SwiGLU (deepseek: multi-head latent attention instead of GQA)
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "deepseek")
 ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), **{f: ("silu",) for f in LLAMA_LIKE}}
 FAMILY_FEATURES = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}  # what each qwen adds to llama
 ROUTERS = ("softmax", "softmax-norm", "sigmoid")
@@ -40,7 +41,9 @@ class ModelConfig:
     (`n_kv_heads` key/value heads), no biases. `family="qwen2"` is llama with biases on the q, k
     and v projections (`qkv_bias`), `family="qwen3"` llama with an RMSNorm over each query and key
     head before the rotation (`qk_norm`) and usually a head width of its own (`explicit_head_dim`,
-    so n_heads * head_dim may differ from d_model). Any family may tie the output head to the token
+    so n_heads * head_dim may differ from d_model). `family="deepseek"` is llama with multi-head
+    latent attention (mini3d.models.mla: q_lora_rank, kv_lora_rank, qk_rope_dim, qk_nope_dim,
+    v_head_dim, rope_interleave, yarn) in place of q/k/v projections. Any family may tie the output head to the token
     embedding. The defaults (and the course's `tiny` / `small` presets) keep exact GELU and an
     untied head: the numbers the course and its parity tests were built on; the `gpt2-*` presets
     and Hugging Face imports are the real GPT-2 (tanh GELU, tied)."""
@@ -60,7 +63,7 @@ class ModelConfig:
     name: str = "custom"
     """preset name, for reports"""
     family: str = "gpt2"
-    """gpt2, llama, qwen2 or qwen3 (see the class docstring)"""
+    """gpt2, llama, qwen2, qwen3 or deepseek (see the class docstring)"""
     n_kv_heads: int = 0
     """key/value heads (grouped-query attention); 0 means n_heads"""
     rope_base: float = 10000.0
@@ -83,6 +86,22 @@ class ModelConfig:
     """RMSNorm over each query and key head before the rotation (on for the qwen3 family)"""
     qkv_bias: bool = False
     """biases on the q, k and v projections only (on for the qwen2 family)"""
+    # ---- multi-head latent attention of the deepseek family (mini3d.models.mla; h-mla)
+    q_lora_rank: int = 0
+    """deepseek: width of the query latent (q = up(norm(down x))); 0 = one full q projection (V2-Lite)"""
+    kv_lora_rank: int = 32
+    """deepseek: width of the joint key/value latent every head's k and v are expanded from"""
+    qk_rope_dim: int = 8
+    """deepseek: rotary part of each query/key head (the key's is one head shared by all)"""
+    qk_nope_dim: int = 16
+    """deepseek: position-free part of each query/key head (expanded from the latent)"""
+    v_head_dim: int = 16
+    """deepseek: width of each value head (the output projection reads n_heads * v_head_dim)"""
+    rope_interleave: bool = False
+    """rotate feature pairs (2i, 2i+1) as DeepSeek's checkpoints lay them out, not (i, i + d/2)"""
+    yarn: tuple = ()
+    """deepseek: YaRN rotary rescaling (factor, original context, beta_fast, beta_slow, mscale,
+    mscale_all_dim); () for none"""
     # ---- mixture of experts (mini3d.models.moe; h-moe's block) ----
     n_experts: int = 0
     """routed experts per MoE layer (0 = a dense model)"""
@@ -108,6 +127,14 @@ class ModelConfig:
     """tokens per expert capped at ceil(C * tokens * top_k / n_experts), overflow dropped (0 = dropless)"""
     router_bias_rate: float = 0.0
     """speed of the aux-loss-free bias update (sigmoid router): bias += rate * sign(mean load - load)"""
+    route_groups: int = 1
+    """sigmoid router: experts in this many equal groups; a token picks among the best route_topk_groups"""
+    route_topk_groups: int = 1
+    """sigmoid router: groups a token may use (group score: the sum of its two best biased scores)"""
+    routed_scaling_factor: float = 1.0
+    """sigmoid router: the routed experts' weights multiplied by this (DeepSeek-V3: 2.5)"""
+    norm_topk_prob: bool = True
+    """sigmoid router: renormalise the top-k scores to sum to one before the scaling factor"""
 
     def __post_init__(self):
         if self.d_ff == 0:
@@ -115,6 +142,7 @@ class ModelConfig:
         if self.n_kv_heads == 0:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         object.__setattr__(self, "rope_scaling", tuple(self.rope_scaling))  # (JSON gives a list)
+        object.__setattr__(self, "yarn", tuple(self.yarn))
         if not self.activation:
             object.__setattr__(self, "activation", "silu" if self.llama_like else "gelu")
         if self.family in FAMILY_FEATURES:  # the feature that makes the family
@@ -126,7 +154,15 @@ class ModelConfig:
         return self.family in LLAMA_LIKE
 
     @property
+    def mla(self) -> bool:
+        """Multi-head latent attention (the deepseek family) instead of q/k/v projections."""
+        return self.family == "deepseek"
+
+    @property
     def head_dim(self) -> int:
+        """Width of one query/key head (deepseek: qk_nope_dim + qk_rope_dim)."""
+        if self.mla:
+            return self.qk_nope_dim + self.qk_rope_dim
         return self.explicit_head_dim or self.d_model // self.n_heads
 
     @property
@@ -144,10 +180,24 @@ class ModelConfig:
         return self.family == "gpt2"
 
     def layer_weights(self) -> dict:
-        """Elements of each weight matrix of one block (the matmuls: 2 FLOPs per element per token)."""
+        """Elements of each weight matrix of one block (the matmuls: 2 FLOPs per element per token);
+        deepseek's "qkv" is the sum of its latent attention's projections (`mla_weights`)."""
         h, f, q = self.d_model, self.d_ff, self.q_dim
+        if self.mla:
+            return {"qkv": sum(n for n, _ in self.mla_weights().values()),
+                    "proj": self.n_heads * self.v_head_dim * h, "mlp": 3 * h * f}
         return {"qkv": h * (q + 2 * self.kv_dim), "proj": q * h,
                 "mlp": (3 if self.llama_like else 2) * h * f}
+
+    def mla_weights(self) -> dict:
+        """{matrix: (elements, split over tp?)} of the latent attention's input side: the
+        down-projections to the latents (q_a, kv_a) are replicated under tp, the per-head
+        up-projections (q_b, or the full q without a query latent, and kv_b) split by heads."""
+        h, a, r = self.d_model, self.n_heads, self.q_lora_rank
+        q = {"q_a": (h * r, False), "q_b": (r * a * self.head_dim, True)} if r else \
+            {"q": (h * a * self.head_dim, True)}
+        return {**q, "kv_a": (h * (self.kv_lora_rank + self.qk_rope_dim), False),
+                "kv_b": (self.kv_lora_rank * a * (self.qk_nope_dim + self.v_head_dim), True)}
 
     def norm_params(self) -> int:
         """Parameters of one normalisation layer: LayerNorm weight + bias, RMSNorm weight."""
@@ -194,6 +244,9 @@ class ModelConfig:
         qk_norms = 2 * self.head_dim if self.qk_norm else 0
         dense = ((w["qkv"] + w["proj"] + w["mlp"] + col_bias) // tp + row_bias
                  + 2 * self.norm_params() + qk_norms)
+        if self.mla:  # the replicated latent projections and the latents' two RMSNorms
+            whole = sum(n for n, split in self.mla_weights().values() if not split)
+            dense += whole - whole // tp + self.q_lora_rank + self.kv_lora_rank
         if layer is None or not self.is_moe_layer(layer):
             return dense
         mlp = (w["mlp"] + (f if self.biases else 0)) // tp + (h if self.biases else 0)
@@ -221,7 +274,7 @@ class ModelConfig:
                 out.append(f"{name}={getattr(self, name)} must be >= 1")
         if self.explicit_head_dim < 0:
             out.append(f"explicit_head_dim={self.explicit_head_dim} must be >= 0 (0: d_model / n_heads)")
-        if self.n_heads >= 1 and self.d_model % self.n_heads and not self.explicit_head_dim:
+        if self.n_heads >= 1 and self.d_model % self.n_heads and not (self.explicit_head_dim or self.mla):
             out.append(f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
                        f"(choose n_heads in {_divisors(self.d_model)[:12]})")
         if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
@@ -236,13 +289,14 @@ class ModelConfig:
             if self.family == "gpt2" and self.n_kv_heads != self.n_heads:
                 out.append(f"n_kv_heads={self.n_kv_heads} != n_heads={self.n_heads}: grouped-query "
                            f"attention is a llama-family feature (use --family llama)")
-            if self.llama_like and self.n_heads >= 1 and self.head_dim % 2:
+            if self.llama_like and not self.mla and self.n_heads >= 1 and self.head_dim % 2:
                 out.append(f"head_dim={self.head_dim} must be even for rotary positions")
             if self.family == "gpt2" and (self.qk_norm or self.explicit_head_dim):
                 out.append(f"qk_norm={self.qk_norm}, explicit_head_dim={self.explicit_head_dim}: "
                            f"q/k norms and a head width of its own are llama-like features "
                            f"(use --family qwen3 or llama)")
-        if self.rope_scaling and (len(self.rope_scaling) != 4 or not self.llama_like):
+        out += self._mla_problems()
+        if self.rope_scaling and (len(self.rope_scaling) != 4 or not self.llama_like) and not self.mla:
             out.append(f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
                        f"high_freq_factor, original context) of a llama-family model")
         if not 0.0 <= self.dropout < 1.0:
@@ -251,6 +305,34 @@ class ModelConfig:
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 out.append(f"{name}={getattr(self, name)} must be a finite number > 0")
         return out + self._moe_problems()
+
+    def _mla_problems(self) -> list[str]:
+        """The deepseek family's latent attention: its widths, and what it does not combine with."""
+        if not self.mla:
+            return [f"{k}={getattr(self, k)} is the deepseek family's rotary {what} (got family="
+                    f"{self.family!r}; use --family deepseek)" for k, what in
+                    (("rope_interleave", "layout"), ("yarn", "rescaling")) if getattr(self, k)]
+        out = [f"{k}={getattr(self, k)} must be >= {lo}" for k, lo in
+               (("q_lora_rank", 0), ("kv_lora_rank", 1), ("qk_rope_dim", 2), ("qk_nope_dim", 0),
+                ("v_head_dim", 1)) if getattr(self, k) < lo]
+        if self.qk_rope_dim % 2:
+            out.append(f"qk_rope_dim={self.qk_rope_dim} must be even for rotary positions")
+        if self.n_kv_heads != self.n_heads:
+            out.append(f"n_kv_heads={self.n_kv_heads} != n_heads={self.n_heads}: the deepseek family's "
+                       f"keys and values come from one latent, expanded to every head (leave --kv-heads out)")
+        if self.explicit_head_dim or self.qk_norm or self.qkv_bias:
+            out.append(f"explicit_head_dim={self.explicit_head_dim}, qk_norm={self.qk_norm}, "
+                       f"qkv_bias={self.qkv_bias}: the deepseek family's head widths are qk_nope_dim, "
+                       f"qk_rope_dim and v_head_dim, without q/k norms or biases")
+        if self.rope_scaling:
+            out.append(f"rope_scaling={self.rope_scaling} is Llama 3.1's rescaling; the deepseek "
+                       f"family's is YaRN (--yarn FACTOR CONTEXT BETA_FAST BETA_SLOW "
+                       f"MSCALE MSCALE_ALL_DIM)")
+        if self.yarn and (len(self.yarn) != 6 or not all(math.isfinite(v) and v >= 0 for v in self.yarn)
+                          or self.yarn[0] < 1 or self.yarn[1] < 1):
+            out.append(f"yarn={self.yarn} must be (factor >= 1, original context >= 1, beta_fast, "
+                       f"beta_slow, mscale, mscale_all_dim), all finite and >= 0")
+        return out
 
     def _moe_problems(self) -> list[str]:
         if self.n_experts == 0:
@@ -269,6 +351,33 @@ class ModelConfig:
         if self.router_bias_rate and self.router != "sigmoid":
             out.append(f"router_bias_rate={self.router_bias_rate} needs router='sigmoid' "
                        f"(got {self.router!r})")
+        return out + self._grouped_routing_problems()
+
+    def _grouped_routing_problems(self) -> list[str]:
+        """DeepSeek-V3's options of the sigmoid router: groups, scaling factor, renormalisation."""
+        G, K, E = self.route_groups, self.route_topk_groups, self.n_experts
+        options = [f"{k}={getattr(self, k)}" for k, off in
+                   (("route_groups", 1), ("routed_scaling_factor", 1.0), ("norm_topk_prob", True))
+                   if getattr(self, k) != off]
+        if options and self.router != "sigmoid":
+            return [f"{', '.join(options)} need router='sigmoid' (got {self.router!r}): they are "
+                    f"DeepSeek-V3's sigmoid routing options"]
+        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
+            return [f"routed_scaling_factor={self.routed_scaling_factor} must be a finite number > 0"]
+        if G < 1 or E % G:
+            return [f"route_groups={G} must divide n_experts={E} (choose in {_divisors(E)})"]
+        if G == 1:
+            return [] if K == 1 else [f"route_topk_groups={K} needs route_groups > 1"]
+        out = []
+        if E // G < 2:
+            out.append(f"route_groups={G} leaves {E // G} expert per group; a group's score is "
+                       f"the sum of its two best (choose route_groups in "
+                       f"{[g for g in _divisors(E) if E // g >= 2]})")
+        if not 1 <= K <= G:
+            out.append(f"route_topk_groups={K} must be in 1..route_groups={G}")
+        elif self.top_k > K * (E // G):
+            out.append(f"top_k={self.top_k} exceeds the {K * (E // G)} experts of "
+                       f"route_topk_groups={K} groups of {E // G}")
         return out
 
 

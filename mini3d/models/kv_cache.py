@@ -46,8 +46,8 @@ def offset_attention(q, k, v):
     if T > 1:  # one query (the usual decode step) may read every cached key
         causal = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(S - T + 1).repeat(g, 1)
         att = att.masked_fill(causal, float("-inf"))
-    y = torch.softmax(att, dim=-1) @ v  # (B, nkv, g*T, hd)
-    return y.view(B, nh, T, hd)
+    y = torch.softmax(att, dim=-1) @ v  # (B, nkv, g*T, v's width: hd, or MLA's v_head_dim)
+    return y.view(B, nh, T, v.shape[-1])
 
 
 class CachedCore:
@@ -68,9 +68,9 @@ class CachedCore:
             raise ValueError(f"KV cache: {start} cached + {T} new positions > capacity "
                              f"{self.capacity}")
         if self.k is None or self.k.shape[0] != k.shape[0]:
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+            shape = (k.shape[0], k.shape[1], self.capacity)  # (v may be narrower: deepseek's MLA)
+            self.k = torch.empty(shape + k.shape[3:], dtype=k.dtype, device=k.device)
+            self.v = torch.empty(shape + v.shape[3:], dtype=v.dtype, device=v.device)
         slot = start % self.capacity
         self.k[:, :, slot:slot + T] = k
         self.v[:, :, slot:slot + T] = v

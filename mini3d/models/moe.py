@@ -88,8 +88,46 @@ class SigmoidRouter:
         return weights / weights.sum(dim=-1, keepdim=True), experts, scores / scores.sum(-1, keepdim=True)
 
 
+class GroupedSigmoidRouter(SigmoidRouter):
+    """DeepSeek-V3's full sigmoid routing: the E experts form `groups` equal groups, each scored
+    by the sum of its two best biased scores; a token chooses its top-k experts among those of its
+    `topk_groups` best groups only (node-limited routing), weighted by their sigmoid scores,
+    renormalised when `norm` (norm_topk_prob; + 1e-20 in the denominator, as the reference),
+    times `scale` (routed_scaling_factor). groups=1, norm, scale=1 is `SigmoidRouter`'s choice."""
+
+    def __init__(self, groups: int, topk_groups: int, scale: float, norm: bool):
+        self.groups, self.topk_groups, self.scale, self.norm = groups, topk_groups, scale, norm
+
+    def route(self, logits, k: int, bias):
+        scores = torch.sigmoid(logits.float())
+        choice = scores + bias  # (N, E)
+        if self.groups > 1:
+            N, E = choice.shape
+            by_group = choice.view(N, self.groups, E // self.groups)
+            group_score = by_group.topk(2, dim=-1).values.sum(-1)  # (N, G)
+            best = group_score.topk(self.topk_groups, dim=-1).indices  # (N, topk_groups)
+            allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~allowed.repeat_interleave(E // self.groups, 1),
+                                        float("-inf"))
+        experts = torch.topk(choice, k, dim=-1).indices  # (N, k)
+        weights = scores.gather(1, experts)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, experts, scores / scores.sum(-1, keepdim=True)
+
+
 ROUTERS = {"softmax": SoftmaxRouter(norm=False), "softmax-norm": SoftmaxRouter(norm=True),
            "sigmoid": SigmoidRouter()}
+
+
+def router_for(cfg: ModelConfig):
+    """The router of `cfg`: ROUTERS[cfg.router], or the grouped sigmoid router when any of
+    DeepSeek-V3's options (route_groups, routed_scaling_factor, norm_topk_prob off) is set."""
+    grouped = (cfg.route_groups, cfg.routed_scaling_factor, cfg.norm_topk_prob) != (1, 1.0, True)
+    if cfg.router == "sigmoid" and grouped:
+        return GroupedSigmoidRouter(cfg.route_groups, cfg.route_topk_groups,
+                                    cfg.routed_scaling_factor, cfg.norm_topk_prob)
+    return ROUTERS[cfg.router]
 
 
 def capacity(cfg: ModelConfig, n_tokens: int) -> int:
@@ -173,7 +211,7 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, act, mlp_class=None):
         super().__init__()
-        self.cfg, self.router_kind = cfg, ROUTERS[cfg.router]
+        self.cfg, self.router_kind = cfg, router_for(cfg)
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
         self.experts = Experts(cfg, act)
         width = cfg.moe_width * cfg.n_shared_experts

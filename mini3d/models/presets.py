@@ -30,6 +30,10 @@ def _MOE(experts: int, top_k: int, rope_base: float) -> dict:
 
 
 _QWEN3_MOE = {**_MOE(128, 8, 1e6), "n_kv_heads": 4, "family": "qwen3", "explicit_head_dim": 128}
+# The deepseek family: multi-head latent attention (kv latent 512, heads 128 + 64 rotary wide for
+# q/k and 128 for v), DeepSeek's interleaved rotary layout, RMSNorm eps 1e-6.
+_DEEPSEEK = dict(family="deepseek", kv_lora_rank=512, qk_rope_dim=64, qk_nope_dim=128,
+                 v_head_dim=128, rope_interleave=True, norm_eps=1e-6)
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(4, 64, 4, 256, 128, name="tiny"),
     "small": ModelConfig(6, 256, 8, 256, 256, name="small"),
@@ -64,11 +68,39 @@ PRESETS: dict[str, ModelConfig] = {
                                  moe_ffn=768, norm_eps=1e-6, **_QWEN3_MOE),
     "qwen3-235b-a22b": ModelConfig(94, 4096, 64, 151936, 40960, 12288, name="qwen3-235b-a22b",
                                    moe_ffn=1536, norm_eps=1e-6, **_QWEN3_MOE),
+    # DeepSeek-V3 (DeepSeek-V3 Technical Report, 2024; its config.json): 61 layers, the first 3
+    # dense, then 256 routed experts 2048 wide + 1 shared, top 8 within the best 4 of 8 groups,
+    # sigmoid scores, renormalised, x 2.5; a 1536-wide query latent. 671B parameters, 37B
+    # activated per token, as the model card counts them: WITHOUT the multi-token-prediction
+    # (MTP) module (the card's 685B includes its 14B), which mini3d does not build. max_seq_len
+    # 4096 is the pre-training context, without YaRN; the released 128K model is this with
+    # --yarn 40 4096 32 1 1 1 --max-seq-len 163840 (what importing its config.json gives).
+    "deepseek-v3": ModelConfig(61, 7168, 128, 129280, 4096, 18432, name="deepseek-v3",
+                               q_lora_rank=1536, n_experts=256, top_k=8, moe_ffn=2048,
+                               n_shared_experts=1, dense_layers=3, router="sigmoid",
+                               route_groups=8, route_topk_groups=4, routed_scaling_factor=2.5,
+                               **_DEEPSEEK),
+    # DeepSeek-V2-Lite (DeepSeek-V2 paper, 2024, appendix; its config.json): 15.7B total, 2.4B
+    # active; no query latent (one full q projection), the first layer dense, then 64 experts
+    # 1408 wide + 2 shared, top 6 of the softmax, not renormalised (V2's routing). The course's
+    # laptop-sized deepseek; its 32K context's YaRN left out as for deepseek-v3.
+    "deepseek-v2-lite": ModelConfig(27, 2048, 16, 102400, 4096, 10944, name="deepseek-v2-lite",
+                                    q_lora_rank=0, n_experts=64, top_k=6, moe_ffn=1408,
+                                    n_shared_experts=2, dense_layers=1, router="softmax",
+                                    **_DEEPSEEK),
 }
+# What a preset's counts leave out, for `estimate`'s report (and its --json "notes")
+NOTES = {"deepseek-v3": ["the multi-token-prediction (MTP) module is not included (the model "
+                         "card's 671B total / 37B active exclude it too; its 685B includes it)"]}
 # Old names, kept working: each is the same object as the preset it names.
 ALIASES = {"gpt2-small": "gpt2-124m", "gpt2-medium": "gpt2-355m", "gpt2-large": "gpt2-774m",
            "gpt2-xl": "gpt2-1.5b"}
 PRESETS.update({old: PRESETS[new] for old, new in ALIASES.items()})
+
+
+def preset_notes(cfg: ModelConfig) -> list[str]:
+    """NOTES of the preset `cfg` was made from (its name, or name+custom), else []."""
+    return list(NOTES.get(cfg.name.split("+")[0], []))
 
 
 def model_from_preset(preset: str, **overrides) -> ModelConfig:
@@ -78,4 +110,4 @@ def model_from_preset(preset: str, **overrides) -> ModelConfig:
     return dataclasses.replace(PRESETS[preset], **overrides) if overrides else PRESETS[preset]
 
 
-__all__ = ["PRESETS", "ALIASES", "model_from_preset"]
+__all__ = ["PRESETS", "ALIASES", "NOTES", "model_from_preset", "preset_notes"]

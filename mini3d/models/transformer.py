@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from mini3d.models.attention import Attention, dropout
 from mini3d.models.config import ModelConfig
+from mini3d.models.mla import MLA
 from mini3d.models.moe import MoE, carry_router_loss, router_loss
 from mini3d.wgrad import Linear
 
@@ -95,7 +96,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.ln1 = norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = MLA(cfg) if cfg.mla else Attention(cfg)
         self.ln2 = norm(cfg)
         self.mlp = MoE(cfg, ACTIVATIONS[cfg.activation], MLP) if cfg.is_moe_layer(layer) else MLP(cfg)
 

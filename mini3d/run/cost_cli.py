@@ -27,6 +27,7 @@ from mini3d.run import flags
 from mini3d.cost.memory import GB, estimate_all_stages, gib
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.hardware import load_hardware, save_hardware
+from mini3d.models.presets import preset_notes
 
 
 SEARCHED = ("tp", "pp", "dp", "cp", "ep", "zero", "schedule", "virtual_stages", "micro_batches",
@@ -85,14 +86,19 @@ def cmd_estimate(args) -> int:
     plan = plan_from_args(args, cfg)
     est = estimate_cost(cfg, plan, hw, args.gpus)
     stages = estimate_all_stages(cfg, plan)
+    notes = preset_notes(cfg)  # what the preset's counts leave out (deepseek-v3: its MTP module)
     if args.json:
         out = est.as_dict()
         out["memory_per_stage_bytes"] = [dict(s.as_dict(), detail=None) for s in stages]
         out["explanation"] = why_not(est)
+        if notes:
+            out["notes"] = notes
         print(json.dumps(out, indent=2))
         return 0
     print(f"{cfg.name} ({cfg.family}, {cfg.n_params() / 1e9:.1f}B parameters) on "
           f"{plan.world_size} x {hw.name}: {describe(plan)}")
+    for note in notes:
+        print(f"  note: {note}")
     for s in stages:
         print("  " + s.summary())
     print("  " + why_not(est))

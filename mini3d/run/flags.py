@@ -50,7 +50,9 @@ METAVARS = {"save": "DIR", "resume": "DIR", "run_dir": "DIR", "tensorboard": "DI
             "log_jsonl": "FILE", "init_from_hf": "HF_DIR", "memory_budget": "SIZE",
             "inject_fault": "KIND:RANK:STEP[:ARG]", "hang_timeout": "SECONDS"}
 EXTRA = {"compile": dict(nargs="?", const="inductor", metavar="BACKEND"),
-         "rope_scaling": dict(nargs=4, type=float, metavar=("FACTOR", "LOW", "HIGH", "CONTEXT"))}
+         "rope_scaling": dict(nargs=4, type=float, metavar=("FACTOR", "LOW", "HIGH", "CONTEXT")),
+         "yarn": dict(nargs=6, type=float, metavar=("FACTOR", "CONTEXT", "BETA_FAST", "BETA_SLOW",
+                                                    "MSCALE", "MSCALE_ALL_DIM"))}
 GIVEN_ONLY = {"tokenizer": "None: the one --data DIR or the resumed checkpoint was made with, else bytes"}
 TYPES = {"int": int, "float": float, "str": str, "str | None": str}
 

@@ -47,6 +47,7 @@ import torch.nn as nn
 from mini3d import comm
 from mini3d.models.transformer import tie_weights
 from mini3d.tp.cross_entropy import VocabParallelLoss
+from mini3d.tp.mappings import copy_to_tp
 from mini3d.tp.layers import (ColumnParallelLinear, HeadNormTP, RowParallelLinear, VocabParallelEmbedding,
                               head_index)
 
@@ -73,16 +74,40 @@ class ParallelEmbedding(nn.Module):
         return self.drop(x + self.wpe(pos))
 
 
+def _parallelize_mla(attn, axis, cfg):
+    """deepseek's latent attention split by heads: the per-head up-projections (q_b, or the full
+    q, and kv_b) column-parallel, the output projection row-parallel. The down-projections to the
+    latents (q_a, kv_a) and the latents' norms stay replicated: they are small (a latent is a few
+    hundred wide against n_heads * head widths) and every head needs the whole latent, so
+    splitting them would only add a gather. Their gradients come out whole on every rank: the
+    latents enter q_b / kv_b through `f` (copy_to_tp), and the shared rotary key, which every
+    rank's heads read, through `f` too (`MLA.share_key`)."""
+    tp = axis.size
+    for name in ("q", "q_b", "kv_b"):
+        if getattr(attn, name) is not None:
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), axis))
+    attn.proj = RowParallelLinear(attn.proj, axis)
+    attn.share_key = lambda t: copy_to_tp(t, axis)
+    attn.n_local_heads = attn.n_local_kv_heads = cfg.n_heads // tp
+
+
 def _parallelize_block(block, axis, cfg, sp: bool):
     tp = axis.size
     attn, mlp = block.attn, block.mlp
+    if cfg.mla:  # (sequence parallelism with it is refused: RunConfig._mla_problems)
+        _parallelize_mla(attn, axis, cfg)
+        return _parallelize_mlp(mlp, axis, sp)
     heads = [head_index(cfg.q_dim, tp, r, cfg.kv_dim) for r in range(tp)]
     attn.qkv = ColumnParallelLinear(attn.qkv, axis, index=heads, sequence_parallel=sp)
     attn.proj = RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
     if attn.q_norm is not None:
         attn.q_norm, attn.k_norm = (HeadNormTP(n, axis, sp) for n in (attn.q_norm, attn.k_norm))
     attn.n_local_heads, attn.n_local_kv_heads = cfg.n_heads // tp, cfg.n_kv_heads // tp
-    if not hasattr(mlp, "fc"):  # a MoE layer stays whole: see the module docstring
+    _parallelize_mlp(mlp, axis, sp)
+
+
+def _parallelize_mlp(mlp, axis, sp: bool):
+    if not hasattr(mlp, "fc"):  # a MoE layer stays whole (see the module docstring)
         return
     mlp.fc = ColumnParallelLinear(mlp.fc, axis, sequence_parallel=sp)
     if mlp.gate is not None:  # SwiGLU: the gate splits like fc, so silu(gate) * fc stays local
