@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from mini3d.models import moe
+from mini3d.models import balance, moe
 from mini3d.models.config import ModelConfig
 from mini3d.models.transformer import GPT
 
@@ -54,7 +54,7 @@ def plain_moe_forward(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
 
 def _plain_model(seed: int) -> GPT:
     model = GPT(CFG, seed=seed)
-    for layer in moe.moe_layers(model):
+    for layer in balance.moe_layers(model):
         layer.forward = (lambda m: lambda x: plain_moe_forward(m, x))(layer)
     return model
 

@@ -16,14 +16,8 @@ Two byte counts are kept per event:
 
 Ops on a one-member group return at once and record nothing: there is nothing to communicate.
 
-Completion: every op is issued asynchronously and its `Work` is followed until it has *completed*,
-not merely until `wait()` returned. On gloo `wait()` blocks until the data is there; on NCCL it only
-makes the compute stream wait and returns at once, and the host blocks later (in `.item()`,
-`float(loss)`...), outside any mini3d call. An op whose wait returned before its Work completed stays
-in `CommLog.pending` (with its Work in `CommLog.works`) until `CommLog.reap()` (the hang watchdog
-calls it every poll, `begin` too) sees it completed, so the watchdog times a hang the same way on
-both backends. MINI3D_DEFERRED_WAIT=1 is a test mode that makes gloo behave like NCCL here: mini3d's
-waits return before the op completes and the host blocks right afterwards, outside mini3d's wait.
+Completion: every op's Work is followed until it has *completed*, not merely until `wait()`
+returned (`mini3d.comm_log.TracedWork`; why: the comm_log module docstring).
 
 Every op first checks its tensors (`check_tensors`): all on the axis' device (`Axis.device`, the
 rank's device) and of one dtype (the one the caller expects, when it says). NCCL rejects a CPU tensor
@@ -40,7 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from mini3d.comm_log import CommLog, Event, new_batch_id
+from mini3d.comm_log import DONE, CommLog, TracedWork, new_batch_id, wait_settled
 
 # torch >= 2.10 renamed the *_into_tensor / *_tensor collectives; use whichever this torch has.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,46 +44,6 @@ _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Reduc
            "avg": None}
 
 
-def _wait(log: CommLog, eid: int, ev: Event, work, after=None, blocking: bool = True):
-    """Wait for an issued op: `work.wait()` (blocks until done on gloo, `blocking`; on NCCL only
-    orders the streams), then hand the Work to the log, which ends the event only once the op has
-    completed (`settle`). Under MINI3D_DEFERRED_WAIT=1 the wait itself returns at once and the host
-    blocks after it, as NCCL's host does later at its next synchronisation."""
-    if not log.deferred_wait:
-        work.wait()
-    log.settle(eid, ev, work, blocked=blocking and not log.deferred_wait)
-    if log.deferred_wait:
-        work.wait()  # the "host" blocks here, after mini3d's wait returned (test mode)
-        log.settle(eid, ev, work, blocked=blocking)
-    if after is not None:
-        after()
-
-
-class TracedWork:
-    """Wraps an async `Work`; `wait()` waits as `_wait` says (the event ends on completion)."""
-
-    def __init__(self, work, log: CommLog, eid: int, ev: Event, after=None, blocking=True):
-        self.work, self.log, self.eid, self.ev, self.after = work, log, eid, ev, after
-        self.blocking, self.done = blocking, False
-
-    def wait(self):
-        if not self.done:
-            self.done = True
-            _wait(self.log, self.eid, self.ev, self.work, self.after, self.blocking)
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-class _Done:
-    def wait(self):
-        pass
-
-    def is_completed(self):
-        return True
-
-
-DONE = _Done()
 SKIP = object()  # returned by a fault hook: do not issue this op at all (see diagnose/faults.py)
 
 
@@ -163,7 +117,7 @@ def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, 
     blocking = tensor.device.type != "cuda"  # gloo's wait() returns once the op is done
     if async_op:
         return TracedWork(work, log, eid, ev, after, blocking)
-    _wait(log, eid, ev, work, after, blocking)
+    wait_settled(log, eid, ev, work, after, blocking)
     return None
 
 

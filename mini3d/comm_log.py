@@ -9,6 +9,15 @@ one launch) appends each point-to-point op it issues, and each wait, in program 
 launcher checks the ranks' records against each other (`mini3d.launch.p2p_record`). One record per
 process, not per log, on purpose: it is the process' program the rules judge. Off by default, so a
 long job's memory does not grow.
+
+Completion: every op is issued asynchronously and its `Work` is followed until it has *completed*,
+not merely until `wait()` returned. On gloo `wait()` blocks until the data is there; on NCCL it only
+makes the compute stream wait and returns at once, and the host blocks later (in `.item()`,
+`float(loss)`...), outside any mini3d call. An op whose wait returned before its Work completed stays
+in `CommLog.pending` (with its Work in `CommLog.works`) until `CommLog.reap()` (the hang watchdog
+calls it every poll, `begin` too) sees it completed, so the watchdog times a hang the same way on
+both backends. MINI3D_DEFERRED_WAIT=1 is a test mode that makes gloo behave like NCCL here: mini3d's
+waits return before the op completes and the host blocks right afterwards, outside mini3d's wait.
 """
 
 from __future__ import annotations
@@ -181,3 +190,45 @@ class CommLog:
 
 __all__ = ["Event", "CommLog", "DEFERRED_WAIT_ENV", "CHECK_P2P_ENV", "P2P_RECORD", "start_p2p_record",
            "new_batch_id"]
+
+
+def wait_settled(log: CommLog, eid: int, ev: Event, work, after=None, blocking: bool = True):
+    """Wait for an issued op: `work.wait()` (blocks until done on gloo, `blocking`; on NCCL only
+    orders the streams), then hand the Work to the log, which ends the event only once the op has
+    completed (`settle`). Under MINI3D_DEFERRED_WAIT=1 the wait itself returns at once and the host
+    blocks after it, as NCCL's host does later at its next synchronisation."""
+    if not log.deferred_wait:
+        work.wait()
+    log.settle(eid, ev, work, blocked=blocking and not log.deferred_wait)
+    if log.deferred_wait:
+        work.wait()  # the "host" blocks here, after mini3d's wait returned (test mode)
+        log.settle(eid, ev, work, blocked=blocking)
+    if after is not None:
+        after()
+
+
+class TracedWork:
+    """Wraps an async `Work`; `wait()` waits as `wait_settled` says (the event ends on completion)."""
+
+    def __init__(self, work, log: CommLog, eid: int, ev: Event, after=None, blocking=True):
+        self.work, self.log, self.eid, self.ev, self.after = work, log, eid, ev, after
+        self.blocking, self.done = blocking, False
+
+    def wait(self):
+        if not self.done:
+            self.done = True
+            wait_settled(self.log, self.eid, self.ev, self.work, self.after, self.blocking)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+class _Done:
+    def wait(self):
+        pass
+
+    def is_completed(self):
+        return True
+
+
+DONE = _Done()

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from mini3d.models.config import (ACTIVATIONS, FAMILIES, ModelConfig, PlanError, _divisors,
-                                  model_from_dict)
+from mini3d.models.config import ModelConfig, PlanError, model_from_dict
+from mini3d.models.families import ACTIVATIONS, FAMILIES, divisors
 from mini3d.models.presets import ALIASES, PRESETS, model_from_preset
 from mini3d.schedule_kinds import SCHEDULES, schedule_kind, schedule_problems
 
@@ -114,11 +114,11 @@ class Plan:
                        f"is dense)")
         elif model.n_experts % self.ep:
             out.append(f"ep={self.ep} does not divide n_experts={model.n_experts} (each ep rank "
-                       f"holds whole experts; choose ep in {_divisors(model.n_experts)})")
+                       f"holds whole experts; choose ep in {divisors(model.n_experts)})")
         if (self.dp * self.cp) % self.ep:
             out.append(f"ep={self.ep} does not divide dp*cp = {self.dp}*{self.cp} = "
                        f"{self.dp * self.cp} (the ep ranks are carved out of dp x cp; choose ep in "
-                       f"{_divisors(self.dp * self.cp)})")
+                       f"{divisors(self.dp * self.cp)})")
         return out
 
     def _choice_problems(self) -> list[str]:
@@ -153,16 +153,16 @@ class Plan:
         out = []
         if model.n_heads % self.tp:
             out.append(f"tp={self.tp} does not divide n_heads={model.n_heads} "
-                       f"(choose tp in {_divisors(model.n_heads)})")
+                       f"(choose tp in {divisors(model.n_heads)})")
         if model.n_kv_heads != model.n_heads and model.n_kv_heads % self.tp:
             out.append(f"tp={self.tp} does not divide n_kv_heads={model.n_kv_heads} (each tp rank "
-                       f"holds whole key/value heads; choose tp in {_divisors(model.n_kv_heads)})")
+                       f"holds whole key/value heads; choose tp in {divisors(model.n_kv_heads)})")
         if model.dropout and self.tp > 1:
             out.append(f"tp={self.tp} with dropout={model.dropout} is refused: the tp ranks would "
                        f"draw different masks on replicated activations (train with --tp 1)")
         if model.d_ff % self.tp:
             out.append(f"tp={self.tp} does not divide the MLP width d_ff={model.d_ff} "
-                       f"(choose tp in {_divisors(model.d_ff)[:12]})")
+                       f"(choose tp in {divisors(model.d_ff)[:12]})")
         return out
 
 
@@ -175,7 +175,7 @@ class Plan:
                        f"exceeds n_layers={model.n_layers} (each stage needs at least one layer)")
         elif self.virtual_stages > 1 and model.n_layers % chunks:
             out.append(f"n_layers={model.n_layers} does not split evenly into pp*virtual_stages = "
-                       f"{chunks} model chunks (choose pp*virtual_stages in {_divisors(model.n_layers)})")
+                       f"{chunks} model chunks (choose pp*virtual_stages in {divisors(model.n_layers)})")
         per_rank = self.dp * self.micro_batches
         if self.global_batch % per_rank:
             fits = [g for g in range(per_rank, 8 * per_rank + 1, per_rank)][:4]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mini3d.config import PRESETS, ModelConfig
-from mini3d.models.moe import GroupedSigmoidRouter
+from mini3d.models.routers import GroupedSigmoidRouter
 from mini3d.models.transformer import GPT
 
 V, T = 97, 12

@@ -14,8 +14,9 @@ import math
 import pytest
 import torch
 
-from mini3d.models import moe
-from mini3d.models.config import ROUTERS, ModelConfig
+from mini3d.models import balance, moe, routers
+from mini3d.models.config import ModelConfig
+from mini3d.models.families import ROUTERS
 from mini3d.models.presets import PRESETS
 from mini3d.models.transformer import GPT, MLP, ACTIVATIONS
 
@@ -84,7 +85,7 @@ def test_aux_loss_matches_transformers_pooled_over_layers():
     model(x)
     logits = tuple(b.mlp.stats["logits"] for b in model.blocks.values())
     want = load_balancing_loss_func(logits, cfg.n_experts, cfg.top_k)
-    got = moe.router_loss(model)
+    got = balance.router_loss(model)
     torch.testing.assert_close(got, want, **TOL)
     assert float(got.detach()) > cfg.top_k * 1.01  # unbalanced: above its floor top_k
 
@@ -94,10 +95,10 @@ def test_z_loss_and_coefficients_join_the_loss():
     model = GPT(cfg, seed=0)
     x = torch.randint(0, cfg.vocab_size, (2, 8))
     total = model(x, x)
-    layers = moe.moe_layers(model)
+    layers = balance.moe_layers(model)
     z = sum(torch.logsumexp(m.stats["logits"], -1).square().mean() for m in layers) / len(layers)
     dense_ce = GPT(dataclasses.replace(cfg, z_loss_coef=0.0, aux_loss_coef=0.0), seed=0)(x, x)
-    aux = moe.router_loss(model) - 0.5 * z
+    aux = balance.router_loss(model) - 0.5 * z
     torch.testing.assert_close(total, dense_ce + 0.5 * z + aux, **TOL)
     assert float(aux.detach()) > 0.2  # 0.25 x a switch loss near its floor top_k = 2
 
@@ -156,13 +157,13 @@ def test_bias_update_and_step_load():
     x = torch.randint(0, cfg.vocab_size, (2, 8))
     model(x, x)
     counts = model.blocks["0"].mlp.stats["counts"].clone()
-    rep = moe.step_load(model)
+    rep = balance.step_load(model)
     assert rep["expert_load_min"] == int(counts.min()) and rep["expert_load_max"] == int(counts.max())
     assert rep["dropped_tokens"] == 0 and sum(counts.tolist()) == 16
     assert rep["expert_load"] == counts.tolist()  # the per-expert record --log-jsonl writes
     want = 0.1 * torch.sign(counts.double().mean() - counts.double()).float()
     torch.testing.assert_close(model.blocks["0"].mlp.expert_bias, want)
-    assert moe.step_load(model) == {}  # reset after each step
+    assert balance.step_load(model) == {}  # reset after each step
 
 
 @pytest.mark.parametrize("kw", [
@@ -188,7 +189,7 @@ def test_counts_exact_for_the_built_model(kw):
 
 
 def test_routers_registry_is_the_configs_list():
-    assert tuple(moe.ROUTERS) == ROUTERS
+    assert tuple(routers.ROUTERS) == ROUTERS
 
 
 # Published totals / active parameters (B): Mixtral 8x7B "46.7B total, 12.9B active"

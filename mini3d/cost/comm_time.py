@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from mini3d.comm import ring_steps, ring_wire_bytes
+from mini3d.comm import ring_wire_bytes
 from mini3d.dp.zero import zero_stage
 from mini3d.tp.layout import comm_per_layer
 from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, moe_tokens, ring_block_bytes

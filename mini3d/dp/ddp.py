@@ -24,14 +24,12 @@ bytes per gradient element, in memory and on the wire (`grad_dtype=bf16`: halves
 `meter` (a `ledger.GradMeter`) follows every gradient buffer allocated and freed here: `peak` bytes.
 
 Expert parallelism (`expert_axis`): the parameters marked `ep_expert` (a MoE layer's expert
-slices, mini3d.ep) are held by the ranks of one edp group only, so their buckets are separate ones,
-tagged with that axis (`FlatGroup.axis`; the others carry `dp_axis`): their collective runs on edp
-and ZeRO shards them over edp. One wrapper, one launch order and one meter for both kinds keeps
-the hooks, the in-order launches and the ledger as they are; each stage reads `b.axis`. Their
-divisor: a rank's expert gradient already sums the contributions of its whole ep group's tokens
-(the combine's backward brought them), so the mean over the global batch is the edp sum divided
-by dp*cp, not by |edp|: an expert bucket is scaled by |edp| / |dp x cp| = 1/ep (`b.prescale`)
-before its edp average.
+slices, mini3d.ep) are held by one edp group only, so they get buckets of their own, tagged with
+that axis (`FlatGroup.axis`; the others carry `dp_axis`): their collective runs on edp and ZeRO
+shards them over edp (one wrapper, one launch order, one meter; each stage reads `b.axis`).
+Divisor: a rank's expert gradient already sums its whole ep group's tokens (the combine's
+backward brought them), so the global-batch mean is the edp sum over dp*cp, not over |edp|: an
+expert bucket is scaled by |edp| / |dp x cp| = 1/ep (`b.prescale`) before its edp average.
 
 Averaging: the collective divides the sum by dp. With the caller scaling each micro-batch loss by
 1/micro_batches, the result equals the single-process gradient of the mean loss over the global batch.

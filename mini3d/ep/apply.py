@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from mini3d import comm
 from mini3d.ep.dispatch import ExpertDispatch
-from mini3d.models.moe import moe_layers
+from mini3d.models.balance import moe_layers
 
 
 def expert_slice(n_experts: int, ep: int, index: int) -> slice:

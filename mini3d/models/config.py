@@ -1,17 +1,17 @@
 """The model's shape as data: `ModelConfig` (one dataclass for every family, exact parameter
 counts) and `PlanError`, the error every validation raises with each offending value named. The
 presets with their published dimensions are mini3d.models.presets. `mini3d.config` re-exports all
-of it next to `Plan`; this module imports only mini3d.exits (a `PlanError` is bad input:
+of it next to `Plan`; this module imports only mini3d.exits and the families' names (mini3d.models.families) (a `PlanError` is bad input:
 exit 2).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from mini3d.exits import BadInput
+from mini3d.models.families import FAMILY_FEATURES, LLAMA_LIKE
 
 
 class PlanError(BadInput):
@@ -20,15 +20,6 @@ class PlanError(BadInput):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("invalid plan: " + "; ".join(self.problems))
-
-
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "deepseek")
-# RMSNorm, rotary positions, SwiGLU (deepseek: multi-head latent attention instead of GQA)
-LLAMA_LIKE = ("llama", "qwen2", "qwen3", "deepseek")
-ACTIVATIONS = {"gpt2": ("gelu", "gelu_tanh"), **{f: ("silu",) for f in LLAMA_LIKE}}
-FAMILY_FEATURES = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}  # what each qwen adds to llama
-ROUTERS = ("softmax", "softmax-norm", "sigmoid")
-AUX_LOSS_SCOPES = ("model", "layer")  # mini3d.models.moe.router_loss's balancing-loss pools  # the kinds of mini3d.models.moe.ROUTERS
 
 
 @dataclass(frozen=True)
@@ -268,121 +259,11 @@ class ModelConfig:
         return V * h + self.position_params() + layers + self.norm_params() + head
 
     def problems(self) -> list[str]:
-        out = []
-        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len", "d_ff", "n_kv_heads"):
-            if getattr(self, name) < 1:
-                out.append(f"{name}={getattr(self, name)} must be >= 1")
-        if self.explicit_head_dim < 0:
-            out.append(f"explicit_head_dim={self.explicit_head_dim} must be >= 0 (0: d_model / n_heads)")
-        if self.n_heads >= 1 and self.d_model % self.n_heads and not (self.explicit_head_dim or self.mla):
-            out.append(f"n_heads={self.n_heads} does not divide d_model={self.d_model} "
-                       f"(choose n_heads in {_divisors(self.d_model)[:12]})")
-        if self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads:
-            out.append(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads} "
-                       f"(choose n_kv_heads in {_divisors(self.n_heads)})")
-        if self.family not in FAMILIES:
-            out.append(f"family={self.family!r} is unknown (choose {', '.join(FAMILIES)})")
-        else:
-            if self.activation not in ACTIVATIONS[self.family]:
-                out.append(f"activation={self.activation!r} is not one of the {self.family} family "
-                           f"(choose {', '.join(ACTIVATIONS[self.family])})")
-            if self.family == "gpt2" and self.n_kv_heads != self.n_heads:
-                out.append(f"n_kv_heads={self.n_kv_heads} != n_heads={self.n_heads}: grouped-query "
-                           f"attention is a llama-family feature (use --family llama)")
-            if self.llama_like and not self.mla and self.n_heads >= 1 and self.head_dim % 2:
-                out.append(f"head_dim={self.head_dim} must be even for rotary positions")
-            if self.family == "gpt2" and (self.qk_norm or self.explicit_head_dim):
-                out.append(f"qk_norm={self.qk_norm}, explicit_head_dim={self.explicit_head_dim}: "
-                           f"q/k norms and a head width of its own are llama-like features "
-                           f"(use --family qwen3 or llama)")
-        out += self._mla_problems()
-        if self.rope_scaling and (len(self.rope_scaling) != 4 or not self.llama_like) and not self.mla:
-            out.append(f"rope_scaling={self.rope_scaling} must be (factor, low_freq_factor, "
-                       f"high_freq_factor, original context) of a llama-family model")
-        if not 0.0 <= self.dropout < 1.0:
-            out.append(f"dropout={self.dropout} must be in [0, 1)")
-        for name in ("rope_base", "norm_eps"):  # nan passes every comparison below: name it here
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                out.append(f"{name}={getattr(self, name)} must be a finite number > 0")
-        return out + self._moe_problems()
+        """Every reason this shape cannot be built, each naming the value and what would fit
+        (mini3d.models.checks)."""
+        from mini3d.models.checks import model_problems
 
-    def _mla_problems(self) -> list[str]:
-        """The deepseek family's latent attention: its widths, and what it does not combine with."""
-        if not self.mla:
-            return [f"{k}={getattr(self, k)} is the deepseek family's rotary {what} (got family="
-                    f"{self.family!r}; use --family deepseek)" for k, what in
-                    (("rope_interleave", "layout"), ("yarn", "rescaling")) if getattr(self, k)]
-        out = [f"{k}={getattr(self, k)} must be >= {lo}" for k, lo in
-               (("q_lora_rank", 0), ("kv_lora_rank", 1), ("qk_rope_dim", 2), ("qk_nope_dim", 0),
-                ("v_head_dim", 1)) if getattr(self, k) < lo]
-        if self.qk_rope_dim % 2:
-            out.append(f"qk_rope_dim={self.qk_rope_dim} must be even for rotary positions")
-        if self.n_kv_heads != self.n_heads:
-            out.append(f"n_kv_heads={self.n_kv_heads} != n_heads={self.n_heads}: the deepseek family's "
-                       f"keys and values come from one latent, expanded to every head (leave --kv-heads out)")
-        if self.explicit_head_dim or self.qk_norm or self.qkv_bias:
-            out.append(f"explicit_head_dim={self.explicit_head_dim}, qk_norm={self.qk_norm}, "
-                       f"qkv_bias={self.qkv_bias}: the deepseek family's head widths are qk_nope_dim, "
-                       f"qk_rope_dim and v_head_dim, without q/k norms or biases")
-        if self.rope_scaling:
-            out.append(f"rope_scaling={self.rope_scaling} is Llama 3.1's rescaling; the deepseek "
-                       f"family's is YaRN (--yarn FACTOR CONTEXT BETA_FAST BETA_SLOW "
-                       f"MSCALE MSCALE_ALL_DIM)")
-        if self.yarn and (len(self.yarn) != 6 or not all(math.isfinite(v) and v >= 0 for v in self.yarn)
-                          or self.yarn[0] < 1 or self.yarn[1] < 1):
-            out.append(f"yarn={self.yarn} must be (factor >= 1, original context >= 1, beta_fast, "
-                       f"beta_slow, mscale, mscale_all_dim), all finite and >= 0")
-        return out
-
-    def _moe_problems(self) -> list[str]:
-        if self.n_experts == 0:
-            return []
-        out = [f"{k}={getattr(self, k)} must be >= {lo}" for k, lo in
-               (("n_experts", 1), ("top_k", 1), ("moe_ffn", 0), ("n_shared_experts", 0),
-                ("moe_every", 1), ("dense_layers", 0), ("aux_loss_coef", 0), ("z_loss_coef", 0),
-                ("capacity_factor", 0), ("router_bias_rate", 0)) if getattr(self, k) < lo]
-        if self.top_k > self.n_experts:
-            out.append(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
-        if self.router not in ROUTERS:
-            out.append(f"router={self.router!r} is unknown (choose {', '.join(ROUTERS)})")
-        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
-            out.append(f"aux_loss_scope={self.aux_loss_scope!r} is unknown (choose "
-                       f"{', '.join(AUX_LOSS_SCOPES)})")
-        if self.router_bias_rate and self.router != "sigmoid":
-            out.append(f"router_bias_rate={self.router_bias_rate} needs router='sigmoid' "
-                       f"(got {self.router!r})")
-        return out + self._grouped_routing_problems()
-
-    def _grouped_routing_problems(self) -> list[str]:
-        """DeepSeek-V3's options of the sigmoid router: groups, scaling factor, renormalisation."""
-        G, K, E = self.route_groups, self.route_topk_groups, self.n_experts
-        options = [f"{k}={getattr(self, k)}" for k, off in
-                   (("route_groups", 1), ("routed_scaling_factor", 1.0), ("norm_topk_prob", True))
-                   if getattr(self, k) != off]
-        if options and self.router != "sigmoid":
-            return [f"{', '.join(options)} need router='sigmoid' (got {self.router!r}): they are "
-                    f"DeepSeek-V3's sigmoid routing options"]
-        if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
-            return [f"routed_scaling_factor={self.routed_scaling_factor} must be a finite number > 0"]
-        if G < 1 or E % G:
-            return [f"route_groups={G} must divide n_experts={E} (choose in {_divisors(E)})"]
-        if G == 1:
-            return [] if K == 1 else [f"route_topk_groups={K} needs route_groups > 1"]
-        out = []
-        if E // G < 2:
-            out.append(f"route_groups={G} leaves {E // G} expert per group; a group's score is "
-                       f"the sum of its two best (choose route_groups in "
-                       f"{[g for g in _divisors(E) if E // g >= 2]})")
-        if not 1 <= K <= G:
-            out.append(f"route_topk_groups={K} must be in 1..route_groups={G}")
-        elif self.top_k > K * (E // G):
-            out.append(f"top_k={self.top_k} exceeds the {K * (E // G)} experts of "
-                       f"route_topk_groups={K} groups of {E // G}")
-        return out
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+        return model_problems(self)
 
 
 def model_from_dict(d: dict) -> ModelConfig:
@@ -390,5 +271,4 @@ def model_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(**{k: v for k, v in d.items() if k in names})
 
 
-__all__ = ["ModelConfig", "PlanError", "FAMILIES", "LLAMA_LIKE", "ACTIVATIONS", "FAMILY_FEATURES",
-           "ROUTERS", "model_from_dict"]
+__all__ = ["ModelConfig", "PlanError", "model_from_dict"]

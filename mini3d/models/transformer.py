@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from mini3d.models.attention import Attention, dropout
 from mini3d.models.config import ModelConfig
 from mini3d.models.mla import MLA
-from mini3d.models.moe import MoE, carry_router_loss, router_loss
+from mini3d.models.moe import MoE
+from mini3d.models.balance import carry_router_loss, router_loss
 from mini3d.wgrad import Linear
 
 
@@ -161,7 +162,7 @@ class GPT(nn.Module):
     positions of the T tokens (under context parallelism a rank holds a zig-zag chunk of each
     sequence); when not given, those set on the module (`self.positions`, see mini3d.cp), else 0..T-1.
     A stage without the head but with MoE layers carries their router losses into its backward
-    (`mini3d.models.moe.carry_router_loss`) and leaves their value in `carried_loss` for the
+    (`mini3d.models.balance.carry_router_loss`) and leaves their value in `carried_loss` for the
     pipeline runtime's reported loss.
     """
 

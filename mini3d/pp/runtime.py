@@ -16,7 +16,7 @@
   stay alive until W computes the weight gradients (`split_backward.py`, `mini3d/wgrad.py`); the
   micro-batch counts as in flight until its W;
 * a stage without the head but with MoE layers adds its router losses to the backward through
-  its output (`mini3d.models.moe.carry_router_loss`, scaled 1/m like the last stage's loss) and
+  its output (`mini3d.models.balance.carry_router_loss`, scaled 1/m like the last stage's loss) and
   their values to the step's loss: with router losses the loss is summed over pp (all-reduce:
   the last stage's mean loss, each other rank's stages' mean carried losses) instead of
   broadcast (`pp_total_loss`);
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mini3d import comm
-from mini3d.models.moe import has_router_loss
+from mini3d.models.balance import has_router_loss
 from mini3d.wgrad import WeightGradStore, deferring
 
 from mini3d.pp.p2p import PipeP2P, SendQueue
@@ -129,7 +129,7 @@ class PipelineRuntime:
 
 def pp_total_loss(rt: PipelineRuntime, loss, carried: list, m: int) -> torch.Tensor:
     """The step's loss on every pp rank: broadcast from the last stage's rank, or, when the
-    model has router losses (`mini3d.models.moe.has_router_loss`), all-reduced over pp: the last
+    model has router losses (`mini3d.models.balance.has_router_loss`), all-reduced over pp: the last
     stage's mean loss plus each rank's headless stages' carried router losses / m (the same
     decision on every rank: it reads the model's config)."""
     wide = torch.promote_types(rt.p2p.dtype, torch.float32)  # the loss's dtype

@@ -26,7 +26,8 @@ import textwrap
 
 from mini3d.config import (ATTENTION, COMPILE, DTYPES, FAMILIES, PRESETS, RECOMPUTE, ModelConfig,
                            Plan, model_from_preset)
-from mini3d.models.config import ACTIVATIONS, FAMILY_FEATURES, PlanError
+from mini3d.models.config import PlanError
+from mini3d.models.families import ACTIVATIONS, FAMILY_FEATURES
 from mini3d.run.config import RunConfig
 from mini3d.schedule_kinds import SCHEDULES
 

@@ -16,40 +16,36 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from mini3d import comm
 from mini3d.run import stop
 from mini3d.checkpoint.store import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
                                      read_states, restore_full_state, restore_rng)
-from mini3d.run.compile import apply_compile
 from mini3d.config import ModelConfig, Plan
-from mini3d.cp import apply_cp, chunk_micro_batches, set_positions
+from mini3d.cp import chunk_micro_batches, set_positions
 from mini3d.data.corpus import Batches, open_tokens
 from mini3d.diagnose.faults import parse_size
 from mini3d.diagnose.oom import check_budget, cuda_oom
 from mini3d.diagnose.session import for_run
-from mini3d.dp import DTYPES, make_dp
+from mini3d.dp import DTYPES
 from mini3d.dp.loss import mean_over_replicas
-from mini3d.ep import apply_ep
 from mini3d.grid import Grid, build_topology
 from mini3d.launch.launcher import current_device
-from mini3d.models.moe import pool_router_stats_over, step_load
-from mini3d.models.attention import set_attention
 from mini3d.optim import WeightDecay, adamw, set_lr
+from mini3d.run.build import parallelize
 from mini3d.run.periodic import periodic, resumed_schedule, save_checkpoint
-from mini3d.pp.partition import build_stages
 from mini3d.pp.runtime import PipelineRuntime
-from mini3d.pp.schedules import make_schedule, placement_of
+from mini3d.pp.schedules import make_schedule
 from mini3d.pp.tied import tie_across_stages
-from mini3d.recompute import apply_recompute, measure_activations
-from mini3d.run.records import (NonFiniteLoss, check_finite, collected, describe_plan, memory_by_category,
+from mini3d.recompute import measure_activations
+from mini3d.run.records import (check_finite, collected, describe_plan, memory_by_category,
                                 peak_activation_bytes, peak_memory_bytes, reporter_records, summary_line,
                                 timed)
 from mini3d.run.report import RunReport, model_flops_utilisation, peak_flops_per_rank
 from mini3d.run.config import RunConfig, make_spec
 from mini3d.data.tokenizer import get_tokenizer
-from mini3d.tp import apply_tp, boundary_shape, clip_grad_norm_, materialize_reference, sum_replicated_grads
+from mini3d.tp import boundary_shape, clip_grad_norm_, sum_replicated_grads
+
 
 class Trainer:
     """One rank's share of the model and optimizer, and one optimizer step over a global batch.
@@ -156,44 +152,6 @@ class Trainer:
                            states["optim_step"])
         restore_rng(states["rng"])
         return int(meta["step"])
-
-
-def parallelize(cfg: ModelConfig, plan: Plan, topo, seed: int, optimizer_factory):
-    """The ordered transforms that turn the reference model into this rank's share of it:
-
-    1. pipeline: build only this pp rank's stages (v chunks for interleaved), on the meta device
-       (shapes, no memory);
-    2. tensor parallelism: slice each stage's matrices for this tp rank (still shapes), then give
-       each slice its value on this rank's device: the slice of the same parameter of the full
-       reference model (one full parameter in host memory at a time, never the unsliced stage);
-    2b. expert parallelism: keep this ep rank's slice of every MoE layer's experts (mini3d.ep);
-    3. the attention core (written out, or torch's fused sdpa; ring attention over cp when cp > 1),
-       each block's torch.compile (`plan.compile`, mini3d.run.compile), the recomputation policy;
-    4. data parallelism / ZeRO over the cp x dp ranks (the dp axis when cp = 1; expert slices over
-       edp), which also builds the optimizer.
-
-    Returns ({stage id: module}, the dp wrapper, the optimizer)."""
-    stages = build_stages(cfg, seed, topo.pp.index, plan.pp, plan.virtual_stages, device="meta",
-                          placement=placement_of(plan.schedule))
-    for module in stages.values():
-        apply_tp(module, topo, plan)
-        materialize_reference(module, topo, seed, topo.device)
-        apply_ep(module, topo)  # ep > 1: this rank's slice of each MoE layer's experts
-        set_attention(module, plan.attention)
-        apply_cp(module, topo, plan.attention)
-        # the router losses' statistics summed over the ranks splitting a micro-batch's tokens
-        pool_router_stats_over(module, [(topo.tp, 1)] * plan.sequence_parallel
-                               + [(topo.cp, topo.cp.size)])
-        apply_recompute(apply_compile(module, plan), plan.recompute)
-    chunks = [stages[s] for s in sorted(stages)]
-    root = chunks[0] if len(chunks) == 1 else nn.ModuleList(chunks)
-    net, optimizer = make_dp(root, topo.dp_cp, plan, optimizer_factory,  # experts over edp (ep > 1)
-                             expert_axis=topo.edp if plan.ep > 1 else None)  # then the expert load
-    # (each layer's summed over the ranks that split its tokens; the report over the stages too)
-    sp_tp = topo.tp if plan.sequence_parallel else None
-    optimizer.grad_hooks.append(lambda _: setattr(root, "moe_load", step_load(
-        root, topo.dp_cp, token_group=sp_tp, stages=topo.pp, cfg=cfg)))
-    return stages, net, optimizer
 
 
 def _setup(run: RunConfig) -> dict:
@@ -304,5 +262,5 @@ def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | Non
     return loss, acts
 
 
-__all__ = ["Trainer", "parallelize", "train_worker", "make_spec", "summary_line", "reporter_records",
+__all__ = ["Trainer", "train_worker", "make_spec", "summary_line", "reporter_records",
            "describe_plan", "peak_memory_bytes"]

@@ -25,7 +25,7 @@ the layer has one rule: under sequence parallelism the layer runs on the rank's 
 no collective inside (a split shared expert would add an all-gather and a reduce-scatter per
 layer beside routed experts that need none), and its gradients are partial sums over those
 tokens, summed over tp with the norms' (`sum_replicated_grads`); its router losses pool their
-statistics over tp first (`mini3d.models.moe.pool_router_stats_over`). A tied head shares the
+statistics over tp first (`mini3d.models.balance.pool_router_stats_over`). A tied head shares the
 embedding's shard when one module holds both.
 
 With `plan.sequence_parallel` the activations between the parallel regions are (B, T/tp, C) shards:
@@ -145,91 +145,6 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
     return hasattr(p, "tp_dim")
 
 
-def sync_tp_grads(model, topo) -> None:
-    """Under sequence parallelism, sum over tp the gradients of the replicated parameters
-    (LayerNorms, position embedding, row-parallel biases): each rank saw only its T/tp positions.
-    One flattened all-reduce. A no-op without sequence parallelism or with tp=1."""
-    if not getattr(model, "sequence_parallel", False) or topo.tp.size == 1:
-        return
-    _sum_in_place([p.grad for p in model.parameters() if not is_tp_sharded(p) and p.grad is not None],
-                  topo.tp)
-
-
-def _sum_in_place(tensors: list, axis) -> None:
-    """Sum each tensor over `axis`, in place, with one all-reduce of their concatenation."""
-    if not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    comm.all_reduce(flat, axis)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
-def _local_parts(local_grads):
-    """(piece, parameter) for each parameter's piece of the local flat gradients that a
-    data-parallel wrapper holds (`ShardedOptimizer.grad_hooks` items: (group, the whole flat
-    gradient or this rank's lo:hi shard of it)); padding is left out."""
-    for group, g in local_grads:
-        base = 0 if g.numel() == group.padded else group.lo
-        for p, off in zip(group.params, group.offsets):
-            lo, hi = max(off, base), min(off + p.numel(), base + g.numel())
-            if lo < hi and not getattr(p, "tied_copy", False):  # see mini3d.pp.tied
-                yield g[lo - base:hi - base], p
-
-
-def sum_replicated_grads(local_grads, tp_axis) -> None:
-    """`sync_tp_grads` for gradients that a data-parallel wrapper already reduced over dp: sum over
-    tp, in place, the parts of the local flat gradients that belong to replicated parameters. One
-    flattened all-reduce; tp ranks hold equal layouts, so equal parts."""
-    if tp_axis.size > 1:
-        _sum_in_place([part for part, p in _local_parts(local_grads) if not is_tp_sharded(p)],
-                      tp_axis)
-
-
-@torch.no_grad()
-def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -> float:
-    """Scale the whole model's gradient, in place, so that its global L2 norm is at most `max_norm`
-    (`torch.nn.utils.clip_grad_norm_` over the unsharded model: coefficient max_norm / (norm +
-    1e-6), capped at 1); returns the norm before clipping, the same on every rank.
-
-    Each element is counted once: tp-sharded pieces are summed over tp, replicated ones (equal on
-    every tp rank, after `sum_replicated_grads`) taken once; ZeRO >= 1 shards are summed over their
-    shard group, `topo.dp_cp` (cp x dp: the group the dp wrapper reduces every gradient over),
-    replicas (ZeRO-0: equal on every cp x dp rank after its average) not; pipeline stages are summed
-    over pp (a tied head's copy, `tied_copy`, is left out: the matrix counts once). Expert slices
-    (`ep_expert`, mini3d.ep: whole on every tp rank, a different E/ep of the experts on each ep
-    rank) are taken once over tp and summed over ep; under ZeRO >= 1 their edp shards and the ep
-    slices together tile dp x cp, so the one dp_cp sum counts them once too. Each piece's norm is
-    taken in float32 (as torch does; float64 in float64 runs), the squares are summed in float64."""
-    norms = ([], [], [])  # [replicated, tp-sharded, expert]: float32 norms per piece, summed below
-    for part, p in _local_parts(local_grads):
-        wide = torch.promote_types(part.dtype, torch.float32)  # float64 runs: float64 norms
-        kind = 2 if getattr(p, "ep_expert", False) else int(is_tp_sharded(p))
-        norms[kind].append(torch.linalg.vector_norm(part, dtype=wide))
-    dev = local_grads[0][1].device
-    sq = torch.stack([torch.stack(n).double().square().sum() if n else
-                      torch.zeros((), dtype=torch.float64, device=dev) for n in norms])
-    # one tp all-reduce of the sums; replicated and expert sums then count each element tp times
-    comm.all_reduce(sq, topo.tp)
-    dense, experts = (sq[0] / topo.tp.size + sq[1]).reshape(1), (sq[2] / topo.tp.size).reshape(1)
-    if sharded_over_dp:
-        total = dense + experts
-        comm.all_reduce(total, topo.dp_cp)  # ZeRO shards over cp x dp (the dp axis when cp=1)
-    else:
-        if topo.axes["ep"].size > 1:
-            comm.all_reduce(experts, topo.axes["ep"])  # each ep rank's experts are its own
-        total = dense + experts
-    comm.all_reduce(total, topo.pp)
-    norm = float(total.sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for _, g in local_grads:
-            g.mul_(coef)
-    return norm
-
-
 def _unshard(t: torch.Tensor, p, axis) -> torch.Tensor:
     """The full tensor of sharded parameter `p` from this rank's shard `t` (its value or grad)."""
     dim = p.tp_dim
@@ -338,6 +253,6 @@ def boundary_shape(plan, micro_batch_size: int, cfg) -> tuple[int, int, int]:
     return (micro_batch_size, s, cfg.d_model)
 
 
-__all__ = ["apply_tp", "sync_tp_grads", "full_state_dict", "full_grads", "boundary_shape",
+__all__ = ["apply_tp", "full_state_dict", "full_grads", "boundary_shape",
            "load_full_state_dict", "gather_logits",
            "ParallelEmbedding", "is_tp_sharded"]
