@@ -1,6 +1,8 @@
 """3D composition: tp x pp x dp layouts of mini3d.run.train.Trainer equal the single-process reference.
 
-One 8-process gloo job runs every layout in turn (tests/threed_workers.run_layouts). The reference is
+One 8-process gloo job runs every layout in turn (tests/threed_workers.run_layouts; the job
+tests/conftest.py `eight_rank_layouts` shares with tests/test_3d_llama.py and
+test_pp_zero_bubble_3d.py). The reference is
 the plain `mini3d.models.transformer.GPT` with AdamW of the same hyper-parameters, trained on the full global batch
 of each step (the mean token loss of the global batch = the mean over equal micro-batches of their
 mean losses). Compared: the loss of every step, EVERY gradient of every step (gathered back to full
@@ -19,7 +21,7 @@ from mini3d.data.corpus import Batches, load_tokens
 from mini3d.launch.launcher import launch
 from mini3d.models.transformer import GPT
 from mini3d.run.train import make_spec
-from tests.threed_workers import LR, WEIGHT_DECAY, run_layouts
+from tests.threed_workers import LR, WEIGHT_DECAY
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32)
 STEPS, SEED = 3, 7
@@ -161,16 +163,20 @@ def check_bf16(name, plan, results, ref):
 
 
 @pytest.fixture(scope="module")
-def eight_rank_runs():
-    """Every rank's results of CASES and CLIP_CASES (below): one 8-rank launch runs both lists in
-    turn, instead of one launch each (8 processes starting and importing torch is the costliest
-    part of a launch on 2 cores)."""
-    cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
-    cases += [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP} for n, p in CLIP_CASES]
-    return launch(run_layouts, 8, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu", timeout=560)
+def eight_rank_runs(eight_rank_layouts):
+    """Every rank's results of CASES and CLIP_CASES (below, EIGHT_RANK_LAYOUTS): one 8-rank launch
+    runs both lists in turn, with the other selected 3d files' layouts (tests/conftest.py
+    eight_rank_layouts), instead of one launch each (8 processes starting and importing torch is
+    the costliest part of a launch on 2 cores)."""
+    return eight_rank_layouts[__name__]
 
 
-@pytest.mark.timeout(600)
+# the timeout of a test using eight_rank_runs covers the shared launch (whichever test runs first
+# pays for it): tests/test_3d_llama.py's and tests/test_pp_zero_bubble_3d.py's shares included
+SHARED_LAUNCH_TIMEOUT = 1200
+
+
+@pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
 def test_3d_layouts_equal_the_reference(eight_rank_runs):
     results = eight_rank_runs
     refs = {"float64": reference(STEPS, dtype=torch.float64), "bf16": reference(STEPS)}
@@ -297,9 +303,14 @@ CLIP_CASES = [  # dp replicas with sequence parallelism; dp shards (ZeRO-1, ZeRO
     ("tp2-pp1-dp4-zero3-clip", Plan(tp=2, dp=4, zero=3, micro_batches=2, **F64_BASE)),
 ]
 CLIP = 0.5  # the reference's norms are 1.4-3.1: every step clips
+# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_layouts)
+EIGHT_RANK_LAYOUTS = ([{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
+                      + [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP}
+                         for n, p in CLIP_CASES], dataclasses.asdict(CFG))
+EIGHT_RANK_TIMEOUT = 560
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
 def test_gradient_clipping_equals_torch_clip_grad_norm_on_the_reference(eight_rank_runs):
     """--grad-clip: the global norm over every shard (tp pieces summed, replicated ones once, dp
     shards summed, replicas not, pp stages summed) equals torch.nn.utils.clip_grad_norm_'s on the
