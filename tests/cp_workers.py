@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_cp.py (spawned by mini3d.launch.launcher)."""
+"""Worker functions for tests/test_cp.py and tests/test_cp_train.py (spawned by mini3d.launch.launcher)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,15 @@ def run_cp_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> 
                         "cp_sends": topo.log.count("cp", "send")})
         comm.barrier(topo.axes["world"])
     return out
+
+
+def run_cp_layouts_then_specs(cases: list[dict], cfg_dict: dict, steps: int, seed: int,
+                              specs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """`run_cp_layouts(cases, ...)`, then `tests.threed_workers.run_specs(specs)`, in the same
+    processes (one launch)."""
+    from tests.threed_workers import run_specs
+
+    return run_cp_layouts(cases, cfg_dict, steps, seed), run_specs(specs)
 
 
 def measured_ring(spec: dict) -> dict:
