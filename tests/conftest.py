@@ -75,25 +75,37 @@ def impl(request):
     return request.config.getoption("--impl")
 
 
-# ---- one 8-rank launch for the 3d parity files (tests/test_3d.py, test_3d_llama.py,
-# test_pp_zero_bubble_3d.py): 8 processes starting and importing torch is the costliest part of such
-# a launch on 2 cores, so the layouts of every selected module run in turn in the same processes
+# ---- one 8-rank launch for the files with 8-rank runs (tests/test_3d.py, test_3d_llama.py,
+# test_pp_zero_bubble_3d.py, test_checkpoint.py, test_strict_device.py): 8 processes starting and
+# importing torch is the costliest part of such a launch on 2 cores, so the runs of every selected
+# module run in turn in the same processes
 @pytest.fixture(scope="session")
-def eight_rank_layouts(request):
-    """{module name: every rank's `tests.threed_workers.run_layouts` results of its layouts} for
-    each module of this session with a test using this fixture: each such module defines
-    EIGHT_RANK_LAYOUTS = (cases, model config dict) and EIGHT_RANK_TIMEOUT (its share of the launch's
-    timeout, in seconds). One `tests.threed_workers.run_layouts_of` launch runs them all, in
-    collection order; a session selecting one module launches its layouts only."""
+def eight_rank_job(request, tmp_path_factory):
+    """{module name: its results} for each module of this session with a test using this fixture.
+    Such a module defines EIGHT_RANK_TIMEOUT (its share of the launch's timeout, in seconds) and
+    either EIGHT_RANK_LAYOUTS = (cases, model config dict), its results then every rank's
+    `tests.threed_workers.run_layouts` results, or eight_rank_specs(tmp_dir) -> train specs, its
+    results then (tmp_dir, every rank's `run_specs` results). One `tests.threed_workers.run_parts`
+    launch runs them all, in collection order; a session selecting one module launches its runs
+    only."""
     from mini3d.launch.launcher import launch
     from tests.test_3d import SEED, STEPS
-    from tests.threed_workers import run_layouts_of
+    from tests.threed_workers import run_parts
 
-    modules = []
+    modules, parts, tmp = [], [], {}
     for item in request.session.items:
-        if "eight_rank_layouts" in item.fixturenames and item.module not in modules:
+        if "eight_rank_job" in item.fixturenames and item.module not in modules:
             modules.append(item.module)
-    groups = [m.EIGHT_RANK_LAYOUTS for m in modules]
-    ranks = launch(run_layouts_of, 8, groups, STEPS, SEED, device="cpu",
+    for m in modules:
+        if hasattr(m, "EIGHT_RANK_LAYOUTS"):
+            parts.append(("layouts", *m.EIGHT_RANK_LAYOUTS))
+        else:
+            tmp[m] = str(tmp_path_factory.mktemp(m.__name__.rsplit(".", 1)[-1]))
+            parts.append(("specs", m.eight_rank_specs(tmp[m])))
+    ranks = launch(run_parts, 8, parts, STEPS, SEED, device="cpu",
                    timeout=sum(m.EIGHT_RANK_TIMEOUT for m in modules))
-    return {m.__name__: [per_rank[i] for per_rank in ranks] for i, m in enumerate(modules)}
+    out = {}
+    for i, m in enumerate(modules):
+        results = [per_rank[i] for per_rank in ranks]
+        out[m.__name__] = (tmp[m], results) if m in tmp else results
+    return out

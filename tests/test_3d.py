@@ -1,7 +1,7 @@
 """3D composition: tp x pp x dp layouts of mini3d.run.train.Trainer equal the single-process reference.
 
 One 8-process gloo job runs every layout in turn (tests/threed_workers.run_layouts; the job
-tests/conftest.py `eight_rank_layouts` shares with tests/test_3d_llama.py and
+tests/conftest.py `eight_rank_job` shares with tests/test_3d_llama.py and
 test_pp_zero_bubble_3d.py). The reference is
 the plain `mini3d.models.transformer.GPT` with AdamW of the same hyper-parameters, trained on the full global batch
 of each step (the mean token loss of the global batch = the mean over equal micro-batches of their
@@ -163,17 +163,19 @@ def check_bf16(name, plan, results, ref):
 
 
 @pytest.fixture(scope="module")
-def eight_rank_runs(eight_rank_layouts):
+def eight_rank_runs(eight_rank_job):
     """Every rank's results of CASES and CLIP_CASES (below, EIGHT_RANK_LAYOUTS): one 8-rank launch
     runs both lists in turn, with the other selected 3d files' layouts (tests/conftest.py
-    eight_rank_layouts), instead of one launch each (8 processes starting and importing torch is
+    eight_rank_job), instead of one launch each (8 processes starting and importing torch is
     the costliest part of a launch on 2 cores)."""
-    return eight_rank_layouts[__name__]
+    return eight_rank_job[__name__]
 
 
-# the timeout of a test using eight_rank_runs covers the shared launch (whichever test runs first
-# pays for it): tests/test_3d_llama.py's and tests/test_pp_zero_bubble_3d.py's shares included
-SHARED_LAUNCH_TIMEOUT = 1200
+# the timeout of a test using the shared 8-rank launch (tests/conftest.py eight_rank_job) covers all
+# of it, since whichever such test runs first pays for it: the sum of the modules' EIGHT_RANK_TIMEOUT
+# shares (560 here, 220 test_3d_llama, 280 test_pp_zero_bubble_3d, 200 test_checkpoint, 200
+# test_strict_device) and a margin
+SHARED_LAUNCH_TIMEOUT = 1560
 
 
 @pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
@@ -303,7 +305,7 @@ CLIP_CASES = [  # dp replicas with sequence parallelism; dp shards (ZeRO-1, ZeRO
     ("tp2-pp1-dp4-zero3-clip", Plan(tp=2, dp=4, zero=3, micro_batches=2, **F64_BASE)),
 ]
 CLIP = 0.5  # the reference's norms are 1.4-3.1: every step clips
-# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_layouts)
+# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job)
 EIGHT_RANK_LAYOUTS = ([{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
                       + [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP}
                          for n, p in CLIP_CASES], dataclasses.asdict(CFG))

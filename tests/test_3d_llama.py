@@ -2,7 +2,7 @@
 tp x pp x dp layouts equals its single-process reference, as tests/test_3d.py shows for the GPT.
 
 One 8-process gloo job runs every layout (tests/threed_workers.run_layouts; shared with
-tests/test_3d.py: tests/conftest.py `eight_rank_layouts`). The head is tied to
+tests/test_3d.py: tests/conftest.py `eight_rank_job`). The head is tied to
 the embedding, so the pipeline layouts hold the matrix on two stages and must sum its gradient
 across them (mini3d.pp.tied); tp=2 splits the 2 key/value heads one per rank. The llama layouts
 run in float64 with test_3d's F64 bounds (summation order only), explained there. A two-stage gpt2-family run with
@@ -40,7 +40,7 @@ CLIPPED = ("llama-tp2-pp2-dp2-zero1-clip", Plan(tp=2, pp=2, dp=2, zero=1, micro_
                                                 **F64_BASE))
 
 
-# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_layouts)
+# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job)
 EIGHT_RANK_LAYOUTS = ([{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
                       + [{"name": CLIPPED[0], "plan": dataclasses.asdict(CLIPPED[1]), "grad_clip": CLIP}],
                       dataclasses.asdict(LLAMA))
@@ -48,8 +48,8 @@ EIGHT_RANK_TIMEOUT = 220
 
 
 @pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
-def test_llama_layouts_equal_the_reference(eight_rank_layouts):
-    results = eight_rank_layouts[__name__]
+def test_llama_layouts_equal_the_reference(eight_rank_job):
+    results = eight_rank_job[__name__]
     ref = reference(STEPS, cfg=LLAMA, dtype=torch.float64)
     assert "head.out.weight" not in ref[1][0]  # tied: one matrix, its gradient from both uses
     for name, plan in CASES:

@@ -1,7 +1,7 @@
 """The new pipeline schedules inside tp x pp x dp layouts equal the single-process reference.
 
-One 8-process gloo job (tests/threed_workers.run_layouts, shared with tests/test_3d.py: tests/conftest.py
-`eight_rank_layouts`) trains every layout below for 3 AdamW
+One 8-process gloo job (tests/threed_workers.run_layouts, shared with tests/test_3d.py:
+tests/conftest.py `eight_rank_job`) trains every layout below for 3 AdamW
 steps in float64 (Plan dtype "float64", against the reference in float64): the layouts differ from
 the reference in summation order only, so test_3d's tight F64 bounds (1e-10; see the comment above
 it) hold on any machine, where float32's 3e-4 once failed on an AMD EPYC (3.06e-4, tp2-pp4-
@@ -42,7 +42,7 @@ CASES = [
 ]
 
 
-# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_layouts)
+# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job)
 EIGHT_RANK_LAYOUTS = ([{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES],
                       dataclasses.asdict(CFG))
 EIGHT_RANK_TIMEOUT = 280
@@ -54,8 +54,8 @@ def test_new_schedules_fit_8_ranks():
 
 
 @pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
-def test_new_schedules_in_3d_layouts_equal_the_reference(eight_rank_layouts):
-    results = eight_rank_layouts[__name__]
+def test_new_schedules_in_3d_layouts_equal_the_reference(eight_rank_job):
+    results = eight_rank_job[__name__]
     refs = {gb: reference(STEPS, cfg=CFG, global_batch=gb, dtype=torch.float64)
             for gb in {p.global_batch for _, p in CASES}}
     for name, plan in CASES:

@@ -92,6 +92,13 @@ def run_layouts_of(groups: list[tuple[list[dict], dict]], steps: int, seed: int)
     return [run_layouts(cases, cfg_dict, steps, seed) for cases, cfg_dict in groups]
 
 
+def run_parts(parts: list[tuple], steps: int, seed: int) -> list[list[dict]]:
+    """Each part in turn, in the same processes: ("layouts", cases, cfg_dict) is
+    `run_layouts(cases, cfg_dict, steps, seed)`, ("specs", specs) is `run_specs(specs)`."""
+    return [run_layouts(part[1], part[2], steps, seed) if part[0] == "layouts" else run_specs(part[1])
+            for part in parts]
+
+
 def run_layouts_then_specs(cases: list[dict], cfg_dict: dict, steps: int, seed: int,
                            specs: list[dict]) -> tuple[list[dict], list[dict]]:
     """`run_layouts(cases, ...)`, then `run_specs(specs)`, in the same processes (one launch)."""
