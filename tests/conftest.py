@@ -109,3 +109,31 @@ def eight_rank_job(request, tmp_path_factory):
         results = [per_rank[i] for per_rank in ranks]
         out[m.__name__] = (tmp[m], results) if m in tmp else results
     return out
+
+
+# ---- one 4-rank launch for the files with 4-rank runs (tests/test_3d.py, test_cp_train.py,
+# test_pairs.py), as eight_rank_job above
+@pytest.fixture(scope="session")
+def four_rank_job(request, tmp_path_factory):
+    """{module name: (tmp_dir, [every rank's results of each of its parts])} for each module of
+    this session with a test using this fixture. Such a module defines FOUR_RANK_TIMEOUT (its share
+    of the launch's timeout, in seconds) and four_rank_parts(tmp_dir) -> its parts, each one
+    `tests.threed_workers.run_parts` runs: ("layouts", cases, cfg_dict), ("cp_layouts", cases,
+    cfg_dict) or ("specs", specs). One launch runs every module's parts, in collection order."""
+    from mini3d.launch.launcher import launch
+    from tests.test_3d import SEED, STEPS
+    from tests.threed_workers import run_parts
+
+    modules, parts, spans = [], [], {}
+    for item in request.session.items:
+        if "four_rank_job" in item.fixturenames and item.module not in modules:
+            modules.append(item.module)
+    for m in modules:
+        tmp = str(tmp_path_factory.mktemp(m.__name__.rsplit(".", 1)[-1]))
+        mine = m.four_rank_parts(tmp)
+        spans[m] = (tmp, range(len(parts), len(parts) + len(mine)))
+        parts += mine
+    ranks = launch(run_parts, 4, parts, STEPS, SEED, device="cpu",
+                   timeout=sum(m.FOUR_RANK_TIMEOUT for m in modules))
+    return {m.__name__: (tmp, [[per_rank[i] for per_rank in ranks] for i in idx])
+            for m, (tmp, idx) in spans.items()}

@@ -86,15 +86,6 @@ def run_cp_layouts(cases: list[dict], cfg_dict: dict, steps: int, seed: int) -> 
     return out
 
 
-def run_cp_layouts_then_specs(cases: list[dict], cfg_dict: dict, steps: int, seed: int,
-                              specs: list[dict]) -> tuple[list[dict], list[dict]]:
-    """`run_cp_layouts(cases, ...)`, then `tests.threed_workers.run_specs(specs)`, in the same
-    processes (one launch)."""
-    from tests.threed_workers import run_specs
-
-    return run_cp_layouts(cases, cfg_dict, steps, seed), run_specs(specs)
-
-
 def measured_ring(spec: dict) -> dict:
     """`mini3d.run.train.train_worker` on `spec`, reduced to what tests/test_cp_costs.py compares: this
     rank's activation bytes of layer 0 per micro-batch, and its cp sends of step 1 (count, bytes)."""

@@ -3,7 +3,8 @@ every gradient over several AdamW steps, float64 with test_3d's tight F64 bounds
 cp checks.
 
 One 4-process gloo job runs every layout (tests/cp_workers.run_cp_layouts; then, in the same job,
-the checkpoint runs below): cp=2 and cp=4 alone,
+the checkpoint runs below; the job is shared with tests/test_3d.py and test_pairs.py: tests/conftest.py
+four_rank_job): cp=2 and cp=4 alone,
 tp2 x cp2 (with sequence parallelism), cp2 x pp2 (1F1B, sdpa block math, full recompute; and
 interleaved), cp2 x dp2 with ZeRO-1, ZeRO-3, and ZeRO-2 in bf16 (test_3d's bf16 tolerances). The reference and the tolerances are those of tests/test_3d.py (same model,
 seed, batches): the layouts differ from it only in summation order (ring hops and the log-sum-exp
@@ -18,9 +19,8 @@ import pytest
 import torch
 
 from mini3d.config import Plan
-from mini3d.launch.launcher import launch
-from tests.cp_workers import run_cp_layouts_then_specs
-from tests.test_3d import BF16, BASE, CFG, F64, SEED, STEPS, check_bf16, check_float32, reference
+from tests.test_3d import (BF16, BASE, CFG, F64, SEED, SHARED_4_RANK_TIMEOUT, STEPS, check_bf16,
+                           check_float32, reference)
 
 F64_BASE = {**BASE, "dtype": "float64"}  # exact layouts: float64, test_3d's F64 bounds
 
@@ -52,19 +52,31 @@ def checkpoint_specs(root: str) -> list[dict]:
             mk(Plan(cp=4, **BASE), resume=step2)]
 
 
-@pytest.fixture(scope="module")
-def four_rank_runs(tmp_path_factory):
-    """(root, every rank's run_cp_layouts results of CASES, every rank's checkpoint_specs(root)
-    results): one 4-rank launch runs both in turn (tests/cp_workers.run_cp_layouts_then_specs),
-    instead of one launch each (starting and importing torch is most of a launch's cost)."""
-    root = str(tmp_path_factory.mktemp("cp-ckpt") / "run")
+def four_rank_parts(tmp_dir: str) -> list[tuple]:
+    """This module's part of the shared 4-rank launch (tests/conftest.py four_rank_job, with
+    tests/test_3d.py's and test_pairs.py's 4-rank runs): the cp layouts of CASES, then
+    checkpoint_specs(tmp_dir/run)."""
+    import os
+
     cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
-    ranks = launch(run_cp_layouts_then_specs, 4, cases, dataclasses.asdict(CFG), STEPS, SEED,
-                   checkpoint_specs(root), device="cpu", timeout=400)
-    return root, [r[0] for r in ranks], [r[1] for r in ranks]
+    return [("cp_layouts", cases, dataclasses.asdict(CFG)),
+            ("specs", checkpoint_specs(os.path.join(tmp_dir, "run")))]
 
 
-@pytest.mark.timeout(450)
+FOUR_RANK_TIMEOUT = 400
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(four_rank_job):
+    """(root, every rank's run_cp_layouts results of CASES, every rank's checkpoint_specs(root)
+    results), from the shared 4-rank launch."""
+    import os
+
+    tmp_dir, (layouts, checkpoints) = four_rank_job[__name__]
+    return os.path.join(tmp_dir, "run"), layouts, checkpoints
+
+
+@pytest.mark.timeout(SHARED_4_RANK_TIMEOUT)
 def test_cp_layouts_equal_the_reference(four_rank_runs):
     results = four_rank_runs[1]
     refs = {"float64": reference(STEPS, dtype=torch.float64), "bf16": reference(STEPS)}
@@ -131,7 +143,7 @@ def test_train_cli_refuses_a_cp_that_does_not_split_the_sequence(capsys):
     assert "Nothing was started" in err
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(SHARED_4_RANK_TIMEOUT)
 def test_cp_checkpoints_save_and_resume_in_any_layout(four_rank_runs):
     """One 4-process job (shared with the layouts above): cp2 x dp2 ZeRO-1 saves at steps 2 and 4
     (the ZeRO shards are gathered over cp x dp; one cp rank writes), then resumes step 2 in the same

@@ -94,9 +94,17 @@ def run_layouts_of(groups: list[tuple[list[dict], dict]], steps: int, seed: int)
 
 def run_parts(parts: list[tuple], steps: int, seed: int) -> list[list[dict]]:
     """Each part in turn, in the same processes: ("layouts", cases, cfg_dict) is
-    `run_layouts(cases, cfg_dict, steps, seed)`, ("specs", specs) is `run_specs(specs)`."""
-    return [run_layouts(part[1], part[2], steps, seed) if part[0] == "layouts" else run_specs(part[1])
-            for part in parts]
+    `run_layouts(cases, cfg_dict, steps, seed)`, ("cp_layouts", cases, cfg_dict)
+    `tests.cp_workers.run_cp_layouts(...)` likewise, ("specs", specs) `run_specs(specs)`."""
+    from tests.cp_workers import run_cp_layouts
+
+    out = []
+    for kind, *args in parts:
+        if kind == "specs":
+            out.append(run_specs(*args))
+        else:
+            out.append((run_layouts if kind == "layouts" else run_cp_layouts)(*args, steps, seed))
+    return out
 
 
 def run_layouts_then_specs(cases: list[dict], cfg_dict: dict, steps: int, seed: int,
