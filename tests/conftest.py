@@ -73,3 +73,67 @@ def grade_seed(request):
 @pytest.fixture(scope="session")
 def impl(request):
     return request.config.getoption("--impl")
+
+
+# ---- one 8-rank launch for the files with 8-rank runs (tests/test_3d.py, test_3d_llama.py,
+# test_pp_zero_bubble_3d.py, test_checkpoint.py, test_strict_device.py): 8 processes starting and
+# importing torch is the costliest part of such a launch on 2 cores, so the runs of every selected
+# module run in turn in the same processes
+@pytest.fixture(scope="session")
+def eight_rank_job(request, tmp_path_factory):
+    """{module name: its results} for each module of this session with a test using this fixture.
+    Such a module defines EIGHT_RANK_TIMEOUT (its share of the launch's timeout, in seconds) and
+    either EIGHT_RANK_LAYOUTS = (cases, model config dict), its results then every rank's
+    `tests.threed_workers.run_layouts` results, or eight_rank_specs(tmp_dir) -> train specs, its
+    results then (tmp_dir, every rank's `run_specs` results). One `tests.threed_workers.run_parts`
+    launch runs them all, in collection order; a session selecting one module launches its runs
+    only."""
+    from mini3d.launch.launcher import launch
+    from tests.test_3d import SEED, STEPS
+    from tests.threed_workers import run_parts
+
+    modules, parts, tmp = [], [], {}
+    for item in request.session.items:
+        if "eight_rank_job" in item.fixturenames and item.module not in modules:
+            modules.append(item.module)
+    for m in modules:
+        if hasattr(m, "EIGHT_RANK_LAYOUTS"):
+            parts.append(("layouts", *m.EIGHT_RANK_LAYOUTS))
+        else:
+            tmp[m] = str(tmp_path_factory.mktemp(m.__name__.rsplit(".", 1)[-1]))
+            parts.append(("specs", m.eight_rank_specs(tmp[m])))
+    ranks = launch(run_parts, 8, parts, STEPS, SEED, device="cpu",
+                   timeout=sum(m.EIGHT_RANK_TIMEOUT for m in modules))
+    out = {}
+    for i, m in enumerate(modules):
+        results = [per_rank[i] for per_rank in ranks]
+        out[m.__name__] = (tmp[m], results) if m in tmp else results
+    return out
+
+
+# ---- one 4-rank launch for the files with 4-rank runs (tests/test_3d.py, test_cp_train.py,
+# test_pairs.py), as eight_rank_job above
+@pytest.fixture(scope="session")
+def four_rank_job(request, tmp_path_factory):
+    """{module name: (tmp_dir, [every rank's results of each of its parts])} for each module of
+    this session with a test using this fixture. Such a module defines FOUR_RANK_TIMEOUT (its share
+    of the launch's timeout, in seconds) and four_rank_parts(tmp_dir) -> its parts, each one
+    `tests.threed_workers.run_parts` runs: ("layouts", cases, cfg_dict), ("cp_layouts", cases,
+    cfg_dict) or ("specs", specs). One launch runs every module's parts, in collection order."""
+    from mini3d.launch.launcher import launch
+    from tests.test_3d import SEED, STEPS
+    from tests.threed_workers import run_parts
+
+    modules, parts, spans = [], [], {}
+    for item in request.session.items:
+        if "four_rank_job" in item.fixturenames and item.module not in modules:
+            modules.append(item.module)
+    for m in modules:
+        tmp = str(tmp_path_factory.mktemp(m.__name__.rsplit(".", 1)[-1]))
+        mine = m.four_rank_parts(tmp)
+        spans[m] = (tmp, range(len(parts), len(parts) + len(mine)))
+        parts += mine
+    ranks = launch(run_parts, 4, parts, STEPS, SEED, device="cpu",
+                   timeout=sum(m.FOUR_RANK_TIMEOUT for m in modules))
+    return {m.__name__: (tmp, [[per_rank[i] for per_rank in ranks] for i in idx])
+            for m, (tmp, idx) in spans.items()}

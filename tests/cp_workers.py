@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_cp.py (spawned by mini3d.launch.launcher)."""
+"""Worker functions for tests/test_cp.py and tests/test_cp_train.py (spawned by mini3d.launch.launcher)."""
 
 from __future__ import annotations
 

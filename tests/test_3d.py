@@ -1,6 +1,8 @@
 """3D composition: tp x pp x dp layouts of mini3d.run.train.Trainer equal the single-process reference.
 
-One 8-process gloo job runs every layout in turn (tests/threed_workers.run_layouts). The reference is
+One 8-process gloo job runs every layout in turn (tests/threed_workers.run_layouts; the job
+tests/conftest.py `eight_rank_job` shares with tests/test_3d_llama.py and
+test_pp_zero_bubble_3d.py). The reference is
 the plain `mini3d.models.transformer.GPT` with AdamW of the same hyper-parameters, trained on the full global batch
 of each step (the mean token loss of the global batch = the mean over equal micro-batches of their
 mean losses). Compared: the loss of every step, EVERY gradient of every step (gathered back to full
@@ -16,10 +18,9 @@ import torch
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.data.corpus import Batches, load_tokens
-from mini3d.launch.launcher import launch
 from mini3d.models.transformer import GPT
 from mini3d.run.train import make_spec
-from tests.threed_workers import LR, WEIGHT_DECAY, run_layouts
+from tests.threed_workers import LR, WEIGHT_DECAY
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32)
 STEPS, SEED = 3, 7
@@ -161,16 +162,25 @@ def check_bf16(name, plan, results, ref):
 
 
 @pytest.fixture(scope="module")
-def eight_rank_runs():
-    """Every rank's results of CASES and CLIP_CASES (below): one 8-rank launch runs both lists in
-    turn, instead of one launch each (8 processes starting and importing torch is the costliest
-    part of a launch on 2 cores)."""
-    cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
-    cases += [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP} for n, p in CLIP_CASES]
-    return launch(run_layouts, 8, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu", timeout=560)
+def eight_rank_runs(eight_rank_job):
+    """Every rank's results of CASES and CLIP_CASES (below, EIGHT_RANK_LAYOUTS): one 8-rank launch
+    runs both lists in turn, with the other selected 3d files' layouts (tests/conftest.py
+    eight_rank_job), instead of one launch each (8 processes starting and importing torch is
+    the costliest part of a launch on 2 cores)."""
+    return eight_rank_job[__name__]
 
 
-@pytest.mark.timeout(600)
+# the timeout of a test using the shared 8-rank launch (tests/conftest.py eight_rank_job) covers all
+# of it, since whichever such test runs first pays for it: the sum of the modules' EIGHT_RANK_TIMEOUT
+# shares (560 here, 220 test_3d_llama, 280 test_pp_zero_bubble_3d, 200 test_checkpoint, 200
+# test_strict_device) and a margin
+SHARED_LAUNCH_TIMEOUT = 1560
+# as SHARED_LAUNCH_TIMEOUT, for the shared 4-rank launch (four_rank_job): 380 here, 400 test_cp_train, 500
+# test_pairs, and a margin
+SHARED_4_RANK_TIMEOUT = 1480
+
+
+@pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
 def test_3d_layouts_equal_the_reference(eight_rank_runs):
     results = eight_rank_runs
     refs = {"float64": reference(STEPS, dtype=torch.float64), "bf16": reference(STEPS)}
@@ -200,7 +210,7 @@ ACCUMULATING_CASES = [  # ZeRO-2/3 reduce-scatter every micro-batch into the sha
 ]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(SHARED_4_RANK_TIMEOUT)
 def test_zero2_and_zero3_accumulating_micro_batches_equal_the_reference(four_rank_runs):
     """4 micro-batches a step, over 3 steps, on 4 ranks: gradients, losses and parameters match the
     one-process reference within the float32 bounds above (ZeRO-3 is refused with pp > 1)."""
@@ -239,23 +249,30 @@ OVERLAP_PLANS = {  # the event-order tests below (run after ACCUMULATING_CASES, 
 }
 
 
-@pytest.fixture(scope="module")
-def four_rank_runs():
-    """Every 4-rank run of this file from one launch (a 4-rank launch's start-up cost about 20 CPU
-    seconds of the 69 its three overlap tests took alone): {"accumulating": every rank's
-    run_layouts results of ACCUMULATING_CASES, name in OVERLAP_PLANS: every rank's result}."""
-    from tests.threed_workers import run_layouts_then_specs
-
+def four_rank_parts(tmp_dir: str) -> list[tuple]:
+    """This module's part of the shared 4-rank launch (tests/conftest.py four_rank_job): the
+    ACCUMULATING_CASES layouts, then the OVERLAP_PLANS runs."""
     cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in ACCUMULATING_CASES]
     specs = [make_spec(CFG, p, steps=2, collect=["events"]) for p in OVERLAP_PLANS.values()]
-    ranks = launch(run_layouts_then_specs, 4, cases, dataclasses.asdict(CFG), STEPS, SEED, specs,
-                   device="cpu", timeout=380)
-    out = {"accumulating": [layouts for layouts, _ in ranks]}
-    out.update({name: [runs[k] for _, runs in ranks] for k, name in enumerate(OVERLAP_PLANS)})
+    return [("layouts", cases, dataclasses.asdict(CFG)), ("specs", specs)]
+
+
+FOUR_RANK_TIMEOUT = 380
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(four_rank_job):
+    """Every 4-rank run of this file from one launch (shared with tests/test_cp_train.py and
+    test_pairs.py: tests/conftest.py four_rank_job; a 4-rank launch's start-up cost about 20 CPU
+    seconds of the 69 its three overlap tests took alone): {"accumulating": every rank's
+    run_layouts results of ACCUMULATING_CASES, name in OVERLAP_PLANS: every rank's result}."""
+    _, (layouts, runs) = four_rank_job[__name__]
+    out = {"accumulating": layouts}
+    out.update({name: [mine[k] for mine in runs] for k, name in enumerate(OVERLAP_PLANS)})
     return out
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(SHARED_4_RANK_TIMEOUT)
 def test_interleaved_pipeline_overlaps_the_dp_gradient_sync(four_rank_runs):
     """pp2 x dp2, interleaved (v=2): each model chunk's buckets are all-reduced during that chunk's
     last backward, while the pipeline still runs the earlier chunk's backwards, not after it all.
@@ -272,7 +289,7 @@ def test_interleaved_pipeline_overlaps_the_dp_gradient_sync(four_rank_runs):
         assert first["start"] < max(e["start"] for e in pp), r["coords"]
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(SHARED_4_RANK_TIMEOUT)
 @pytest.mark.parametrize("zero", [0, 2])
 def test_sequence_parallel_overlaps_the_dp_gradient_sync(zero, four_rank_runs):
     """tp2 x dp2 with sequence parallelism: the dp gradient collectives start during the last
@@ -297,9 +314,14 @@ CLIP_CASES = [  # dp replicas with sequence parallelism; dp shards (ZeRO-1, ZeRO
     ("tp2-pp1-dp4-zero3-clip", Plan(tp=2, dp=4, zero=3, micro_batches=2, **F64_BASE)),
 ]
 CLIP = 0.5  # the reference's norms are 1.4-3.1: every step clips
+# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job)
+EIGHT_RANK_LAYOUTS = ([{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
+                      + [{"name": n, "plan": dataclasses.asdict(p), "grad_clip": CLIP}
+                         for n, p in CLIP_CASES], dataclasses.asdict(CFG))
+EIGHT_RANK_TIMEOUT = 560
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
 def test_gradient_clipping_equals_torch_clip_grad_norm_on_the_reference(eight_rank_runs):
     """--grad-clip: the global norm over every shard (tp pieces summed, replicated ones once, dp
     shards summed, replicas not, pp stages summed) equals torch.nn.utils.clip_grad_norm_'s on the

@@ -1,7 +1,8 @@
 """The llama family (RMSNorm, rotary positions, SwiGLU, grouped-query attention, a tied head) in
 tp x pp x dp layouts equals its single-process reference, as tests/test_3d.py shows for the GPT.
 
-One 8-process gloo job runs every layout (tests/threed_workers.run_layouts). The head is tied to
+One 8-process gloo job runs every layout (tests/threed_workers.run_layouts; shared with
+tests/test_3d.py: tests/conftest.py `eight_rank_job`). The head is tied to
 the embedding, so the pipeline layouts hold the matrix on two stages and must sum its gradient
 across them (mini3d.pp.tied); tp=2 splits the 2 key/value heads one per rank. The llama layouts
 run in float64 with test_3d's F64 bounds (summation order only), explained there. A two-stage gpt2-family run with
@@ -17,7 +18,7 @@ import torch
 
 from mini3d.config import ModelConfig, Plan
 from mini3d.launch.launcher import launch
-from tests.test_3d import F64, F64_BASE, SEED, STEPS, check_float32, reference
+from tests.test_3d import F64, F64_BASE, SEED, SHARED_LAUNCH_TIMEOUT, STEPS, check_float32, reference
 from tests.threed_workers import run_layouts
 
 LLAMA = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32, d_ff=48,
@@ -39,12 +40,16 @@ CLIPPED = ("llama-tp2-pp2-dp2-zero1-clip", Plan(tp=2, pp=2, dp=2, zero=1, micro_
                                                 **F64_BASE))
 
 
-@pytest.mark.timeout(240)
-def test_llama_layouts_equal_the_reference():
-    cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
-    cases.append({"name": CLIPPED[0], "plan": dataclasses.asdict(CLIPPED[1]), "grad_clip": CLIP})
-    results = launch(run_layouts, 8, cases, dataclasses.asdict(LLAMA), STEPS, SEED, device="cpu",
-                     timeout=220)
+# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job)
+EIGHT_RANK_LAYOUTS = ([{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
+                      + [{"name": CLIPPED[0], "plan": dataclasses.asdict(CLIPPED[1]), "grad_clip": CLIP}],
+                      dataclasses.asdict(LLAMA))
+EIGHT_RANK_TIMEOUT = 220
+
+
+@pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
+def test_llama_layouts_equal_the_reference(eight_rank_job):
+    results = eight_rank_job[__name__]
     ref = reference(STEPS, cfg=LLAMA, dtype=torch.float64)
     assert "head.out.weight" not in ref[1][0]  # tied: one matrix, its gradient from both uses
     for name, plan in CASES:

@@ -1,7 +1,8 @@
 """Checkpoints through the trainer: identical continuation, resharded resume, crash-safe saves,
 refusal of a checkpoint of another model shape, and weights_only loading.
 
-Two launches carry the multi-process part (a module fixture): 8 ranks train tp2 x pp2 x dp2 for 4
+Two launches carry the multi-process part (a module fixture): 8 ranks (the 8-rank launch this
+module shares with the 3d files: tests/conftest.py eight_rank_job) train tp2 x pp2 x dp2 for 4
 steps saving at steps 2 and 4, then (same processes) resume the step-2 checkpoint in the same layout
 up to step 4; 4 ranks resume the step-2 checkpoint as tp1 x pp1 x dp4 and as tp4 x pp1 x dp1.
 """
@@ -25,6 +26,7 @@ from mini3d.checkpoint.store import latest_dir, read_meta, read_states
 from mini3d.config import Plan, model_from_preset
 from mini3d.launch.launcher import launch
 from mini3d.run.train import make_spec, reporter_records
+from tests.test_3d import SHARED_LAUNCH_TIMEOUT
 from tests.threed_workers import run_specs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,13 +42,26 @@ def spec(plan: Plan, steps: int, **kw) -> dict:
     return make_spec(CFG, plan, steps=steps, lr=LR, seed=SEED, weight_decay=0.1, **kw)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("ck") / "run")
-    step2 = os.path.join(root, "step-000002")
+def eight_rank_specs(tmp_dir: str) -> list[dict]:
+    """This module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job): tp2 x pp2
+    x dp2 ZeRO-1 saves at steps 2 and 4 under tmp_dir/run, then resumes step 2 in the same layout."""
+    root = os.path.join(tmp_dir, "run")
     p3d = Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, **RUN)
-    first = launch(run_specs, 8, [spec(p3d, 4, save=root, save_every=2),
-                                  spec(p3d, 4, resume=step2)], device="cpu", timeout=200)
+    return [spec(p3d, 4, save=root, save_every=2),
+            spec(p3d, 4, resume=os.path.join(root, "step-000002"))]
+
+
+EIGHT_RANK_TIMEOUT = 200
+# whichever test of the session first uses eight_rank_job pays for the shared launch, and the first
+# test using `runs` then for the 4-rank launch
+RUNS_TIMEOUT = SHARED_LAUNCH_TIMEOUT + 240
+
+
+@pytest.fixture(scope="module")
+def runs(eight_rank_job):
+    tmp_dir, first = eight_rank_job[__name__]
+    root = os.path.join(tmp_dir, "run")
+    step2 = os.path.join(root, "step-000002")
     resharded = launch(run_specs, 4, [spec(Plan(dp=4, micro_batches=2, **RUN), 4, resume=step2),
                                       spec(Plan(tp=4, zero=0, **RUN), 4, resume=step2)],
                        device="cpu", timeout=200)
@@ -55,7 +70,7 @@ def runs(tmp_path_factory):
             "dp4": losses(resharded, 0), "tp4": losses(resharded, 1)}
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(RUNS_TIMEOUT)
 def test_resume_in_the_same_layout_continues_bit_identically(runs):
     assert len(runs["full"]) == 4 and len(runs["same"]) == 2  # the resumed run did steps 3 and 4
     # Bitwise: the checkpoint holds the fp32 weights and AdamW moments and step exactly, the data of
@@ -64,7 +79,7 @@ def test_resume_in_the_same_layout_continues_bit_identically(runs):
     assert runs["full"][3] < runs["full"][0]  # it trains (a frozen model would also "continue")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(RUNS_TIMEOUT)
 def test_resharded_resume_gives_the_same_next_losses(runs):
     # Another layout sums in another order (tp all-reduces, dp averaging): float32 rounding, ~1e-7
     # relative per op, so the next losses agree to 1e-5 (measured ~1e-6), not bitwise.
@@ -75,7 +90,7 @@ def test_resharded_resume_gives_the_same_next_losses(runs):
     assert abs(runs["full"][2] - runs["full"][3]) > 1e-3
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(RUNS_TIMEOUT)
 def test_checkpoint_layout_on_disk(runs):
     root = runs["root"]
     assert pathlib.Path(root, "latest").read_text().strip() == "step-000004"
@@ -96,7 +111,7 @@ def _train_cmd(*args):
             "--seq-len", "16", "--seed", str(SEED), "--no-progress", *args]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(RUNS_TIMEOUT)
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(runs, tmp_path):
     root = str(tmp_path / "run")
     shutil.copytree(runs["root"], root)  # latest -> step-000004
@@ -132,6 +147,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(runs, tmp_path):
     assert not os.path.exists(tmp) and os.path.isdir(os.path.join(root, ".tmp-step-000006"))
 
 
+@pytest.mark.timeout(RUNS_TIMEOUT)
 def test_resume_of_another_model_shape_exits_2_naming_both_values(runs, capsys, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a process was started")
@@ -154,6 +170,7 @@ class NotATensor:
     """Only plain pickle can rebuild this; torch.load(weights_only=True) must refuse it."""
 
 
+@pytest.mark.timeout(RUNS_TIMEOUT)
 def test_loading_uses_weights_only(runs, tmp_path):
     ckpt = str(tmp_path / "ck")
     shutil.copytree(os.path.join(runs["root"], "step-000004"), ckpt)

@@ -2,7 +2,9 @@
 every gradient over several AdamW steps, float64 with test_3d's tight F64 bounds), and Plan's
 cp checks.
 
-One 4-process gloo job runs every layout (tests/cp_workers.run_cp_layouts): cp=2 and cp=4 alone,
+One 4-process gloo job runs every layout (tests/cp_workers.run_cp_layouts; then, in the same job,
+the checkpoint runs below; the job is shared with tests/test_3d.py and test_pairs.py: tests/conftest.py
+four_rank_job): cp=2 and cp=4 alone,
 tp2 x cp2 (with sequence parallelism), cp2 x pp2 (1F1B, sdpa block math, full recompute; and
 interleaved), cp2 x dp2 with ZeRO-1, ZeRO-3, and ZeRO-2 in bf16 (test_3d's bf16 tolerances). The reference and the tolerances are those of tests/test_3d.py (same model,
 seed, batches): the layouts differ from it only in summation order (ring hops and the log-sum-exp
@@ -17,9 +19,8 @@ import pytest
 import torch
 
 from mini3d.config import Plan
-from mini3d.launch.launcher import launch
-from tests.cp_workers import run_cp_layouts
-from tests.test_3d import BF16, BASE, CFG, F64, SEED, STEPS, check_bf16, check_float32, reference
+from tests.test_3d import (BF16, BASE, CFG, F64, SEED, SHARED_4_RANK_TIMEOUT, STEPS, check_bf16,
+                           check_float32, reference)
 
 F64_BASE = {**BASE, "dtype": "float64"}  # exact layouts: float64, test_3d's F64 bounds
 
@@ -37,11 +38,47 @@ CASES = [
 ]
 
 
-@pytest.mark.timeout(240)
-def test_cp_layouts_equal_the_reference():
+def checkpoint_specs(root: str) -> list[dict]:
+    """test_cp_checkpoints_save_and_resume_in_any_layout's runs: cp2 x dp2 ZeRO-1 saves at steps 2
+    and 4 under `root`, then resumes step 2 in the same layout and as cp=4."""
+    import os
+
+    from mini3d.run.train import make_spec
+
+    step2 = os.path.join(root, "step-000002")
+    mk = lambda plan, **kw: make_spec(CFG, plan, steps=4, seed=SEED, **kw)  # noqa: E731
+    saver = Plan(cp=2, dp=2, zero=1, micro_batches=2, **BASE)
+    return [mk(saver, save=root, save_every=2), mk(saver, resume=step2),
+            mk(Plan(cp=4, **BASE), resume=step2)]
+
+
+def four_rank_parts(tmp_dir: str) -> list[tuple]:
+    """This module's part of the shared 4-rank launch (tests/conftest.py four_rank_job, with
+    tests/test_3d.py's and test_pairs.py's 4-rank runs): the cp layouts of CASES, then
+    checkpoint_specs(tmp_dir/run)."""
+    import os
+
     cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
-    results = launch(run_cp_layouts, 4, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu",
-                     timeout=220)
+    return [("cp_layouts", cases, dataclasses.asdict(CFG)),
+            ("specs", checkpoint_specs(os.path.join(tmp_dir, "run")))]
+
+
+FOUR_RANK_TIMEOUT = 400
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(four_rank_job):
+    """(root, every rank's run_cp_layouts results of CASES, every rank's checkpoint_specs(root)
+    results), from the shared 4-rank launch."""
+    import os
+
+    tmp_dir, (layouts, checkpoints) = four_rank_job[__name__]
+    return os.path.join(tmp_dir, "run"), layouts, checkpoints
+
+
+@pytest.mark.timeout(SHARED_4_RANK_TIMEOUT)
+def test_cp_layouts_equal_the_reference(four_rank_runs):
+    results = four_rank_runs[1]
     refs = {"float64": reference(STEPS, dtype=torch.float64), "bf16": reference(STEPS)}
     for name, plan in CASES:
         ref = refs[plan.dtype]
@@ -106,22 +143,18 @@ def test_train_cli_refuses_a_cp_that_does_not_split_the_sequence(capsys):
     assert "Nothing was started" in err
 
 
-@pytest.mark.timeout(240)
-def test_cp_checkpoints_save_and_resume_in_any_layout(tmp_path):
-    """One 4-process job: cp2 x dp2 ZeRO-1 saves at steps 2 and 4 (the ZeRO shards are gathered over
-    cp x dp; one cp rank writes), then resumes step 2 in the same layout (bitwise the same losses)
-    and as cp=4 (float32 summation order only: 1e-5, as tests/test_checkpoint.py)."""
+@pytest.mark.timeout(SHARED_4_RANK_TIMEOUT)
+def test_cp_checkpoints_save_and_resume_in_any_layout(four_rank_runs):
+    """One 4-process job (shared with the layouts above): cp2 x dp2 ZeRO-1 saves at steps 2 and 4
+    (the ZeRO shards are gathered over cp x dp; one cp rank writes), then resumes step 2 in the same
+    layout (bitwise the same losses) and as cp=4 (float32 summation order only: 1e-5, as
+    tests/test_checkpoint.py)."""
     import os
 
-    from mini3d.run.train import make_spec, reporter_records
-    from tests.threed_workers import run_specs
+    from mini3d.run.train import reporter_records
 
-    root = str(tmp_path / "run")
+    root, _, out = four_rank_runs
     step2 = os.path.join(root, "step-000002")
-    mk = lambda plan, **kw: make_spec(CFG, plan, steps=4, seed=SEED, **kw)  # noqa: E731
-    saver = Plan(cp=2, dp=2, zero=1, micro_batches=2, **BASE)
-    out = launch(run_specs, 4, [mk(saver, save=root, save_every=2), mk(saver, resume=step2),
-                                mk(Plan(cp=4, **BASE), resume=step2)], device="cpu", timeout=200)
     losses = [[r["loss"] for r in reporter_records([x[i] for x in out])] for i in range(3)]
     full, same, cp4 = losses
     assert len(full) == 4 and same == full[2:]

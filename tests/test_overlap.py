@@ -2,9 +2,10 @@
 log and the timeline.
 
 A synthetic timeline pins the definition (intersection of each op's [issue, completion] with the
-merged F / B / W intervals, over the in-flight seconds). One 2-rank launch checks it on real
-gloo traffic: a dp sync issued bucket by bucket inside the backward is partly hidden (> 0), the same
-sync issued after the backward (everything under no_sync, then finish_grad_sync) is not (0)."""
+merged F / B / W intervals, over the in-flight seconds). One 2-rank launch (shared with the
+ZeRO-2/3 reduce-scatter order tests below) checks it on real gloo traffic: a dp sync issued bucket
+by bucket inside the backward is partly hidden (> 0), the same sync issued after the backward
+(everything under no_sync, then finish_grad_sync) is not (0)."""
 
 import contextlib
 import time
@@ -84,9 +85,21 @@ def overlap_worker():
     return out
 
 
-@pytest.mark.timeout(120)
-def test_dp_sync_inside_backward_is_hidden_after_it_is_not():
-    for r in launch(overlap_worker, 2, timeout=90):
+def overlap_and_zero_reductions_worker(stages):
+    """overlap_worker(), then zero_reductions_worker(stage) for each stage, in the same processes."""
+    return overlap_worker(), {stage: zero_reductions_worker(stage) for stage in stages}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs():
+    """Every rank's (overlap_worker result, {stage: zero_reductions_worker result}) for ZeRO-2 and
+    ZeRO-3: one 2-rank launch for the three runs (starting processes is most of their cost)."""
+    return launch(overlap_and_zero_reductions_worker, 2, (2, 3), timeout=150)
+
+
+@pytest.mark.timeout(180)
+def test_dp_sync_inside_backward_is_hidden_after_it_is_not(two_rank_runs):
+    for r, _ in two_rank_runs:
         inside, after = r["inside"], r["after"]
         assert inside["n"] > 3 and after["n"] == inside["n"]  # several buckets, both modes
         assert inside["fraction"] > 0.1, inside
@@ -114,9 +127,9 @@ def zero_reductions_worker(stage):
     return [(e.start, e.end) for e in list(topo.log.events)[first:] if e.op == "reduce_scatter"]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero_reductions_wait_only_when_their_memory_is_needed(stage):
+def test_zero_reductions_wait_only_when_their_memory_is_needed(stage, two_rank_runs):
     """ZeRO-2/3 keep up to GRAD_BUCKETS_IN_FLIGHT (2) reduce-scatters in flight: each bucket's is
     waited only after the next bucket's was issued (at the first gradient of the one after), so it
     runs during the next bucket's backward; and never more than the bound are pending when one is
@@ -125,7 +138,7 @@ def test_zero_reductions_wait_only_when_their_memory_is_needed(stage):
     from mini3d.dp.buckets import GRAD_BUCKETS_IN_FLIGHT
 
     assert GRAD_BUCKETS_IN_FLIGHT == 2
-    for spans in launch(zero_reductions_worker, 2, stage, timeout=90):
+    for spans in (by_stage[stage] for _, by_stage in two_rank_runs):
         assert len(spans) > 4, spans  # several buckets (ZeRO-3: pieces of units)
         for (_, end), (nxt, _) in zip(spans, spans[1:]):
             assert end > nxt, spans  # waited after the next one was issued

@@ -2,7 +2,8 @@
 one-process run of the same flags (same seed, same unsharded weights) over several AdamW steps in
 float32: the logged losses, the logged `grad_norm` (before clipping) and the validation losses.
 
-Two launches: one 4-process job runs every layout in turn (tests/threed_workers.run_specs), one
+Two launches: one 4-process job runs every layout in turn (tests/threed_workers.run_specs; the job
+tests/conftest.py four_rank_job shares with tests/test_3d.py and test_cp_train.py), one
 1-process job runs the references. Every spec comes from the `mini3d train` flags themselves
 (`mini3d.cli.validated_train`), so what is tested is what the command line runs:
 
@@ -25,10 +26,13 @@ norm itself leaves out the other cp rank's shards.
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 
 from mini3d.launch.launcher import launch
 from mini3d.run.train import reporter_records
+from tests.test_3d import SHARED_4_RANK_TIMEOUT
 from tests.threed_workers import run_specs
 
 COMMON = ["--steps", "4", "--seq-len", "32", "--global-batch", "8", "--micro-batches", "2",
@@ -61,21 +65,33 @@ def spec_of(flags: list, data: str, run_dir: str):
     return job[0]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def four_rank_parts(tmp_dir: str) -> list[tuple]:
+    """This module's part of the shared 4-rank launch (tests/conftest.py four_rank_job): prepares
+    the corpus under tmp_dir (in this process), then the LAYOUTS runs on it."""
     from pydoc_data.topics import topics
 
     from mini3d import cli
 
-    root = tmp_path_factory.mktemp("pairs")
+    root = pathlib.Path(tmp_dir)
     src = root / "corpus.txt"
     src.write_text("".join(topics[k] for k in sorted(topics))[:200_000])
     data = str(root / "data")
     assert cli.main(["prepare", str(src), "--out", data, "--val-fraction", "0.2",
                      "--no-progress"]) == 0
-    specs = [spec_of(ref + lay, data, str(root / name)) for name, ref, lay in LAYOUTS]
-    refs = [spec_of(list(ref), data, str(root / f"ref{i}")) for i, ref in enumerate(REFERENCES)]
-    four = launch(run_specs, 4, specs, device="cpu", timeout=500)
+    return [("specs", [spec_of(ref + lay, data, str(root / name)) for name, ref, lay in LAYOUTS])]
+
+
+FOUR_RANK_TIMEOUT = 500
+# the first test using `runs` may pay for the shared 4-rank launch, then for the 1-rank one
+RUNS_TIMEOUT = SHARED_4_RANK_TIMEOUT + 240
+
+
+@pytest.fixture(scope="module")
+def runs(four_rank_job):
+    tmp_dir, (four,) = four_rank_job[__name__]
+    root = pathlib.Path(tmp_dir)
+    refs = [spec_of(list(ref), str(root / "data"), str(root / f"ref{i}"))
+            for i, ref in enumerate(REFERENCES)]
     one = launch(run_specs, 1, refs, device="cpu", timeout=200)
     out = {name: reporter_records([r[i] for r in four]) for i, (name, _, _) in enumerate(LAYOUTS)}
     ref = {r: reporter_records([x[i] for x in one]) for i, r in enumerate(REFERENCES)}
@@ -93,18 +109,18 @@ def _check(got: list, want: list, name: str):
         assert [r["grad_norm"] for r in got] == pytest.approx(norms, rel=1e-4), name
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(RUNS_TIMEOUT)
 @pytest.mark.parametrize("name", [n for n, _, _ in LAYOUTS if n.startswith("tied")])
 def test_tied_embeddings_with_pipeline_and_cp_or_dp_equal_one_process(runs, name):
     _check(runs[0][name], runs[1][name], name)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(RUNS_TIMEOUT)
 def test_validation_with_cp_and_tp_equals_one_process(runs):
     _check(runs[0]["eval-cp2-tp2"], runs[1]["eval-cp2-tp2"], "eval-cp2-tp2")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(RUNS_TIMEOUT)
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_grad_clip_with_cp_and_dp_equals_one_process(runs, zero):
     name = f"clip-cp2-dp2-zero{zero}"

@@ -1,6 +1,7 @@
 """The new pipeline schedules inside tp x pp x dp layouts equal the single-process reference.
 
-One 8-process gloo job (tests/threed_workers.run_layouts) trains every layout below for 3 AdamW
+One 8-process gloo job (tests/threed_workers.run_layouts, shared with tests/test_3d.py:
+tests/conftest.py `eight_rank_job`) trains every layout below for 3 AdamW
 steps in float64 (Plan dtype "float64", against the reference in float64): the layouts differ from
 the reference in summation order only, so test_3d's tight F64 bounds (1e-10; see the comment above
 it) hold on any machine, where float32's 3e-4 once failed on an AMD EPYC (3.06e-4, tp2-pp4-
@@ -21,9 +22,7 @@ import pytest
 import torch
 
 from mini3d.config import ModelConfig, Plan
-from mini3d.launch.launcher import launch
-from tests.test_3d import BASE, SEED, STEPS, F64, check_float32, reference
-from tests.threed_workers import run_layouts
+from tests.test_3d import BASE, F64, SHARED_LAUNCH_TIMEOUT, STEPS, check_float32, reference
 
 CFG = ModelConfig(n_layers=8, d_model=32, n_heads=4, vocab_size=256, max_seq_len=32)
 BASE = {**BASE, "dtype": "float64"}
@@ -43,13 +42,20 @@ CASES = [
 ]
 
 
-@pytest.mark.timeout(300)
-def test_new_schedules_in_3d_layouts_equal_the_reference():
+# this module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job)
+EIGHT_RANK_LAYOUTS = ([{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES],
+                      dataclasses.asdict(CFG))
+EIGHT_RANK_TIMEOUT = 280
+
+
+def test_new_schedules_fit_8_ranks():
     for _, plan in CASES:
         assert plan.problems(CFG, 8) == [], plan
-    cases = [{"name": n, "plan": dataclasses.asdict(p)} for n, p in CASES]
-    results = launch(run_layouts, 8, cases, dataclasses.asdict(CFG), STEPS, SEED, device="cpu",
-                     timeout=280)
+
+
+@pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
+def test_new_schedules_in_3d_layouts_equal_the_reference(eight_rank_job):
+    results = eight_rank_job[__name__]
     refs = {gb: reference(STEPS, cfg=CFG, global_batch=gb, dtype=torch.float64)
             for gb in {p.global_batch for _, p in CASES}}
     for name, plan in CASES:

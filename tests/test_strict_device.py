@@ -23,7 +23,7 @@ from mini3d.config import Plan, model_from_preset
 from mini3d.grid import Axis
 from mini3d.launch.launcher import launch
 from mini3d.run.train import make_spec, reporter_records
-from tests.threed_workers import run_specs
+from tests.test_3d import SHARED_LAUNCH_TIMEOUT
 from tests.workers import default_device
 
 CFG = model_from_preset("tiny", d_model=32, d_ff=128, name="tiny+custom")
@@ -79,15 +79,26 @@ def test_reduce_scatter_rejects_ops_it_cannot_do():
     assert torch.equal(out, inp)
 
 
-@pytest.mark.timeout(240)
-def test_issue_layouts_train_to_the_end_under_strict_mode():
-    """One 8-rank launch, three layouts in turn: tp2 x pp2 x dp2 ZeRO-1, dp2 ZeRO-3 (with tp4),
-    dp2 bf16 (with tp2 x pp2), 3 steps each; every rank runs in strict mode (conftest)."""
-    run = dict(global_batch=8, seq_len=16, micro_batches=2)
-    plans = [Plan(tp=2, pp=2, dp=2, zero=1, **run), Plan(tp=4, dp=2, zero=3, **run),
-             Plan(tp=2, pp=2, dp=2, dtype="bf16", **run)]
-    specs = [make_spec(CFG, p, steps=3, seed=2) for p in plans]
-    results = launch(run_specs, 8, specs, device="cpu", timeout=200)
+RUN = dict(global_batch=8, seq_len=16, micro_batches=2)
+PLANS = [Plan(tp=2, pp=2, dp=2, zero=1, **RUN), Plan(tp=4, dp=2, zero=3, **RUN),
+         Plan(tp=2, pp=2, dp=2, dtype="bf16", **RUN)]
+
+
+def eight_rank_specs(tmp_dir: str) -> list[dict]:
+    """This module's part of the shared 8-rank launch (tests/conftest.py eight_rank_job)."""
+    return [make_spec(CFG, p, steps=3, seed=2) for p in PLANS]
+
+
+EIGHT_RANK_TIMEOUT = 200
+
+
+@pytest.mark.timeout(SHARED_LAUNCH_TIMEOUT)
+def test_issue_layouts_train_to_the_end_under_strict_mode(eight_rank_job):
+    """One 8-rank launch (shared: tests/conftest.py eight_rank_job), three layouts in turn: tp2 x
+    pp2 x dp2 ZeRO-1, dp2 ZeRO-3 (with tp4), dp2 bf16 (with tp2 x pp2), 3 steps each; every rank
+    runs in strict mode (conftest)."""
+    plans = PLANS
+    _, results = eight_rank_job[__name__]
     losses = [[r["loss"] for r in reporter_records([x[i] for x in results])] for i in range(3)]
     for plan, got in zip(plans, losses):
         assert len(got) == 3 and all(math.isfinite(v) for v in got), (plan, got)

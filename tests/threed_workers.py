@@ -98,6 +98,21 @@ def run_layouts_of(groups: list[tuple[list[dict], dict]], steps: int, seed: int)
     return [run_layouts(cases, cfg_dict, steps, seed) for cases, cfg_dict in groups]
 
 
+def run_parts(parts: list[tuple], steps: int, seed: int) -> list[list[dict]]:
+    """Each part in turn, in the same processes: ("layouts", cases, cfg_dict) is
+    `run_layouts(cases, cfg_dict, steps, seed)`, ("cp_layouts", cases, cfg_dict)
+    `tests.cp_workers.run_cp_layouts(...)` likewise, ("specs", specs) `run_specs(specs)`."""
+    from tests.cp_workers import run_cp_layouts
+
+    out = []
+    for kind, *args in parts:
+        if kind == "specs":
+            out.append(run_specs(*args))
+        else:
+            out.append((run_layouts if kind == "layouts" else run_cp_layouts)(*args, steps, seed))
+    return out
+
+
 def run_layouts_then_specs(cases: list[dict], cfg_dict: dict, steps: int, seed: int,
                            specs: list[dict]) -> tuple[list[dict], list[dict]]:
     """`run_layouts(cases, ...)`, then `run_specs(specs)`, in the same processes (one launch)."""
