@@ -94,7 +94,7 @@ def eight_rank_job(request, tmp_path_factory):
 
     modules, parts, tmp = [], [], {}
     for item in request.session.items:
-        if "eight_rank_job" in item.fixturenames and item.module not in modules:
+        if "eight_rank_job" in getattr(item, "fixturenames", ()) and item.module not in modules:
             modules.append(item.module)
     for m in modules:
         if hasattr(m, "EIGHT_RANK_LAYOUTS"):
@@ -126,7 +126,7 @@ def four_rank_job(request, tmp_path_factory):
 
     modules, parts, spans = [], [], {}
     for item in request.session.items:
-        if "four_rank_job" in item.fixturenames and item.module not in modules:
+        if "four_rank_job" in getattr(item, "fixturenames", ()) and item.module not in modules:
             modules.append(item.module)
     for m in modules:
         tmp = str(tmp_path_factory.mktemp(m.__name__.rsplit(".", 1)[-1]))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from mini3d import comm
 from mini3d.grid import Grid, build_topology
 from mini3d.run.train import Trainer
-from tests.moe_workers import global_batch
+from tests.moe_workers import dp_slice
 
 
 def _full(topo, p, t: torch.Tensor) -> torch.Tensor:
@@ -42,11 +42,7 @@ def train_case(cfg, plan, steps: int, grad_clip: float = 0.0) -> dict:
     trainer.optimizer.grad_hooks.insert(0, lambda local: grads.append(_named_grads(trainer)))
     losses, loads, norms = [], [], []
     for step in range(steps):
-        x, y = global_batch(0, cfg)
-        per = x.shape[0] // plan.dp
-        r = topo.dp.index
-        xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-        mbs = list(zip(xs.chunk(plan.micro_batches), ys.chunk(plan.micro_batches)))
+        mbs = dp_slice(cfg, plan, topo.dp.index)
         losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
         loads.append(dict(getattr(trainer.net.module, "moe_load", {})))
         norms.append(trainer.last_grad_norm)

@@ -19,6 +19,15 @@ def global_batch(step: int, cfg: ModelConfig, n: int = 8, t: int = 16):
     return x[:, :-1], x[:, 1:]
 
 
+def dp_slice(cfg: ModelConfig, plan: Plan, dp_index: int) -> list:
+    """Data-parallel rank `dp_index`'s share of `global_batch(0, cfg)`, in plan.micro_batches
+    micro-batches (the one-process reference runs the same slices as its micro-batches)."""
+    x, y = global_batch(0, cfg)
+    per = x.shape[0] // plan.dp
+    xs, ys = x[dp_index * per:(dp_index + 1) * per], y[dp_index * per:(dp_index + 1) * per]
+    return list(zip(xs.chunk(plan.micro_batches), ys.chunk(plan.micro_batches)))
+
+
 def train_moe(cfg: ModelConfig, plan: Plan, steps: int) -> dict:
     """Losses, the averaged flat gradients of each step (after the dp sync), the final
     parameters, expert biases and the step loads."""
@@ -29,11 +38,7 @@ def train_moe(cfg: ModelConfig, plan: Plan, steps: int) -> dict:
         torch.cat([g.detach().flatten().double() for _, g in local])))
     losses, loads = [], []
     for step in range(steps):
-        x, y = global_batch(0, cfg)  # the same batch each step: the loss must fall
-        per = x.shape[0] // plan.dp
-        r = topo.dp.index
-        xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-        mbs = list(zip(xs.chunk(plan.micro_batches), ys.chunk(plan.micro_batches)))
+        mbs = dp_slice(cfg, plan, topo.dp.index)  # the same batch each step: the loss must fall
         losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
         loads.append(dict(getattr(trainer.net.module, "moe_load", {})))
     module = trainer.net.module

@@ -242,17 +242,23 @@ def test_import_samples_what_transformers_generates_and_exports_back(kind, tmp_p
     expert, the original repositories' layout; so does export-hf.)"""
     src, ckpt, out = tmp_path / "src", tmp_path / "ckpt", tmp_path / "out"
     hf = saved(ROUND_TRIPS[kind](), src).eval()
+    round_trip_matches(hf, src, ckpt, out, getattr(transformers, MODELS[kind]), capsys)
+
+
+def round_trip_matches(hf, src, ckpt, out, hf_class, capsys, vocab: int = 256):
+    """import-hf `src` -> greedy `mini3d sample` equals `generate`; export-hf -> `hf_class` loads
+    it with every tensor bit-equal and the same logits as `hf`."""
     assert main(["import-hf", str(src), str(ckpt)]) == 0
     new = greedy_sample_matches(hf, ckpt, capsys)
     assert len(set(new)) > 3  # not one token repeated: the comparison has something to miss
     assert main(["export-hf", str(ckpt), str(out)]) == 0
-    back = getattr(transformers, MODELS[kind]).from_pretrained(str(out), attn_implementation="eager")
+    back = hf_class.from_pretrained(str(out), attn_implementation="eager")
     assert type(back) is type(hf)
     want, got = hf.state_dict(), back.state_dict()
     assert sorted(want) == sorted(got)
     for n in want:
         assert torch.equal(want[n], got[n]), n
-    x = torch.randint(0, 256, (2, T))
+    x = torch.randint(0, vocab, (2, T))
     assert torch.equal(hf(x).logits, back(x).logits)
 
 

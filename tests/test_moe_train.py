@@ -23,9 +23,10 @@ SIGMOID = ModelConfig(**{**CFG.__dict__, "router": "sigmoid", "router_bias_rate"
 STEPS = 3
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("cfg", [CFG, SIGMOID], ids=["softmax-capacity", "sigmoid-bias"])
-def test_dp2_equals_one_process(cfg):
+def dp2_matches_one_process(cfg) -> dict:
+    """dp=2 against one rank running the two dp slices as micro-batches (float32): losses (1e-5),
+    every step's gradients (1e-4), final weights, the aux-loss-free biases and the expert load.
+    Returns the one-process run."""
     one = launch(train_moe, 1, cfg, Plan(global_batch=8, seq_len=16, micro_batches=2), STEPS,
                  device="cpu", timeout=120)[0]
     two = launch(train_moe, 2, cfg, Plan(dp=2, global_batch=8, seq_len=16, micro_batches=1), STEPS,
@@ -40,6 +41,13 @@ def test_dp2_equals_one_process(cfg):
         for n, b in one["biases"].items():
             torch.testing.assert_close(r["biases"][n], b)
         assert r["loads"] == one["loads"]  # all-reduced over dp: the global batch's load
+    return one
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("cfg", [CFG, SIGMOID], ids=["softmax-capacity", "sigmoid-bias"])
+def test_dp2_equals_one_process(cfg):
+    one = dp2_matches_one_process(cfg)
     load = one["loads"][0]
     assert load["expert_load_min"] <= load["expert_load_max"] and load["expert_load_cv"] >= 0
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
