@@ -49,6 +49,15 @@ FAULTS = {"crash": (1, 3), "skip": (1, 3), "shape": (1, 3), "freeze": (3,), "rai
 HANG = 3.0
 
 
+def _default_stop_signals():
+    """In the trial's child: SIGINT / SIGTERM at their default action. A campaign started in the
+    background (`nohup ... &`) ignores SIGINT, and an ignored SIGINT is inherited: one sent before
+    `python -m mini3d` installs its handler would be dropped, a harness artifact (seen once: a
+    SIGINT at 1 s, under load, and the job trained to the end with exit 0)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def trial(args: list[str], kill_after: float | None = None, sig=None, timeout: float = 240):
     """Run `mini3d ARGS`; returns (rc, stderr, seconds, processes left, dirs left in its TMPDIR)."""
     value = uuid.uuid4().hex
@@ -56,7 +65,8 @@ def trial(args: list[str], kill_after: float | None = None, sig=None, timeout: f
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", TMPDIR=tmp, MINI3D_CAMPAIGN=value)
     t0 = time.monotonic()
     p = subprocess.Popen([sys.executable, "-m", "mini3d", *args], env=env, cwd=REPO,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_default_stop_signals)
     if kill_after is not None:
         time.sleep(kill_after)
         p.send_signal(sig)
