@@ -124,6 +124,17 @@ def enter_strict_device():
         torch.set_default_device("meta")
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor (a micro-batch) on `device`. Onto a GPU it is pinned first and copied without
+    blocking: a pageable copy makes the host wait until the GPU has it, a stall per micro-batch."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 __all__ = ["DEVICE_ENV", "STRICT_ENV", "LaunchError", "visible_gpus", "device_index", "choose_device",
            "current_device", "pg_device_id", "device_memory", "device_name", "dump_memory_snapshot",
-           "strict_device", "enter_strict_device"]
+           "strict_device", "enter_strict_device", "to_device"]

@@ -61,7 +61,8 @@ from mini3d.pp.split_backward import backward_input
 class StepResult:
     """What one pipeline step measured on this rank."""
 
-    loss: float | None  # mean micro-batch loss (every pp rank if broadcast_loss, else last only)
+    loss: float | None  # mean micro-batch loss (every pp rank if broadcast_loss, else last only;
+    #                     a 0-dim tensor with step(..., loss_on_device=True))
     timeline: list = field(default_factory=list)  # [(start, end, action string)], perf_counter s
     peak_in_flight: dict = field(default_factory=dict)  # {stage: max micro-batches alive}
     pp_rank: int = 0
@@ -99,8 +100,11 @@ class PipelineRuntime:
         self.device = torch.device(device)
         self.p2p = PipeP2P(topo.pp, act_shape, dtype, self.device)
 
-    def step(self, micro_batches, step: int = 0, dp=None, broadcast_loss: bool = True) -> StepResult:
-        """Run one optimizer step's forwards and backwards; gradients accumulate in `.grad`."""
+    def step(self, micro_batches, step: int = 0, dp=None, broadcast_loss: bool = True,
+             loss_on_device: bool = False) -> StepResult:
+        """Run one optimizer step's forwards and backwards; gradients accumulate in `.grad`.
+        `loss_on_device`: `StepResult.loss` is the 0-dim loss tensor, not read back (no host sync;
+        the trainer reads it once a step with the rest of what it logs)."""
         sched = self.schedule
         if len(micro_batches) != sched.m:
             raise ValueError(f"got {len(micro_batches)} micro-batches, the schedule has m={sched.m}")
@@ -123,7 +127,9 @@ class PipelineRuntime:
             loss = torch.stack(st.losses).mean()
         if broadcast_loss and sched.p > 1:
             loss = pp_total_loss(self, loss, st.carried, sched.m)
-        return StepResult(None if loss is None else float(loss), st.timeline,
+        if loss is not None and not loss_on_device:
+            loss = float(loss)
+        return StepResult(loss, st.timeline,
                           dict(st.peak), self.pp_rank, st.peak_chunks)
 
 
@@ -151,6 +157,9 @@ class _StepState:
     def __init__(self, rt: PipelineRuntime, micro_batches, dp):
         self.rt, self.mbs, self.dp = rt, micro_batches, dp
         self.m = rt.schedule.m
+        # d(step loss)/d(micro-batch loss) for the split backwards: made on the device once a step
+        # (a fill, not a host-to-device copy per backward as torch.tensor(...) would be)
+        self.loss_grad = torch.full((), 1.0 / self.m, device=rt.device)
         self.last_stage = rt.schedule.n_stages - 1
         self.inputs, self.outputs = {}, {}  # (stage, mb) -> tensor saved for the backward
         self.grad_out, self.grad_in = {}, {}  # received output grads / input grads to send
@@ -247,7 +256,7 @@ class _StepState:
         out = self.outputs.pop((s, mb))
         inp = self.inputs.pop((s, mb), None)
         if (s, mb) in self.split:  # B: the input gradient only; W later (no dp sync here)
-            grad = (torch.tensor(1.0 / self.m, device=self.rt.device) if s == self.last_stage
+            grad = (self.loss_grad if s == self.last_stage
                     else self.grad_out.pop((s, mb)))
             dinp, self.pending[(s, mb)] = backward_input(
                 out, grad, inp, list(self.rt.stages[s].parameters()), self.stores.pop((s, mb), None))

@@ -36,15 +36,21 @@ def requested() -> int:
     return int(_requested["signum"])
 
 
-def agree(device) -> int:
-    """Collective over the world: the signal any rank was asked to stop for (0: go on). Plain
-    torch.distributed (not mini3d.comm), so the traced communication volume stays the model's."""
+def agree_tensor(device):
+    """`agree` without reading the result back: the all-reduced flag as a one-element int32 tensor
+    on `device` (the trainer reads it with the step's loss, in its one host sync)."""
     import torch
     import torch.distributed as dist
 
-    flag = torch.tensor([requested()], dtype=torch.int32, device=device)
+    flag = torch.full((1,), requested(), dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+    return flag
+
+
+def agree(device) -> int:
+    """Collective over the world: the signal any rank was asked to stop for (0: go on). Plain
+    torch.distributed (not mini3d.comm), so the traced communication volume stays the model's."""
+    return int(agree_tensor(device).item())
 
 
 @contextlib.contextmanager
@@ -82,4 +88,4 @@ def name(signum: int) -> str:
         return f"signal {signum}"
 
 
-__all__ = ["install", "requested", "agree", "exit_code", "name"]
+__all__ = ["install", "requested", "agree", "agree_tensor", "exit_code", "name"]

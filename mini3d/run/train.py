@@ -30,6 +30,7 @@ from mini3d.diagnose.session import for_run
 from mini3d.dp import DTYPES
 from mini3d.dp.loss import mean_over_replicas
 from mini3d.grid import Grid, build_topology
+from mini3d.launch.devices import to_device
 from mini3d.launch.launcher import current_device
 from mini3d.optim import WeightDecay, adamw, set_lr
 from mini3d.run.build import parallelize
@@ -64,7 +65,7 @@ class Trainer:
         tie_across_stages(self.stages, cfg, plan, topo, self.optimizer)  # a tied head on another stage
         if plan.sequence_parallel and topo.tp.size > 1:  # partial LayerNorm / position gradients
             self.optimizer.grad_hooks.append(lambda local: sum_replicated_grads(local, topo.tp))
-        self.last_grad_norm = None  # the global gradient norm of the latest step (grad_clip > 0)
+        self.last_grad_norm_tensor = None  # the latest step's global gradient norm (grad_clip > 0)
         if grad_clip > 0:
             self.optimizer.grad_hooks.append(lambda local: self._clip(local, grad_clip))
         self.chunks = [self.stages[s] for s in sorted(self.stages)]
@@ -78,7 +79,7 @@ class Trainer:
                                            dtype=DTYPES[plan.dtype], device=topo.device)
 
     def _clip(self, local, max_norm: float):
-        self.last_grad_norm = clip_grad_norm_(local, self.topo, max_norm, self.plan.zero >= 1)
+        self.last_grad_norm_tensor = clip_grad_norm_(local, self.topo, max_norm, self.plan.zero >= 1)
 
     @property
     def holds_loss(self) -> bool:
@@ -87,26 +88,39 @@ class Trainer:
     def step(self, micro_batches, step: int = 0) -> float:
         """Forward + backward over every micro-batch, then one optimizer step; returns the mean loss
         (on every rank: the pipeline broadcasts it from the last stage)."""
+        return float(self.queue_step(micro_batches, step))
+
+    def queue_step(self, micro_batches, step: int = 0) -> torch.Tensor:
+        """`step` without reading anything back: the mean loss as a 0-dim tensor on the device, the
+        gradient norm (with clipping or --log-grad-norm) in `last_grad_norm_tensor`. On CUDA the host
+        only queues the step's work; `train_worker` then reads what it logs in one sync."""
         dev = self.topo.device
         if micro_batches and len(micro_batches[0]) == 3:  # (x, y, positions): a cp rank's chunks
-            set_positions(self.chunks, micro_batches[0][2].to(dev))
-        micro_batches = [(mb[0].to(dev), mb[1].to(dev)) for mb in micro_batches]
+            set_positions(self.chunks, to_device(micro_batches[0][2], dev))
+        micro_batches = [(to_device(mb[0], dev), to_device(mb[1], dev)) for mb in micro_batches]
         self.net.meter.reset()  # peak gradient bytes of this step (see dp.ledger.GradMeter)
         # The dp gradient sync overlaps the last backward of each model chunk (interleaved
         # pipelines too: the later chunks finish first, and their buckets come first).
         if self.runtime is None:
             loss = self._step_no_pipeline(micro_batches)
         else:
-            self.last_result = self.runtime.step(micro_batches, step, dp=self.net)
+            self.last_result = self.runtime.step(micro_batches, step, dp=self.net,
+                                                 loss_on_device=True)
             loss = self.last_result.loss
         self.optimizer.step()  # waits for the gradient sync (and its grad_hooks) first
         self.last_peak_grad_bytes = self.net.meter.peak
         self.optimizer.zero_grad()
         return loss
 
-    def _step_no_pipeline(self, micro_batches) -> float:
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm of the latest step, before clipping (read back: a host sync)."""
+        t = self.last_grad_norm_tensor
+        return None if t is None else float(t)
+
+    def _step_no_pipeline(self, micro_batches) -> torch.Tensor:
         m, total, self.last_timeline = len(micro_batches), 0.0, []  # [(start, end, "F0")...]
-        # The loss stays a tensor until the step ends: one host sync per step, not per micro-batch.
+        # The loss stays a tensor: the step reads nothing back (see queue_step).
         for i, (x, y) in enumerate(micro_batches):
             self.topo.log.context = {**self.topo.log.context, "mb": i}
             sync = i == m - 1  # the last backward all-reduces buckets as they fill
@@ -114,10 +128,11 @@ class Trainer:
                 loss = timed(self.last_timeline, f"F{i}", lambda: self.net(x, y))
                 timed(self.last_timeline, f"B{i}", lambda: (loss / m).backward())  # mean over mbs
             total = total + loss.detach() / m
-        return float(total)
+        return total
 
-    def mean_loss_over_dp(self, loss: float) -> float:
-        """The mean over the replicas (and the cp ranks' equal chunks) of their mean losses."""
+    def mean_loss_over_dp(self, loss):
+        """The mean over the replicas (and the cp ranks' equal chunks) of their mean losses (a
+        float for a float; a device tensor, nothing read back, for `queue_step`'s tensor)."""
         return mean_over_replicas(loss, self.topo.dp_cp, self.topo.device)
 
     # ---- checkpoints -----------------------------------------------------------------------
@@ -204,15 +219,20 @@ def _train_step(run: RunConfig, st: dict, step: int, extra: dict) -> dict:
     if budget and first:  # --memory-budget: the measured ledgers against the budget
         check_budget(memory_by_category(trainer, peak_activation_bytes(trainer, acts)), budget,
                      topo.rank, topo.coords, run.model, plan)
-    loss = trainer.mean_loss_over_dp(loss)
+    # The step's one host sync: the loss (averaged over dp x cp), the gradient norm and the stop
+    # flag, all still on the device, read back together once the step's work is queued.
+    flag = stop.agree_tensor(topo.device) if run.stop_on_signal else None
+    loss, norm, signum = read_back(trainer.mean_loss_over_dp(loss), trainer.last_grad_norm_tensor,
+                                   flag)
+    extra["stop_signal"] = signum
     check_finite(loss, step, topo)
     dt = time.perf_counter() - t0
     rec = {"step": step + 1, "loss": loss, "step_time_s": dt,
            "tokens_per_s": plan.global_batch * plan.seq_len / dt,
            "peak_mem_bytes": peak_memory_bytes(topo.device), "lr": st["schedule"].at(step),
            "peak_grad_bytes": trainer.last_peak_grad_bytes, **getattr(trainer.net.module, "moe_load", {})}
-    if trainer.last_grad_norm is not None:
-        rec["grad_norm"] = trainer.last_grad_norm  # before clipping
+    if norm is not None:
+        rec["grad_norm"] = norm  # before clipping
     if st["peak"]:
         rec["mfu"] = model_flops_utilisation(run.model, plan, dt, st["peak"])
     return rec
@@ -232,7 +252,7 @@ def train_worker(run: RunConfig) -> dict:
         saved = bool(run.save) and (done == run.steps or bool(run.save_every and
                                                                done % run.save_every == 0))
         st["diag"].step_end(step)  # the step's ops are issued: the black box marks it whole
-        signum = stop.agree(topo.device) if run.stop_on_signal else 0
+        signum = extra.pop("stop_signal", 0)  # agreed in the step's read-back (stop.agree_tensor)
         if saved or (signum and run.save):  # a stop saves first (at this boundary, on every rank)
             save_checkpoint(trainer, run, done, st["schedule"], st["tok"], st["diag"])
         if signum:
@@ -248,12 +268,21 @@ def train_worker(run: RunConfig) -> dict:
             **collected(trainer, set(run.collect)), **extra}
 
 
+def read_back(loss: torch.Tensor, norm: torch.Tensor | None, flag: torch.Tensor | None):
+    """(loss, gradient norm or None, stop signal or 0) as Python numbers, in ONE device-to-host
+    read: on CUDA the host waits here once a step, not once per value (tests/test_host_syncs.py)."""
+    parts = [loss.reshape(1).double()] + [t.reshape(1).double() for t in (norm, flag) if t is not None]
+    got = torch.cat(parts).tolist()
+    it = iter(got[1:])
+    return got[0], next(it) if norm is not None else None, int(next(it)) if flag is not None else 0
+
+
 def run_step(trainer: Trainer, mbs, step: int, measure: bool, run_dir: str | None = None):
-    """One optimizer step; (loss, activation bytes per micro-batch by module or None). A CUDA
+    """One optimizer step, queued; (loss tensor, activation bytes per micro-batch by module or None). A CUDA
     out-of-memory error becomes mini3d's OutOfMemory with the full report."""
     try:
         with measure_activations(trainer.chunks[0]) if measure else contextlib.nullcontext() as ledger:
-            loss = trainer.step(mbs, step)
+            loss = trainer.queue_step(mbs, step)  # on the device: read back by _train_step
     except torch.OutOfMemoryError as err:
         t = trainer.topo
         raise cuda_oom(err, memory_by_category(trainer), t.device, t.rank, t.coords, trainer.cfg,

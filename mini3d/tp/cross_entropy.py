@@ -30,22 +30,24 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, axis, vocab_start: int, vocab_size: int):
-        z = logits.reshape(-1, logits.shape[-1])  # (N, V/tp), float32 at least
-        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        # ONE float32 (at least) copy of the logits, which becomes the softmax in place: shift,
+        # exp and normalise all write into it (three separate results would hold three
+        # logits-sized buffers at once, 3 x N x V/tp x 4 bytes at the loss's peak)
+        z = logits.reshape(-1, logits.shape[-1]).to(
+            torch.promote_types(logits.dtype, torch.float32), copy=True)  # (N, V/tp)
         t = targets.reshape(-1)
         n_local = z.shape[1]
         n_pad = vocab_start + n_local - vocab_size  # padding columns at the end of this slice
         if n_pad > 0:  # known from Python ints: no host sync (a tensor test would wait for the GPU)
-            z = z.clone()
             z[:, n_local - min(n_pad, n_local):] = float("-inf")
         m = z.max(dim=1).values  # (N,)
         if axis.size > 1:
             comm.all_reduce(m, axis, op="max")
-        z = z - m.unsqueeze(1)
-        e = z.exp()
+        z.sub_(m.unsqueeze(1))
         outside = (t < vocab_start) | (t >= vocab_start + n_local)
         local_t = (t - vocab_start).masked_fill(outside, 0)
         zt = z.gather(1, local_t.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+        e = z.exp_()
         sums = torch.stack([e.sum(dim=1), zt])  # (2, N)
         if axis.size > 1:
             comm.all_reduce(sums, axis)

@@ -54,10 +54,11 @@ def sum_replicated_grads(local_grads, tp_axis) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -> float:
+def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -> torch.Tensor:
     """Scale the whole model's gradient, in place, so that its global L2 norm is at most `max_norm`
     (`torch.nn.utils.clip_grad_norm_` over the unsharded model: coefficient max_norm / (norm +
-    1e-6), capped at 1); returns the norm before clipping, the same on every rank.
+    1e-6), capped at 1); returns the norm before clipping, the same on every rank, as a 0-dim
+    float64 tensor on the device (reading it is the caller's host sync).
 
     Each element is counted once: tp-sharded pieces are summed over tp, replicated ones (equal on
     every tp rank, after `sum_replicated_grads`) taken once; ZeRO >= 1 shards are summed over their
@@ -87,9 +88,12 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
             comm.all_reduce(experts, topo.axes["ep"])  # each ep rank's experts are its own
         total = dense + experts
     comm.all_reduce(total, topo.pp)
-    norm = float(total.sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
+    # The norm stays on the device: no host sync (the trainer reads it with the loss, once a step).
+    # The coefficient is computed as torch does, capped at 1 on the device; multiplying by an exact
+    # 1.0 leaves a gradient unchanged, so the unclipped case needs no host decision either.
+    norm = total.sqrt().reshape(())
+    if max_norm != float("inf"):  # inf: the norm is wanted (--log-grad-norm), no clipping
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for _, g in local_grads:
             g.mul_(coef)
     return norm
