@@ -25,13 +25,16 @@ def _layout(p) -> str:
     return ", ".join(parts)
 
 
-NOTES = """Where it misses: Megatron-LM's 1.7B and 3.6B rows (-15%, -12%) are the smallest hidden sizes
-(h=2304, 3072 at tp 1-2); most likely the per-token non-matmul work the model leaves out
-(LayerNorm, GELU, dropout, beyond the attention-score traffic it counts), which weighs most when h
-is small. Korthikanti's
-530B and 1T rows (+12%) assume 1F1B; the table does not give their schedule, and an interleaved
-one would shrink their bubble. MegaScale's rows are not included (its model changes the block and
-its table does not give each row's split); neither are torchtitan's Float8 rows.
+NOTES = """Where it misses: Megatron-LM's 1.7B and 3.6B rows (-13%, -9%) are the smallest hidden
+sizes (h=2304, 3072 at tp 1-2). The model now charges the elementwise kernels' HBM traffic (norms,
+residual adds, the MLP activation: `mini3d.cost.activations.elementwise_traffic_s`), which moved
+them from -15% and -12% and the tp8 rows without sequence parallelism up (18.4B +3.7% -> +8.4%:
+their norms and adds run whole on every tp rank); what is left is most likely dropout (its masks
+and the attention-probability dropout Megatron-LM 2021 ran, not counted) and kernel launch gaps,
+which weigh most when h is small. Korthikanti's 530B and 1T rows (+12%) assume 1F1B; the table
+does not give their schedule, and an interleaved one would shrink their bubble. MegaScale's rows
+are not included (its model changes the block and its table does not give each row's split);
+neither are torchtitan's Float8 rows.
 
 Before this model (1 MiB buckets, every collective a flat ring, the A100 efficiency on H100s) the
 same 16 rows had a mean |error| of 28.8%: torchtitan's 128-GPU row (dp=128) was predicted +312%

@@ -196,4 +196,36 @@ def score_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
     return {"fwd": fwd * per_pass, "bwd": (bwd + (fwd if plan.recompute != "none" else 0)) * per_pass}
 
 
-__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
+# Elements read + written per token and layer by the elementwise kernels, in units of h (norms and
+# residual adds, on every tp rank unless sequence-parallel) and of d_ff / t (the MLP activation):
+#   forward:  2 norms (read x, write y: 2h each), 2 residual adds (read 2h, write h each);
+#             GELU reads and writes d_ff/t (2), SwiGLU reads gate and up, writes one (3)
+#   backward: 2 norms (read x and dy, write dx: 3h each), 2 adds (3h each);
+#             GELU reads x and dy, writes dx (3), SwiGLU reads gate, up and dy, writes two (5)
+ELEMENTWISE_ELEMENTS = {"fwd": {"hidden": 10, "gelu": 2, "swiglu": 3},
+                        "bwd": {"hidden": 12, "gelu": 3, "swiglu": 5}}
+
+
+def elementwise_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
+    """Seconds one micro-batch's memory-bound elementwise kernels spend in HBM, forward and
+    backward (`ELEMENTWISE_ELEMENTS`: the norms, the residual adds and the MLP activation, as
+    Megatron's fused bias-GeLU / bias-dropout-add kernels move them; dropout's masks left out).
+    The norms and adds act on the full hidden vector on every tp rank, or on s/t of the tokens
+    under sequence parallelism. Full recompute runs the forward's kernels again; selective
+    recompute only the attention core's (counted in `score_traffic_s`). A shared host's measured
+    per-token overhead already holds this work: none there. Relative to the matmuls (24 h^2
+    FLOPs a token and layer forward) this is ~6% of a 1.7B model's step (h=2304, tp1) on an A100
+    and ~1% at h=12288 with sequence parallelism. MoE layers are counted as dense ones of d_ff."""
+    if hw.shared_host:
+        return {"fwd": 0.0, "bwd": 0.0}
+    h, t, act = cfg.d_model, plan.tp, "swiglu" if cfg.llama_like else "gelu"
+    out = {}
+    for kind, n in ELEMENTWISE_ELEMENTS.items():
+        per_token = n["hidden"] * h / (t if plan.sequence_parallel else 1) + n[act] * cfg.d_ff / t
+        out[kind] = layers * tokens * per_token * ELEMENT_BYTES[plan.dtype] / hw.memory_bw
+    if plan.recompute == "full":
+        out["bwd"] += out["fwd"]
+    return out
+
+
+__all__ = ["elementwise_traffic_s", "ELEMENTWISE_ELEMENTS", "score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]

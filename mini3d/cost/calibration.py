@@ -28,7 +28,7 @@ from mini3d.config import Plan
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.host_probe import host_cores
-from mini3d.cost.model import Efficiency, estimate_cost
+from mini3d.cost.model import Efficiency, estimate_cost, matmul_compute_s
 
 
 def calibration_rows() -> list[dict]:
@@ -51,7 +51,7 @@ def fit_efficiency(rows: list[dict] | None = None) -> Efficiency:
     points = []
     for r in rows:
         ideal = estimate_cost(r["model"], r["plan"], r["hw"], r["n_gpus"], eff=Efficiency(1.0, 0.0))
-        c = (ideal.breakdown["compute"] - ideal.breakdown["attention_scores"]) / (1 - ideal.bubble_fraction)
+        c = matmul_compute_s(ideal.breakdown) / (1 - ideal.bubble_fraction)
         rest = ideal.step_time_s - c
         width = min(r["model"].d_model / r["plan"].tp, r["plan"].micro_batch_size * r["plan"].seq_len)
         points.append((width, c / (r["measured_s"] - rest)))

@@ -134,7 +134,7 @@ class Hardware:
         return dataclasses.asdict(self)
 
 
-H100_EFF_MAX = 0.360  # fitted: mini3d.cost.published.fit_h100_efficiency() (half width: A100's)
+H100_EFF_MAX = 0.367  # fitted: mini3d.cost.published.fit_h100_efficiency() (half width: A100's)
 
 PRESETS: dict[str, Hardware] = {
     "A100-40GB": Hardware("A100-40GB", 312e12, 40 * GiB, 1.555e12, 300e9, 25e9, 8,
@@ -142,9 +142,9 @@ PRESETS: dict[str, Hardware] = {
     "A100-80GB": Hardware("A100-80GB", 312e12, 80 * GiB, 2.039e12, 300e9, 25e9, 8,
                           peak_flops_fp32=19.5e12),
     "H100-80GB": Hardware("H100-80GB", 989e12, 80 * GiB, 3.35e12, 450e9, 50e9, 8,
-                          peak_flops_fp32=67e12, eff_max=H100_EFF_MAX, eff_half_width=258.6),
+                          peak_flops_fp32=67e12, eff_max=H100_EFF_MAX, eff_half_width=243.8),
     "H200-141GB": Hardware("H200-141GB", 989e12, 141e9, 4.8e12, 450e9, 50e9, 8,
-                           peak_flops_fp32=67e12, eff_max=H100_EFF_MAX, eff_half_width=258.6),
+                           peak_flops_fp32=67e12, eff_max=H100_EFF_MAX, eff_half_width=243.8),
 }
 
 

@@ -79,7 +79,7 @@ from mini3d.cost.comm_time import cp_time, dp_time, ep_time, members_per_node, t
 from mini3d.cost.flops import (FLOPS_CONVENTION, flops_per_token, hardware_flops, layers_flops,
                                model_flops)
 from mini3d.cost.hardware import Hardware
-from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, score_traffic_s
+from mini3d.cost.activations import ELEMENT_BYTES, elementwise_traffic_s, local_seq_len, score_traffic_s
 from mini3d.cost.host_share import shared_host_step
 from mini3d.cost.memory import MemoryEstimate, estimate_memory
 from mini3d.cost.params import (expert_sharding_degree, head_rank, sharding_degree,
@@ -102,7 +102,7 @@ class Efficiency:
 # Fitted by `mini3d.cost.calibration.fit_efficiency()` on the two Korthikanti et al. 2022 rows
 # (A100-80GB, Megatron-LM); tests check that refitting gives these values and both rows within 5%.
 # The H100 presets carry their own eff_max (`mini3d.cost.hardware`), fitted on one torchtitan row.
-CALIBRATED = Efficiency(eff_max=0.7397, half_width=258.6)
+CALIBRATED = Efficiency(eff_max=0.7400, half_width=243.8)
 
 
 def efficiency_for(hw: Hardware, override: Efficiency | None = None) -> Efficiency:
@@ -216,7 +216,9 @@ def _rank_terms(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency, sta
     overhead = layers * per_layer * slowdown  # 1/3 forward, 2/3 backward
     c_fwd, c_bwd = c_fwd + overhead / 3, c_bwd + 2 * overhead / 3
     scores = score_traffic_s(cfg, plan, hw, layers, tokens_mb)
-    c_fwd, c_bwd = c_fwd + scores["fwd"], c_bwd + scores["bwd"]
+    elementwise = elementwise_traffic_s(cfg, plan, hw, layers, tokens_mb)
+    c_fwd = c_fwd + scores["fwd"] + elementwise["fwd"]
+    c_bwd = c_bwd + scores["bwd"] + elementwise["bwd"]
     if slowdown != 1:  # on a shared host communication is CPU work too (copies, gloo, Python)
         hw = dataclasses.replace(hw, latency_s=hw.latency_s * slowdown)
     bw = {a: b / slowdown for a, b in link_bandwidths(plan, hw).items()}
@@ -228,6 +230,7 @@ def _rank_terms(cfg: ModelConfig, plan: Plan, hw: Hardware, eff: Efficiency, sta
             "tp_wire": tp_wire, "ring": ring, "ep": a2a,
             "t_fwd": c_fwd + tp_fwd + ring["fwd"] + a2a["fwd"],
             "t_bwd": c_bwd + tp_bwd + ring["bwd"] + a2a["bwd"], "scores": scores["fwd"] + scores["bwd"],
+            "elementwise": elementwise["fwd"] + elementwise["bwd"],
             "width": width, "msg": msg, "hw": hw, "bw": bw,
             "n_params": stage_param_count(cfg, plan, stage),
             "n_expert": stage_expert_count(cfg, plan, stage)}
@@ -265,6 +268,7 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
     opt_s = ADAM_BYTES_PER_PARAM * optimizer_params(plan, k) / hw.memory_bw * slowdown
     step = pipeline + pp_s + dp_exposed + opt_s
     breakdown = {"compute": m * (c_fwd + c_bwd), "attention_scores": m * k["scores"],
+                 "elementwise": m * k["elementwise"],
                  "tp_comm": m * (k["tp_fwd"] + k["tp_bwd"]),
                  "bubble": pipeline * bubble, "pp_comm": pp_s, "dp_exposed": dp_exposed,
                  "optimizer": opt_s, "dp_total": dp_total, "efficiency": eff.at(k["width"]),
@@ -286,11 +290,17 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                         memory or estimate_memory(cfg, plan), hw.memory_bytes)
 
 
+def matmul_compute_s(breakdown: dict) -> float:
+    """The compute seconds that scale with 1 / efficiency: `compute` less its memory-bound parts
+    (the attention scores' and the elementwise kernels' HBM traffic), what the fits solve for."""
+    return breakdown["compute"] - breakdown["attention_scores"] - breakdown["elementwise"]
+
+
 def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
     """Seconds per optimizer step the model predicts (e.g. for a `mini3d calibrate` CPU JSON)."""
     return estimate_cost(cfg, plan, hw).step_time_s
 
 
-__all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
+__all__ = ["matmul_compute_s", "Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
            "flops_per_token", "layers_flops", "optimizer_params", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
            "link_bandwidths", "PlanError"]

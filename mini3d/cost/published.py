@@ -113,11 +113,11 @@ def published_errors(rows: list[dict] | None = None) -> list[dict]:
 def fit_h100_efficiency() -> float:
     """eff_max of the H100 presets: the one that reproduces torchtitan's 8-GPU row (step time is
     linear in 1/eff: T = C / eff + R), at the A100's half width."""
-    from mini3d.cost.model import CALIBRATED, Efficiency
+    from mini3d.cost.model import CALIBRATED, Efficiency, matmul_compute_s
 
     r = next(r for r in published_rows() if r["fit"] and r["hw"].name.startswith("H100"))
     ideal = estimate_cost(r["model"], r["plan"], r["hw"], r["n_gpus"], eff=Efficiency(1.0, CALIBRATED.half_width))
-    c = ideal.breakdown["compute"] - ideal.breakdown["attention_scores"]
+    c = matmul_compute_s(ideal.breakdown)
     return c / (r["published_s"] - (ideal.step_time_s - c))
 
 
