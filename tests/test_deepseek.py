@@ -391,3 +391,63 @@ def test_mla_under_cp2_equals_the_reference():
         for r in mine:
             assert r["losses"] == pytest.approx(ref[0], abs=F64["loss"]), name
         check_float32(name, plan, results, ref, cfg=cfg, bounds=F64)
+
+
+def _papers_sequence_loss(logits: torch.Tensor, chosen: torch.Tensor, B: int, k: int) -> torch.Tensor:
+    """DeepSeek-V3 eq. 17-20 for one layer, written out token by token (float64): per sequence,
+    s' = s / sum_j s_j, P_i = mean_t s'_i,t, f_i = E / (k T) sum_t 1(i chosen at t), loss
+    sum_i f_i P_i; the mean over the B sequences."""
+    E = logits.shape[-1]
+    losses = []
+    for s in torch.sigmoid(logits.double()).view(B, -1, E):  # (T, E): one sequence
+        T = s.shape[0]
+        picked = chosen.view(B, T, k)[len(losses)]
+        total = 0.0
+        for i in range(E):
+            P = sum(s[t, i] / s[t].sum() for t in range(T)) / T
+            f = E / (k * T) * sum(float(i in picked[t].tolist()) for t in range(T))
+            total = total + f * P
+        losses.append(total)
+    return sum(losses) / B
+
+
+@pytest.mark.parametrize("biased", [False, True], ids=["papers-top-k", "biased-grouped-choice"])
+def test_sequence_aux_loss_is_the_papers_formula(biased):
+    """`sequence_aux_loss` (and seq_aux_loss_coef x it inside the model's loss) against eq. 17-20
+    written out, in float64, value and router gradients. Without a bias and with one group the
+    chosen experts are the paper's top-k of the scores s (computed here from the logits, not
+    by the router); with route groups and expert biases they are the router's choice (the
+    reference code's). 2 MoE layers (summed), 3 sequences of 5 tokens (averaged)."""
+    from mini3d.models.balance import moe_layers, sequence_aux_loss
+
+    groups = (4, 2) if biased else (1, 1)
+    cfg = dataclasses.replace(DS, route_groups=groups[0], route_topk_groups=groups[1],
+                              seq_aux_loss_coef=0.003, n_layers=3)
+    model = GPT(cfg, seed=2).double()
+    layers = moe_layers(model)
+    logits = {}
+    for m in layers:
+        m.router.register_forward_hook(lambda mod, inp, out, m=m: logits.__setitem__(m, out))
+        if biased:
+            m.expert_bias.copy_(0.3 * torch.randn(cfg.n_experts))
+    x = torch.randint(0, cfg.vocab_size, (3, 5), generator=torch.Generator().manual_seed(4))
+    with_loss = model(x, x)
+    got = sequence_aux_loss(layers)
+    want = 0.0
+    for m in layers:
+        if biased:
+            chosen = m.router_kind.route(logits[m], cfg.top_k, m.expert_bias)[1]
+        else:
+            chosen = torch.topk(torch.sigmoid(logits[m]), cfg.top_k, dim=-1).indices
+        want = want + _papers_sequence_loss(logits[m], chosen, 3, cfg.top_k)
+    assert abs(float(got) - float(want)) < 1e-12 and float(want) > 0.5
+    weights = [m.router.weight for m in layers]
+    for g, w in zip(torch.autograd.grad(got, weights, retain_graph=True),
+                    torch.autograd.grad(want, weights, retain_graph=True)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
+    off = dataclasses.replace(cfg, seq_aux_loss_coef=0.0)
+    model.cfg = off
+    for m in model.modules():
+        if hasattr(m, "cfg") and m.cfg is cfg:
+            m.cfg = off
+    assert abs(float(with_loss - model(x, x)) - 0.003 * float(want)) < 1e-12

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from mini3d.models.config import ModelConfig
-from mini3d.models.routers import router_for
+from mini3d.models.routers import per_sequence, router_for
 
 
 def capacity(cfg: ModelConfig, n_tokens: int) -> int:
@@ -144,7 +144,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(flat)
         self.stats = {"logits": logits, "probs_sum": probs.sum(0), "selected": selected,
-                      "counts": counts.detach(), "dropped": N * k - len(e), "tokens": N}
+                      "counts": counts.detach(), "dropped": N * k - len(e), "tokens": N,
+                      "sequences": per_sequence(experts, probs, B) if self.cfg.seq_aux_loss_coef else None}
         return y.view(B, T, d)
 
 

@@ -64,7 +64,7 @@ class GroupedSigmoidRouter(SigmoidRouter):
         self.groups, self.topk_groups, self.scale, self.norm = groups, topk_groups, scale, norm
 
     def route(self, logits, k: int, bias):
-        scores = torch.sigmoid(logits.float())
+        scores = torch.sigmoid(widened(logits))
         choice = scores + bias  # (N, E)
         if self.groups > 1:
             N, E = choice.shape
@@ -79,6 +79,19 @@ class GroupedSigmoidRouter(SigmoidRouter):
         if self.norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, experts, scores / scores.sum(-1, keepdim=True)
+
+
+def per_sequence(experts: torch.Tensor, probs: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B, 2E + 1), one row per sequence of a (B, T) micro-batch from its N = B T tokens' routing
+    (`experts` (N, k), the router's choice before capacity; `probs` (N, E), the normalised scores
+    s'): how many of the sequence's token-slots chose each expert, the sum over its tokens of s'
+    per expert, its token count. Sums over tokens, so a rank holding part of each sequence (sp,
+    cp) adds its rows to the others' (`mini3d.models.balance.sequence_aux_loss`)."""
+    N, E = probs.shape
+    chosen = probs.new_zeros(batch, E).scatter_add_(
+        1, experts.reshape(batch, -1), probs.new_ones(batch, experts.numel() // batch))
+    tokens = probs.new_full((batch, 1), float(N // batch))
+    return torch.cat([chosen, probs.view(batch, -1, E).sum(1), tokens], dim=1)
 
 
 ROUTERS = {"softmax": SoftmaxRouter(norm=False), "softmax-norm": SoftmaxRouter(norm=True),
