@@ -451,3 +451,30 @@ def test_sequence_aux_loss_is_the_papers_formula(biased):
         if hasattr(m, "cfg") and m.cfg is cfg:
             m.cfg = off
     assert abs(float(with_loss - model(x, x)) - 0.003 * float(want)) < 1e-12
+
+
+@pytest.mark.parametrize("E,G,K,k,ep,most", [
+    (8, 2, 1, 3, 2, 1),  # route_groups = ep: one rank a token
+    (16, 4, 2, 4, 4, 2),  # route_groups = ep = 4, top 2 groups: two ranks of four
+    (16, 8, 2, 4, 4, 2),  # two groups a rank: still at most K ranks
+    (16, 2, 1, 3, 4, 2),  # ep a multiple of the groups: a group spans ep / G = 2 ranks
+])
+def test_node_limited_routing_reaches_at_most_k_ep_ranks(E, G, K, k, ep, most):
+    """The router's choice, mapped to ep ranks by ep's own expert slices: with route_groups a
+    multiple of ep every token's top-k live on <= route_topk_groups ranks (<= K ep / G when ep
+    is a multiple of G; GroupedSigmoidRouter's docstring), under large random biases that
+    would pull the choice elsewhere; without the groups the same scores reach more ranks."""
+    from mini3d.ep.apply import expert_slice
+
+    rank_of = torch.empty(E, dtype=torch.long)
+    for r in range(ep):
+        rank_of[expert_slice(E, ep, r)] = r
+    g = torch.Generator().manual_seed(E + G + ep)
+    logits, bias = torch.randn(4096, E, generator=g), torch.randn(E, generator=g)
+    for groups, topk_groups, bound in ((G, K, most), (1, 1, None)):
+        experts = GroupedSigmoidRouter(groups, topk_groups, 2.5, True).route(logits, k, bias)[1]
+        reached = torch.tensor([len(set(rank_of[t].tolist())) for t in experts])
+        if bound is not None:
+            assert int(reached.max()) == bound  # at most, and reached
+        else:
+            assert int(reached.max()) > most  # the limit comes from the groups

@@ -58,7 +58,18 @@ class GroupedSigmoidRouter(SigmoidRouter):
     by the sum of its two best biased scores; a token chooses its top-k experts among those of its
     `topk_groups` best groups only (node-limited routing), weighted by their sigmoid scores,
     renormalised when `norm` (norm_topk_prob; + 1e-20 in the denominator, as the reference),
-    times `scale` (routed_scaling_factor). groups=1, norm, scale=1 is `SigmoidRouter`'s choice."""
+    times `scale` (routed_scaling_factor). groups=1, norm, scale=1 is `SigmoidRouter`'s choice.
+
+    Groups and ep ranks: group g is the contiguous experts g E/G .. (g+1) E/G - 1, and ep rank r
+    holds the contiguous r E/ep .. (r+1) E/ep - 1 (`mini3d.ep.apply.expert_slice`). With
+    route_groups a multiple of ep (route_groups = ep: group g is rank g's experts) every group
+    lies on one rank, so a token's top-k experts live on at most route_topk_groups ep ranks: the
+    all-to-all sends each token to at most that many (DeepSeek-V3's node-limited routing, M =
+    route_topk_groups). With ep a multiple of route_groups a group spans ep / route_groups ranks
+    (DeepSeek-V3's deployment: 8 groups, a node of ranks each), so at most route_topk_groups
+    nodes, route_topk_groups x ep / route_groups ranks. Otherwise a group may straddle two
+    ranks' slices, and the limit holds per group only (at most route_topk_groups groups). Both
+    are checked on the router's choice (tests/test_deepseek.py)."""
 
     def __init__(self, groups: int, topk_groups: int, scale: float, norm: bool):
         self.groups, self.topk_groups, self.scale, self.norm = groups, topk_groups, scale, norm
