@@ -393,7 +393,7 @@ def test_mla_under_cp2_equals_the_reference():
         check_float32(name, plan, results, ref, cfg=cfg, bounds=F64)
 
 
-def _papers_sequence_loss(logits: torch.Tensor, chosen: torch.Tensor, B: int, k: int) -> torch.Tensor:
+def _papers_sequence_loss(logits: torch.Tensor, chosen: torch.Tensor, B: int, k: int):
     """DeepSeek-V3 eq. 17-20 for one layer, written out token by token (float64): per sequence,
     s' = s / sum_j s_j, P_i = mean_t s'_i,t, f_i = E / (k T) sum_t 1(i chosen at t), loss
     sum_i f_i P_i; the mean over the B sequences."""

@@ -114,9 +114,10 @@ def _layer_stats(layers: list[MoE]) -> torch.Tensor:
 
 def router_loss(module: nn.Module):
     """aux_loss_coef x the switch loss + z_loss_coef x the mean z-loss over the model's MoE
-    layers + seq_aux_loss_coef x `sequence_aux_loss`, from the latest forward of `module`'s (0.0 without MoE layers or coefficients); part
-    of every loss GPT.forward returns, validation losses included (as transformers' Mixtral adds
-    it). In training it also adds each layer's counts to the step's load (`step_load`).
+    layers + seq_aux_loss_coef x `sequence_aux_loss`, from the latest forward of `module`'s (0.0
+    without MoE layers or coefficients); part of every loss GPT.forward returns, validation
+    losses included (as transformers' Mixtral adds it). In training it also adds each layer's
+    counts to the step's load (`step_load`).
 
     `aux_loss_scope`: "model" pools f and P over the module's MoE layers (transformers'
     `load_balancing_loss_func`), "layer" sums each layer's own E sum_e f_e P_e (Megatron-Core's

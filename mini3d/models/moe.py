@@ -143,9 +143,10 @@ class MoE(nn.Module):
         y = flat.new_zeros(N, d).index_add(0, tok, out)
         if self.shared is not None:
             y = y + self.shared(flat)
+        seqs = per_sequence(experts, probs, B) if self.cfg.seq_aux_loss_coef else None
         self.stats = {"logits": logits, "probs_sum": probs.sum(0), "selected": selected,
                       "counts": counts.detach(), "dropped": N * k - len(e), "tokens": N,
-                      "sequences": per_sequence(experts, probs, B) if self.cfg.seq_aux_loss_coef else None}
+                      "sequences": seqs}
         return y.view(B, T, d)
 
 

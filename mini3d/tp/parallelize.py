@@ -95,7 +95,8 @@ def _parallelize_mla(attn, axis, cfg, sp: bool):
     tp = axis.size
     for name in ("q", "q_b", "kv_b"):
         if getattr(attn, name) is not None:
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), axis, sequence_parallel=sp))
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), axis,
+                                                     sequence_parallel=sp))
     attn.proj = RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
     if sp:
         attn.share_key = lambda t: gather_from_sequence(t, axis)
