@@ -194,8 +194,7 @@ def test_dp2_equals_one_process():
     assert any(".attn.kv_b." in n for n in one["params"])  # the latent attention trained
 
 
-@pytest.mark.parametrize("flags,named", [(["--cp", "2", "--v-head-dim", "32"], "v_head_dim=32 <="),
-                                         (["--tp", "2", "--sequence-parallel"], "sequence_parallel")])
+@pytest.mark.parametrize("flags,named", [(["--cp", "2", "--v-head-dim", "32"], "v_head_dim=32 <=")])
 def test_splits_mla_does_not_have_yet_are_refused(flags, named, capsys):
     from mini3d import cli
 
@@ -214,16 +213,20 @@ DENSE = dataclasses.replace(DS, n_experts=0, router="softmax", route_groups=1, r
                          ids=["q-latent", "full-q-tied"])
 def test_mla_under_tp2_and_pp2_equals_the_reference(cfg):
     """tp=2 (heads split: q_b / q and kv_b by rows, proj by columns; q_a, kv_a and the latent
-    norms replicated, their gradients whole on each rank through `f`) and pp=2, in float64
+    norms replicated, their gradients whole on each rank through `f`), tp=2 with sequence
+    parallelism (the normed latents and the rotary key gathered along the sequence, the
+    replicated parameters' gradients summed over tp by the trainer) and pp=2, in float64
     against the one-process model: test_3d's F64 bounds (summation order only). The replicated
     kv_a's gradient is the one a missing `f` on the shared rotary key would get wrong (each
-    rank would keep only its heads' part)."""
+    rank would keep only its heads' part); under sp a gather of the rotary key with `f`'s
+    all-reduce left in would double it, one without the tp sum halve q_a's and kv_a's."""
     from mini3d.config import Plan
     from mini3d.launch.launcher import launch
     from tests.test_3d import F64, F64_BASE, SEED, STEPS, check_float32, reference
     from tests.threed_workers import run_layouts
 
     cases = [("tp2", Plan(tp=2, micro_batches=2, **F64_BASE)),
+             ("tp2-sp", Plan(tp=2, sequence_parallel=True, micro_batches=2, **F64_BASE)),
              ("pp2", Plan(pp=2, micro_batches=2, **F64_BASE))]
     results = launch(run_layouts, 2, [{"name": n, "plan": dataclasses.asdict(p)} for n, p in cases],
                      dataclasses.asdict(cfg), STEPS, SEED, device="cpu", timeout=200)
@@ -388,3 +391,90 @@ def test_mla_under_cp2_equals_the_reference():
         for r in mine:
             assert r["losses"] == pytest.approx(ref[0], abs=F64["loss"]), name
         check_float32(name, plan, results, ref, cfg=cfg, bounds=F64)
+
+
+def _papers_sequence_loss(logits: torch.Tensor, chosen: torch.Tensor, B: int, k: int):
+    """DeepSeek-V3 eq. 17-20 for one layer, written out token by token (float64): per sequence,
+    s' = s / sum_j s_j, P_i = mean_t s'_i,t, f_i = E / (k T) sum_t 1(i chosen at t), loss
+    sum_i f_i P_i; the mean over the B sequences."""
+    E = logits.shape[-1]
+    losses = []
+    for s in torch.sigmoid(logits.double()).view(B, -1, E):  # (T, E): one sequence
+        T = s.shape[0]
+        picked = chosen.view(B, T, k)[len(losses)]
+        total = 0.0
+        for i in range(E):
+            P = sum(s[t, i] / s[t].sum() for t in range(T)) / T
+            f = E / (k * T) * sum(float(i in picked[t].tolist()) for t in range(T))
+            total = total + f * P
+        losses.append(total)
+    return sum(losses) / B
+
+
+@pytest.mark.parametrize("biased", [False, True], ids=["papers-top-k", "biased-grouped-choice"])
+def test_sequence_aux_loss_is_the_papers_formula(biased):
+    """`sequence_aux_loss` (and seq_aux_loss_coef x it inside the model's loss) against eq. 17-20
+    written out, in float64, value and router gradients. Without a bias and with one group the
+    chosen experts are the paper's top-k of the scores s (computed here from the logits, not
+    by the router); with route groups and expert biases they are the router's choice (the
+    reference code's). 2 MoE layers (summed), 3 sequences of 5 tokens (averaged)."""
+    from mini3d.models.balance import moe_layers, sequence_aux_loss
+
+    groups = (4, 2) if biased else (1, 1)
+    cfg = dataclasses.replace(DS, route_groups=groups[0], route_topk_groups=groups[1],
+                              seq_aux_loss_coef=0.003, n_layers=3)
+    model = GPT(cfg, seed=2).double()
+    layers = moe_layers(model)
+    logits = {}
+    for m in layers:
+        m.router.register_forward_hook(lambda mod, inp, out, m=m: logits.__setitem__(m, out))
+        if biased:
+            m.expert_bias.copy_(0.3 * torch.randn(cfg.n_experts))
+    x = torch.randint(0, cfg.vocab_size, (3, 5), generator=torch.Generator().manual_seed(4))
+    with_loss = model(x, x)
+    got = sequence_aux_loss(layers)
+    want = 0.0
+    for m in layers:
+        if biased:
+            chosen = m.router_kind.route(logits[m], cfg.top_k, m.expert_bias)[1]
+        else:
+            chosen = torch.topk(torch.sigmoid(logits[m]), cfg.top_k, dim=-1).indices
+        want = want + _papers_sequence_loss(logits[m], chosen, 3, cfg.top_k)
+    assert abs(float(got) - float(want)) < 1e-12 and float(want) > 0.5
+    weights = [m.router.weight for m in layers]
+    for g, w in zip(torch.autograd.grad(got, weights, retain_graph=True),
+                    torch.autograd.grad(want, weights, retain_graph=True)):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14)
+    off = dataclasses.replace(cfg, seq_aux_loss_coef=0.0)
+    model.cfg = off
+    for m in model.modules():
+        if hasattr(m, "cfg") and m.cfg is cfg:
+            m.cfg = off
+    assert abs(float(with_loss - model(x, x)) - 0.003 * float(want)) < 1e-12
+
+
+@pytest.mark.parametrize("E,G,K,k,ep,most", [
+    (8, 2, 1, 3, 2, 1),  # route_groups = ep: one rank a token
+    (16, 4, 2, 4, 4, 2),  # route_groups = ep = 4, top 2 groups: two ranks of four
+    (16, 8, 2, 4, 4, 2),  # two groups a rank: still at most K ranks
+    (16, 2, 1, 3, 4, 2),  # ep a multiple of the groups: a group spans ep / G = 2 ranks
+])
+def test_node_limited_routing_reaches_at_most_k_ep_ranks(E, G, K, k, ep, most):
+    """The router's choice, mapped to ep ranks by ep's own expert slices: with route_groups a
+    multiple of ep every token's top-k live on <= route_topk_groups ranks (<= K ep / G when ep
+    is a multiple of G; GroupedSigmoidRouter's docstring), under large random biases that
+    would pull the choice elsewhere; without the groups the same scores reach more ranks."""
+    from mini3d.ep.apply import expert_slice
+
+    rank_of = torch.empty(E, dtype=torch.long)
+    for r in range(ep):
+        rank_of[expert_slice(E, ep, r)] = r
+    g = torch.Generator().manual_seed(E + G + ep)
+    logits, bias = torch.randn(4096, E, generator=g), torch.randn(E, generator=g)
+    for groups, topk_groups, bound in ((G, K, most), (1, 1, None)):
+        experts = GroupedSigmoidRouter(groups, topk_groups, 2.5, True).route(logits, k, bias)[1]
+        reached = torch.tensor([len(set(rank_of[t].tolist())) for t in experts])
+        if bound is not None:
+            assert int(reached.max()) == bound  # at most, and reached
+        else:
+            assert int(reached.max()) > most  # the limit comes from the groups

@@ -49,6 +49,25 @@ POOLED = dataclasses.replace(CFG, aux_loss_scope="model", capacity_factor=1.25,
 SIGMOID = dataclasses.replace(CFG, router="sigmoid", router_bias_rate=1e-3)
 DENSE_STAGE = dataclasses.replace(CFG, dense_layers=2)  # pp=2: stage 0 holds no MoE layer
 STEPS, SEED, CLIP = 3, 5, 0.05  # the clip binds (norms ~1.5)
+# ---- deepseek (issue #31): MLA, the grouped sigmoid router (8 experts in 4 groups, the best 2
+# a token; scaling 2.5; the aux-loss-free bias), a shared expert, a dense first layer and the
+# sequence-wise balance loss (pooled over sp / cp like the others; per layer under pp)
+DEEPSEEK = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=256, max_seq_len=16, d_ff=64,
+                       family="deepseek", q_lora_rank=12, kv_lora_rank=8, qk_rope_dim=4,
+                       qk_nope_dim=6, v_head_dim=5, rope_interleave=True, n_experts=8, top_k=2,
+                       moe_ffn=16, n_shared_experts=1, dense_layers=1, router="sigmoid",
+                       route_groups=4, route_topk_groups=2, routed_scaling_factor=2.5,
+                       router_bias_rate=1e-3, seq_aux_loss_coef=0.01, name="moe-splits-deepseek")
+DEEPSEEK_CASES = {
+    2: [("deepseek-tp2-sp", DEEPSEEK, dict(tp=2, sequence_parallel=True, micro_batches=2), 0.0),
+        ("deepseek-cp2-ep2", DEEPSEEK, dict(cp=2, ep=2, micro_batches=2), 0.0),
+        ("deepseek-dp2-ep2-clip", DEEPSEEK, dict(dp=2, ep=2, micro_batches=2), CLIP)],
+    4: [("deepseek-tp2-cp2-sp-ep2-zero1", DEEPSEEK, dict(tp=2, cp=2, sequence_parallel=True, ep=2,
+                                                      zero=1, micro_batches=2), 0.0)],
+    8: [("deepseek-tp2-pp2-dp2-ep2", DEEPSEEK, dict(tp=2, pp=2, dp=2, ep=2, micro_batches=2), 0.0)],
+}
+# ---- end of deepseek
+
 BF16 = dict(loss=1e-2, grad=0.03, tensor=0.1, routed=0.35)  # see the module docstring
 BASE = dict(global_batch=8, seq_len=16, bucket_mb=0.01, dtype="float64")
 
@@ -84,6 +103,8 @@ CASES = {
     8: [("tp2-pp2-dp2-ep2-zero1-clip", CFG, dict(tp=2, pp=2, dp=2, ep=2, zero=1, micro_batches=2),
          CLIP)],
 }
+for _n, _cs in DEEPSEEK_CASES.items():  # deepseek's cases join the launches of their world size
+    CASES[_n] = CASES[_n] + _cs
 
 
 def _case(name, cfg, changes, clip):

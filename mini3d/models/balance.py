@@ -5,9 +5,10 @@ load-balancing loss E * sum_e f_e P_e, with f_e the fraction of token-slots rout
 the mean router probability of e, both pooled over every MoE layer of the module as
 transformers' `load_balancing_loss_func` pools them (`aux_loss_scope` "model"), or each layer's
 own loss summed over the layers as Megatron-Core adds them ("layer", what a pipeline stage can
-compute for its layers); and the z-loss mean_t logsumexp(logits_t)^2 (ST-MoE), averaged over the
-model's MoE layers. Under the splits (`pool_router_stats_over`, `carry_router_loss`) these equal
-the one-process losses (tests/test_moe_splits.py). The per-step load (tokens each expert
+compute for its layers); the z-loss mean_t logsumexp(logits_t)^2 (ST-MoE), averaged over the
+model's MoE layers; and DeepSeek-V3's sequence-wise balance loss (`sequence_aux_loss`). Under
+the splits (`pool_router_stats_over`, `carry_router_loss`) these equal the one-process losses
+(tests/test_moe_splits.py). The per-step load (tokens each expert
 processed, summed over layers and micro-batches, all-reduced over the data-parallel ranks, the
 tp ranks under sequence parallelism and the pipeline stages) is what `--log-jsonl` reports:
 `expert_load` (one count per expert) and its min / max / coefficient of variation.
@@ -46,7 +47,8 @@ def n_moe_layers(cfg: ModelConfig) -> int:
 
 def has_router_loss(cfg: ModelConfig) -> bool:
     """Does the model's loss hold router losses (a MoE layer and a non-zero coefficient)?"""
-    return n_moe_layers(cfg) > 0 and bool(cfg.aux_loss_coef or cfg.z_loss_coef)
+    return n_moe_layers(cfg) > 0 and bool(cfg.aux_loss_coef or cfg.z_loss_coef
+                                          or cfg.seq_aux_loss_coef)
 
 
 class _PooledSum(torch.autograd.Function):
@@ -112,9 +114,10 @@ def _layer_stats(layers: list[MoE]) -> torch.Tensor:
 
 def router_loss(module: nn.Module):
     """aux_loss_coef x the switch loss + z_loss_coef x the mean z-loss over the model's MoE
-    layers, from the latest forward of `module`'s (0.0 without MoE layers or coefficients); part
-    of every loss GPT.forward returns, validation losses included (as transformers' Mixtral adds
-    it). In training it also adds each layer's counts to the step's load (`step_load`).
+    layers + seq_aux_loss_coef x `sequence_aux_loss`, from the latest forward of `module`'s (0.0
+    without MoE layers or coefficients); part of every loss GPT.forward returns, validation
+    losses included (as transformers' Mixtral adds it). In training it also adds each layer's
+    counts to the step's load (`step_load`).
 
     `aux_loss_scope`: "model" pools f and P over the module's MoE layers (transformers'
     `load_balancing_loss_func`), "layer" sums each layer's own E sum_e f_e P_e (Megatron-Core's
@@ -129,12 +132,14 @@ def router_loss(module: nn.Module):
         for m in layers:
             m._load = m.stats["counts"].double() + getattr(m, "_load", 0.0)
             m._dropped = m.stats["dropped"] + getattr(m, "_dropped", 0)
+    loss = 0.0
+    if cfg.seq_aux_loss_coef:
+        loss = cfg.seq_aux_loss_coef * sequence_aux_loss(layers)
     if not (cfg.aux_loss_coef or cfg.z_loss_coef):
-        return 0.0
+        return loss
     E = cfg.n_experts
     stats = _layer_stats(layers)
     selected, probs, z, tokens = stats[:, :E], stats[:, E:2 * E], stats[:, 2 * E], stats[:, -1]
-    loss = 0.0
     if cfg.aux_loss_coef and cfg.aux_loss_scope == "layer":
         per_layer = ((selected / tokens[:, None]) * (probs / tokens[:, None])).sum(1)
         loss = loss + cfg.aux_loss_coef * E * per_layer.sum()
@@ -145,6 +150,28 @@ def router_loss(module: nn.Module):
     if cfg.z_loss_coef:
         loss = loss + cfg.z_loss_coef * (z / tokens).sum() / n_moe_layers(cfg)
     return loss
+
+
+def sequence_aux_loss(layers: list[MoE]):
+    """DeepSeek-V3's complementary sequence-wise balance loss (arXiv 2412.19437, eq. 17-20),
+    without its alpha (`router_loss` multiplies by seq_aux_loss_coef): for each MoE layer and each
+    sequence of T tokens, sum_e f_e P_e with f_e = E / (k T) x the token-slots routed to e and
+    P_e = the mean over the sequence's tokens of s'_e = s_e / sum_j s_j (the sigmoid scores,
+    normalised, without the bias); averaged over the micro-batch's sequences and summed over the
+    layers (a pipeline stage computes its layers' share, like aux_loss_scope "layer"). Routed:
+    the router's choice (bias and groups included, before capacity), as DeepSeek's training code
+    and Megatron-Core's seq_aux_loss count it; the paper's indicator is the top-k of s alone,
+    the same choice without a bias and route groups. Each sequence's rows
+    (`mini3d.models.routers.per_sequence`) are sums over its tokens, pooled over the ranks
+    holding parts of it (sequence and context parallelism: `pool_router_stats_over`, as the
+    other losses) before the products, so every split equals the one-process loss."""
+    E, k = layers[0].cfg.n_experts, layers[0].cfg.top_k
+    stats = torch.stack([m.stats["sequences"] for m in layers])  # (L, B, 2E + 1)
+    for axis, scale in getattr(layers[0], "token_axes", ()):
+        stats = _PooledSum.apply(stats, axis, scale)
+    chosen, probs, tokens = stats[..., :E], stats[..., E:2 * E], stats[..., -1:]
+    f, P = chosen * (E / k) / tokens, probs / tokens
+    return (f * P).sum(-1).mean(-1).sum()
 
 
 @torch.no_grad()

@@ -83,6 +83,7 @@ def _moe_problems(cfg) -> list[str]:
     out = [f"{k}={getattr(cfg, k)} must be >= {lo}" for k, lo in
            (("n_experts", 1), ("top_k", 1), ("moe_ffn", 0), ("n_shared_experts", 0),
             ("moe_every", 1), ("dense_layers", 0), ("aux_loss_coef", 0), ("z_loss_coef", 0),
+            ("seq_aux_loss_coef", 0),
             ("capacity_factor", 0), ("router_bias_rate", 0)) if getattr(cfg, k) < lo]
     if cfg.top_k > cfg.n_experts:
         out.append(f"top_k={cfg.top_k} exceeds n_experts={cfg.n_experts}")

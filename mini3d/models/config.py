@@ -114,6 +114,9 @@ class ModelConfig:
     """model: f, P pooled over all MoE layers (transformers); layer: each layer's, summed (pp)"""
     z_loss_coef: float = 0.0
     """weight of the router z-loss (mean squared logsumexp of the router logits)"""
+    seq_aux_loss_coef: float = 0.0
+    """weight (alpha) of DeepSeek-V3's sequence-wise balance loss: each sequence's
+    E/(k T) sum_e f_e P_e, averaged over sequences, summed over MoE layers (0 = off)"""
     capacity_factor: float = 0.0
     """tokens per expert capped at ceil(C * tokens * top_k / n_experts), overflow dropped (0 = dropless)"""
     router_bias_rate: float = 0.0

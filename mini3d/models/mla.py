@@ -28,7 +28,9 @@ mscale(factor, mscale_all_dim)^2, here by scaling q (the same scores; mscale(s, 
 expanded keys and values, not the latent a production decoder would keep: the same numbers.
 Tensor parallelism (mini3d.tp.parallelize) splits the heads: it shrinks `n_local_heads`, makes
 q_b / kv_b column- and proj row-parallel, keeps the latent down-projections whole, and sets
-`share_key` to its `f` so the shared rotary key's gradient sums over the ranks' heads. Ring
+`share_key` to its `f` so the shared rotary key's gradient sums over the ranks' heads (under
+sequence parallelism x is the rank's T/tp tokens: the latents and the rotary key are gathered
+along the sequence instead, mini3d.tp.parallelize `_parallelize_mla`). Ring
 attention (mini3d.cp) sends k and v as one message, so v goes in padded to k's width with zero
 features (their outputs are zero and dropped): v_head_dim <= qk_nope_dim + qk_rope_dim there.
 """
@@ -123,9 +125,9 @@ class MLA(nn.Module):
         return rotary(t, self.rope_base, (), positions, inv_freq, self.amplitude)
 
     def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
-        B, T, _ = x.shape
         n = self.n_local_heads
         q = self.q_b(self.q_a_norm(self.q_a(x))) if self.q is None else self.q(x)
+        B, T, _ = q.shape  # the whole sequence even when x is a sequence shard (tp's sp)
         q = q.view(B, T, n, self.nope + self.rope).transpose(1, 2)  # (B, n, T, nope + rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a(x).split([self.kv_rank, self.rope], dim=-1)

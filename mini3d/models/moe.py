@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from mini3d.models.config import ModelConfig
-from mini3d.models.routers import router_for
+from mini3d.models.routers import per_sequence, router_for
 
 
 def capacity(cfg: ModelConfig, n_tokens: int) -> int:
@@ -143,8 +143,10 @@ class MoE(nn.Module):
         y = flat.new_zeros(N, d).index_add(0, tok, out)
         if self.shared is not None:
             y = y + self.shared(flat)
+        seqs = per_sequence(experts, probs, B) if self.cfg.seq_aux_loss_coef else None
         self.stats = {"logits": logits, "probs_sum": probs.sum(0), "selected": selected,
-                      "counts": counts.detach(), "dropped": N * k - len(e), "tokens": N}
+                      "counts": counts.detach(), "dropped": N * k - len(e), "tokens": N,
+                      "sequences": seqs}
         return y.view(B, T, d)
 
 

@@ -58,13 +58,24 @@ class GroupedSigmoidRouter(SigmoidRouter):
     by the sum of its two best biased scores; a token chooses its top-k experts among those of its
     `topk_groups` best groups only (node-limited routing), weighted by their sigmoid scores,
     renormalised when `norm` (norm_topk_prob; + 1e-20 in the denominator, as the reference),
-    times `scale` (routed_scaling_factor). groups=1, norm, scale=1 is `SigmoidRouter`'s choice."""
+    times `scale` (routed_scaling_factor). groups=1, norm, scale=1 is `SigmoidRouter`'s choice.
+
+    Groups and ep ranks: group g is the contiguous experts g E/G .. (g+1) E/G - 1, and ep rank r
+    holds the contiguous r E/ep .. (r+1) E/ep - 1 (`mini3d.ep.apply.expert_slice`). With
+    route_groups a multiple of ep (route_groups = ep: group g is rank g's experts) every group
+    lies on one rank, so a token's top-k experts live on at most route_topk_groups ep ranks: the
+    all-to-all sends each token to at most that many (DeepSeek-V3's node-limited routing, M =
+    route_topk_groups). With ep a multiple of route_groups a group spans ep / route_groups ranks
+    (DeepSeek-V3's deployment: 8 groups, a node of ranks each), so at most route_topk_groups
+    nodes, route_topk_groups x ep / route_groups ranks. Otherwise a group may straddle two
+    ranks' slices, and the limit holds per group only (at most route_topk_groups groups). Both
+    are checked on the router's choice (tests/test_deepseek.py)."""
 
     def __init__(self, groups: int, topk_groups: int, scale: float, norm: bool):
         self.groups, self.topk_groups, self.scale, self.norm = groups, topk_groups, scale, norm
 
     def route(self, logits, k: int, bias):
-        scores = torch.sigmoid(logits.float())
+        scores = torch.sigmoid(widened(logits))
         choice = scores + bias  # (N, E)
         if self.groups > 1:
             N, E = choice.shape
@@ -79,6 +90,19 @@ class GroupedSigmoidRouter(SigmoidRouter):
         if self.norm:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, experts, scores / scores.sum(-1, keepdim=True)
+
+
+def per_sequence(experts: torch.Tensor, probs: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B, 2E + 1), one row per sequence of a (B, T) micro-batch from its N = B T tokens' routing
+    (`experts` (N, k), the router's choice before capacity; `probs` (N, E), the normalised scores
+    s'): how many of the sequence's token-slots chose each expert, the sum over its tokens of s'
+    per expert, its token count. Sums over tokens, so a rank holding part of each sequence (sp,
+    cp) adds its rows to the others' (`mini3d.models.balance.sequence_aux_loss`)."""
+    N, E = probs.shape
+    chosen = probs.new_zeros(batch, E).scatter_add_(
+        1, experts.reshape(batch, -1), probs.new_ones(batch, experts.numel() // batch))
+    tokens = probs.new_full((batch, 1), float(N // batch))
+    return torch.cat([chosen, probs.view(batch, -1, E).sum(1), tokens], dim=1)
 
 
 ROUTERS = {"softmax": SoftmaxRouter(norm=False), "softmax-norm": SoftmaxRouter(norm=True),

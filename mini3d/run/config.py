@@ -123,15 +123,13 @@ class RunConfig:
 
     def _mla_problems(self) -> list[str]:
         """The deepseek family's latent attention trains over dp (any ZeRO stage), tp (heads
-        split; the latent down-projections replicated: mini3d.tp.parallelize), pp and cp (ring
-        attention, v padded to k's width: mini3d.models.mla); sequence parallelism (which would
-        shard the replicated latent projections' input) comes later."""
+        split; the latent down-projections replicated, under sequence parallelism their normed
+        outputs gathered along the sequence: mini3d.tp.parallelize), pp and cp (ring attention,
+        v padded to k's width: mini3d.models.mla)."""
         p, m = self.plan, self.model
         if not m.mla:
             return []
-        out = [] if not p.sequence_parallel else [
-            "family='deepseek' with sequence_parallel: multi-head latent attention is not split "
-            "over the sequence yet (train it with --tp, --cp, --pp, --dp and --zero)"]
+        out = []
         if p.cp > 1 and m.v_head_dim > m.head_dim:
             out.append(f"family='deepseek' with cp={p.cp} needs v_head_dim={m.v_head_dim} <= "
                        f"qk_nope_dim + qk_rope_dim = {m.head_dim} (ring attention sends v padded "

@@ -47,7 +47,7 @@ import torch.nn as nn
 from mini3d import comm
 from mini3d.models.transformer import tie_weights
 from mini3d.tp.cross_entropy import VocabParallelLoss
-from mini3d.tp.mappings import copy_to_tp
+from mini3d.tp.mappings import copy_to_tp, gather_from_sequence
 from mini3d.tp.layers import (ColumnParallelLinear, HeadNormTP, RowParallelLinear, VocabParallelEmbedding,
                               head_index)
 
@@ -74,28 +74,42 @@ class ParallelEmbedding(nn.Module):
         return self.drop(x + self.wpe(pos))
 
 
-def _parallelize_mla(attn, axis, cfg):
+def _parallelize_mla(attn, axis, cfg, sp: bool):
     """deepseek's latent attention split by heads: the per-head up-projections (q_b, or the full
     q, and kv_b) column-parallel, the output projection row-parallel. The down-projections to the
     latents (q_a, kv_a) and the latents' norms stay replicated: they are small (a latent is a few
     hundred wide against n_heads * head widths) and every head needs the whole latent, so
-    splitting them would only add a gather. Their gradients come out whole on every rank: the
-    latents enter q_b / kv_b through `f` (copy_to_tp), and the shared rotary key, which every
-    rank's heads read, through `f` too (`MLA.share_key`)."""
+    splitting them would only add a gather. Without sequence parallelism their gradients come out
+    whole on every rank: the latents enter q_b / kv_b through `f` (copy_to_tp), and the shared
+    rotary key, which every rank's heads read, through `f` too (`MLA.share_key`).
+
+    Under sequence parallelism (Megatron-Core's MLA does the same) the down-projections and the
+    latent norms run on the rank's T/tp tokens, and what is gathered along the sequence is their
+    output, the normed latents (q_b / kv_b column-parallel with sequence_parallel: all-gather
+    forward, reduce-scatter of the heads' partial gradients backward) and the shared rotary key
+    (`share_key`: the same gather), not the d_model-wide input: q_lora_rank + kv_lora_rank +
+    qk_rope_dim features a token (2112 for DeepSeek-V3, against 7168) and no down-projection
+    computed tp times. q_a, kv_a and the norms are then replicated parameters whose gradients
+    cover the rank's tokens only: the trainer sums them over tp with the other sp-replicated
+    ones (`sum_replicated_grads`)."""
     tp = axis.size
     for name in ("q", "q_b", "kv_b"):
         if getattr(attn, name) is not None:
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), axis))
-    attn.proj = RowParallelLinear(attn.proj, axis)
-    attn.share_key = lambda t: copy_to_tp(t, axis)
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), axis,
+                                                     sequence_parallel=sp))
+    attn.proj = RowParallelLinear(attn.proj, axis, sequence_parallel=sp)
+    if sp:
+        attn.share_key = lambda t: gather_from_sequence(t, axis)
+    else:
+        attn.share_key = lambda t: copy_to_tp(t, axis)
     attn.n_local_heads = attn.n_local_kv_heads = cfg.n_heads // tp
 
 
 def _parallelize_block(block, axis, cfg, sp: bool):
     tp = axis.size
     attn, mlp = block.attn, block.mlp
-    if cfg.mla:  # (sequence parallelism with it is refused: RunConfig._mla_problems)
-        _parallelize_mla(attn, axis, cfg)
+    if cfg.mla:
+        _parallelize_mla(attn, axis, cfg, sp)
         return _parallelize_mlp(mlp, axis, sp)
     heads = [head_index(cfg.q_dim, tp, r, cfg.kv_dim) for r in range(tp)]
     attn.qkv = ColumnParallelLinear(attn.qkv, axis, index=heads, sequence_parallel=sp)
