@@ -14,11 +14,15 @@ nothing (T, T) is kept between blocks): p = exp(s - lse), dv = p^T dout, dp = do
 ds = p * (dp - rowsum(dout * out)), dq = ds k * scale, dk = ds^T q * scale. Summing these over all
 blocks gives the gradients of full attention.
 
-Two implementations: "explicit" writes the block math out (any device), "sdpa" calls the fused CPU
-flash-attention kernel, which returns the log-sum-exp. F.scaled_dot_product_attention does not
-return it, so the private ops `aten::_scaled_dot_product_flash_attention_for_cpu` (and its
-`_backward`) are used: checked for at import, used on CPU tensors only, and the explicit math is the
-fallback wherever they are absent (other devices, other torch versions).
+Three implementations: "explicit" writes the block math out (any device); "sdpa" calls a fused
+flash-attention kernel that returns the log-sum-exp, which F.scaled_dot_product_attention does not:
+on CPU the private `aten::_scaled_dot_product_flash_attention_for_cpu` (and its `_backward`), on
+CUDA `aten::_scaled_dot_product_flash_attention` (and its `_backward`: the kernels torch's own ring
+attention, torch.distributed.tensor.experimental._attention, builds on), where the flash kernel
+takes the inputs (fp16 / bf16, head_dim a multiple of 8 up to 256). `kernel_for` makes the choice;
+the explicit math is the fallback wherever a kernel is absent or does not apply (float32 on CUDA,
+other devices, other torch versions). The CUDA path is exercised on CPU through a mocked kernel
+(tests/test_ring_kernels.py): no GPU ran it in this repository's tests.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import torch
 _aten = torch.ops.aten
 _HAS_CPU_FLASH = (hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu")
                   and hasattr(_aten, "_scaled_dot_product_flash_attention_for_cpu_backward"))
+_HAS_CUDA_FLASH = (hasattr(_aten, "_scaled_dot_product_flash_attention")
+                   and hasattr(_aten, "_scaled_dot_product_flash_attention_backward"))
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -43,16 +50,50 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
-def _fused(q) -> bool:
-    return _HAS_CPU_FLASH and q.device.type == "cpu"
+def _device_type(q) -> str:
+    return q.device.type  # (a seam: tests/test_ring_kernels.py takes CPU tensors for CUDA ones)
+
+
+def kernel_for(q, kind: str) -> str:
+    """The block math for queries `q` under attention `kind`: "cpu-flash", "cuda-flash" or
+    "explicit" (see the module docstring)."""
+    if kind != "sdpa":
+        return "explicit"
+    device = _device_type(q)
+    if device == "cpu" and _HAS_CPU_FLASH:
+        return "cpu-flash"
+    if (device == "cuda" and _HAS_CUDA_FLASH and q.dtype in _FLASH_DTYPES
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256):
+        return "cuda-flash"
+    return "explicit"
+
+
+_DENSE = {}  # device -> the flash kernel's (cum_seq_q, cum_seq_k, philox seed, offset) of a dense call
+
+
+def _dense_call_state(q):
+    """What the CUDA flash backward takes besides the tensors, for a dense (not variable-length),
+    dropout-free call: the forward's cumulative-sequence placeholders and rng state, taken once per
+    device from a one-token forward (dropout 0 never reads the rng state)."""
+    key = (q.device, q.dtype)
+    if key not in _DENSE:
+        one = q.new_zeros(1, 1, 1, 8)
+        res = _aten._scaled_dot_product_flash_attention(one, one, one, 0.0, False, False, scale=1.0)
+        _DENSE[key] = (res[2], res[3], res[6], res[7])
+    return _DENSE[key]
 
 
 def block_forward(q, k, v, causal: bool, kind: str, scale: float):
     """(out, lse) of q against one key/value block: out (B, nh, Tq, hd) float32, lse (B, nh, Tq)."""
-    if kind == "sdpa" and _fused(q):
+    kernel = kernel_for(q, kind)
+    if kernel == "cpu-flash":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
         return _wide(out), _wide(lse)
+    if kernel == "cuda-flash":
+        res = _aten._scaled_dot_product_flash_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, False, scale=scale)
+        return _wide(res[0]), _wide(res[1])
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     return torch.exp(s - lse.unsqueeze(-1)) @ _wide(v), lse
@@ -67,11 +108,18 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 def block_backward(dout, q, k, v, out, lse, causal: bool, kind: str, scale: float):
     """(dq, dk, dv) contributions of one key/value block, from the row's final `out` and `lse`."""
-    if kind == "sdpa" and _fused(q):
-        dt = q.dtype
+    kernel, dt = kernel_for(q, kind), q.dtype
+    if kernel == "cpu-flash":
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(dt).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
             out.to(dt).contiguous(), lse.contiguous(), 0.0, causal, scale=scale)
+        return _wide(dq), _wide(dk), _wide(dv)
+    if kernel == "cuda-flash":
+        cum_q, cum_k, seed, offset = _dense_call_state(q)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            dout.to(dt).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.to(dt).contiguous(), lse.float().contiguous(), cum_q, cum_k, q.shape[-2],
+            k.shape[-2], 0.0, causal, seed, offset, scale=scale)
         return _wide(dq), _wide(dk), _wide(dv)
     s = _scores(q, k, causal, scale)
     p = torch.exp(s - lse.unsqueeze(-1))  # (B, nh, Tq, Tk); masked entries are exp(-inf) = 0
