@@ -2,10 +2,10 @@
 once, reading the loss, the gradient norm and the stop flag together (`mini3d.run.train.read_back`).
 
 On CPU nothing waits, so the test counts what would: every scalar read, `.tolist()` and
-data-dependent op the step's code makes (tests/sync_workers.py: a TorchDispatchMode over the real
+data-dependent op the step's code makes (`mini3d.run.syncs`: a TorchDispatchMode over the real
 `train_worker`), per optimizer step. Dense layouts of two ranks, each with the stop agreement of
 `mini3d train` and gradient clipping (the paths that used to read the loss, the dp mean, the norm
-and the stop flag one by one: four syncs a step). MoE layers are left out: the dispatch's split
+and the stop flag one by one: three or four syncs a step). MoE layers are left out: the dispatch's split
 sizes are the host's to know (the all-to-all's and the grouped GEMM's arguments), one read per MoE
 layer, as in Megatron-Core's dropless dispatch.
 """
@@ -33,7 +33,7 @@ STEPS = 4
 
 @pytest.mark.timeout(400)
 def test_a_step_reads_the_device_once():
-    from tests.sync_workers import count_syncs
+    from mini3d.run.syncs import count_syncs
 
     specs = [make_spec(CFG, plan, steps=STEPS, grad_clip=1.0).replace(stop_on_signal=True)
              for plan in LAYOUTS.values()]

@@ -28,7 +28,13 @@ from mini3d.config import Plan
 from mini3d.cost.hardware import PRESETS as GPUS
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.host_probe import host_cores
-from mini3d.cost.model import Efficiency, estimate_cost, matmul_compute_s
+from mini3d.cost.model import Efficiency, estimate_cost
+
+
+def matmul_compute_s(breakdown: dict) -> float:
+    """The compute seconds that scale with 1 / efficiency: `compute` less its memory-bound parts
+    (the attention scores' and the elementwise kernels' HBM traffic), what the fits solve for."""
+    return breakdown["compute"] - breakdown["attention_scores"] - breakdown["elementwise"]
 
 
 def calibration_rows() -> list[dict]:

@@ -290,17 +290,11 @@ def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None
                         memory or estimate_memory(cfg, plan), hw.memory_bytes)
 
 
-def matmul_compute_s(breakdown: dict) -> float:
-    """The compute seconds that scale with 1 / efficiency: `compute` less its memory-bound parts
-    (the attention scores' and the elementwise kernels' HBM traffic), what the fits solve for."""
-    return breakdown["compute"] - breakdown["attention_scores"] - breakdown["elementwise"]
-
-
 def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
     """Seconds per optimizer step the model predicts (e.g. for a `mini3d calibrate` CPU JSON)."""
     return estimate_cost(cfg, plan, hw).step_time_s
 
 
-__all__ = ["matmul_compute_s", "Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
+__all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
            "flops_per_token", "layers_flops", "optimizer_params", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
            "link_bandwidths", "PlanError"]

@@ -113,7 +113,8 @@ def published_errors(rows: list[dict] | None = None) -> list[dict]:
 def fit_h100_efficiency() -> float:
     """eff_max of the H100 presets: the one that reproduces torchtitan's 8-GPU row (step time is
     linear in 1/eff: T = C / eff + R), at the A100's half width."""
-    from mini3d.cost.model import CALIBRATED, Efficiency, matmul_compute_s
+    from mini3d.cost.calibration import matmul_compute_s
+    from mini3d.cost.model import CALIBRATED, Efficiency
 
     r = next(r for r in published_rows() if r["fit"] and r["hw"].name.startswith("H100"))
     ideal = estimate_cost(r["model"], r["plan"], r["hw"], r["n_gpus"], eff=Efficiency(1.0, CALIBRATED.half_width))

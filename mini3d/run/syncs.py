@@ -1,16 +1,22 @@
-"""Workers for tests/test_host_syncs.py (spawned by mini3d.launch.launcher: importable, top level).
+"""Host syncs per optimizer step, counted from the running code (issue #34: at most one a step).
 
-`count_syncs(spec)` runs `train_worker(spec)` while counting, per optimizer step of its loop, the
-calls that make the host wait for the device on a GPU: a scalar read (`.item()`, `float(t)`,
-`int(t)`, `bool(t)`: all reach `aten._local_scalar_dense`), `.tolist()`, and the data-dependent
-ops whose output size the host must learn (`nonzero`, `masked_select`, `unique`). On CPU nothing
-waits, but the count is the same program's: a step that adds one adds it on CUDA too. Reads of
-the optimizer's own step counters (torch keeps them on the host unless `capturable`) and the input
-pipeline's (mini3d/data/: it indexes the token files with host tensors by construction, before
-anything reaches the device) are left out.
+`SyncCounter` is a TorchDispatchMode that counts what makes the host wait for a GPU: a scalar read
+(`.item()`, `float(t)`, `int(t)`, `bool(t)`: all reach `aten._local_scalar_dense`), `.tolist()`
+(patched: it reaches no op), and the data-dependent ops whose output size the host must learn
+(`nonzero`, `masked_select`, `unique`); it also counts host-to-device constants (`torch.tensor`
+of Python numbers, `aten.lift_fresh`: a pageable copy on CUDA). On CPU nothing waits, but the
+count is the same program's, so a step that adds a sync adds it on CUDA too. Left out: reads of
+the optimizer's own step counters (torch keeps them on the host unless `capturable`) and of the
+input pipeline (mini3d/data/ indexes the token files with host tensors by construction).
+
+`count_syncs(specs)` runs `mini3d.run.train.train_worker` on each spec under the counter and
+returns, per loop iteration, the syncs, constants and the mini3d file:line of each sync.
+(tests/test_host_syncs.py; benchmarks/gpu_extras.py adds torch's own CUDA sync debug mode.)
 """
 
 from __future__ import annotations
+
+import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,9 +25,15 @@ SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "a
             "aten.unique")
 
 
+def _caller() -> str:
+    """The innermost mini3d frame that asked (file:line below mini3d/)."""
+    frames = [f for f in traceback.extract_stack()[:-2] if "/mini3d/" in f.filename
+              and not f.filename.endswith("run/syncs.py")]
+    return f"{frames[-1].filename.split('/mini3d/')[-1]}:{frames[-1].lineno}" if frames else "?"
+
+
 class SyncCounter(TorchDispatchMode):
-    """Counts host syncs (see the module docstring) and host-to-device constants (`torch.tensor`
-    of Python numbers: a pageable copy on CUDA, `aten.lift_fresh`)."""
+    """Counts host syncs and host-to-device constants (see the module docstring)."""
 
     def __init__(self):
         super().__init__()
@@ -38,26 +50,14 @@ class SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def count(self, where: str):
-        if not _host_side(where):
+        if not where.startswith("data/"):  # the input pipeline: host tensors by construction
             self.syncs += 1
             self.where.append(where)
 
 
-def _caller() -> str:
-    """The innermost mini3d frame that asked (file:line), for the failure message."""
-    import traceback
-
-    frames = [f for f in traceback.extract_stack()[:-2] if "/mini3d/" in f.filename
-              and "sync_workers" not in f.filename]
-    return f"{frames[-1].filename.split('/mini3d/')[-1]}:{frames[-1].lineno}" if frames else "?"
-
-
-def _host_side(where: str) -> bool:
-    return where.startswith("data/")
-
-
 def count_syncs(specs) -> list[list[dict]]:
-    """For each spec: per loop iteration (optimizer step), the syncs and constants it made."""
+    """For each spec: per loop iteration (optimizer step; the last one runs on to the loop's
+    end), {"syncs", "constants", "where"}."""
     import mini3d.run.train as train
 
     out = []
@@ -93,3 +93,6 @@ def count_syncs(specs) -> list[list[dict]]:
         out.append([{"syncs": b[0] - a[0], "constants": b[1] - a[1], "where": counter.where[a[2]:b[2]]}
                     for a, b in zip(marks, marks[1:])])
     return out
+
+
+__all__ = ["SyncCounter", "count_syncs", "SYNC_OPS"]
