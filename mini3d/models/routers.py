@@ -64,7 +64,7 @@ class GroupedSigmoidRouter(SigmoidRouter):
         self.groups, self.topk_groups, self.scale, self.norm = groups, topk_groups, scale, norm
 
     def route(self, logits, k: int, bias):
-        scores = torch.sigmoid(logits.float())
+        scores = torch.sigmoid(widened(logits))
         choice = scores + bias  # (N, E)
         if self.groups > 1:
             N, E = choice.shape
