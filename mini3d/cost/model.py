@@ -242,6 +242,15 @@ def optimizer_params(plan: Plan, terms: dict) -> float:
             + terms["n_expert"] / expert_sharding_degree(plan))
 
 
+# The step-time terms of `estimate_cost`'s breakdown, in the order the course's charts stack them
+# (mini3d.course.viz.planning, .story70b) and the planner compares them: they add up to
+# step_time_s (with "host_sharing" on a shared host). The breakdown's other entries are details
+# of these (BREAKDOWN_DETAILS), not more time.
+TIME_TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_exposed",
+              "optimizer")
+BREAKDOWN_DETAILS = ("attention_scores", "dp_total", "cp_total", "efficiency", "host_sharing")
+
+
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
                   eff: Efficiency | None = None, memory: MemoryEstimate | None = None) -> CostEstimate:
     """Step time, throughput, utilisation, communication and memory of `plan` (validated first;
@@ -291,6 +300,6 @@ def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
     return estimate_cost(cfg, plan, hw).step_time_s
 
 
-__all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
+__all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "TIME_TERMS", "BREAKDOWN_DETAILS", "estimate_cost", "predict_step_time",
            "flops_per_token", "layers_flops", "optimizer_params", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
            "link_bandwidths", "PlanError"]
