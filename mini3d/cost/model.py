@@ -76,8 +76,7 @@ from mini3d.config import ModelConfig, Plan, PlanError
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import bubble_formula, simulate
 from mini3d.cost.comm_time import cp_time, dp_time, ep_time, members_per_node, tp_time
-from mini3d.cost.flops import (FLOPS_CONVENTION, flops_per_token, hardware_flops, layers_flops,
-                               model_flops)
+from mini3d.cost.flops import FLOPS_CONVENTION, flops_per_token, hardware_flops, layers_flops, model_flops
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, score_traffic_s
 from mini3d.cost.host_share import shared_host_step
@@ -131,7 +130,7 @@ class CostEstimate:
     hfu: float
     bubble_fraction: float
     comm_bytes: dict  # wire bytes one rank sends per step, per axis
-    breakdown: dict  # seconds: compute, tp_comm, bubble, pp_comm, dp_exposed (+ dp_total, ...)
+    breakdown: dict  # seconds: TIME_TERMS (+ BREAKDOWN_DETAILS)
     memory: MemoryEstimate
     capacity_bytes: float
     fits: bool = field(init=False)
@@ -242,13 +241,9 @@ def optimizer_params(plan: Plan, terms: dict) -> float:
             + terms["n_expert"] / expert_sharding_degree(plan))
 
 
-# The step-time terms of `estimate_cost`'s breakdown, in the order the course's charts stack them
-# (mini3d.course.viz.planning, .story70b) and the planner compares them: they add up to
-# step_time_s (with "host_sharing" on a shared host). The breakdown's other entries are details
-# of these (BREAKDOWN_DETAILS), not more time.
-TIME_TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_exposed",
-              "optimizer")
-BREAKDOWN_DETAILS = ("attention_scores", "dp_total", "cp_total", "efficiency", "host_sharing")
+# The breakdown's step-time terms, in the charts' order: they add up to step_time_s (+ host_sharing)
+TIME_TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
+BREAKDOWN_DETAILS = ("attention_scores", "dp_total", "cp_total", "efficiency", "host_sharing")  # of them
 
 
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
