@@ -126,6 +126,8 @@ def _exit2_cases(impossible: list, dims: dict, rng: random.Random) -> list[dict]
         if not any(name in refusals(c) for c in out):
             tries = (normalized({d: rng.choice(v) for d, v in dims.items()}) for _ in range(4000))
             tries = [c for c in tries if world(c) <= 8 and refusals(c) == [name]]
+            if not tries:
+                raise ValueError(f"rule {name!r}: no case of the dimensions breaks it alone")
             out.append(min(tries, key=world))
     return out
 
