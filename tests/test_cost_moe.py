@@ -248,7 +248,9 @@ def test_dry_run_prints_the_ep_axis_and_its_all_to_all_bytes(capsys):
            "[0, 2] [1, 3]" in out
     # tiny: 4 MoE layers, global batch 8 over dp=4 x 2 micro-batches = 1 sequence of 64 tokens
     sent = 2 * A2A_PER_LAYER * 4 * a2a_bytes(64, 64, 2, 2, 4)
-    assert f"stage 0: {sent:,.0f} B (4 MoE layers)" in out
+    # pp=1: one stage, not named; 5 all-to-alls a layer and micro-batch (the counts exchange too)
+    assert f"40 all-to-alls on the ep group, sending {sent / 2**20:,.2f} MiB ({sent:,.0f} B, 4 MoE " \
+           f"layers)" in out
     assert f"ep {sent:,.0f} B" in out  # the per-axis line, from the estimate
 
 

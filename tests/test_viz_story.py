@@ -82,3 +82,30 @@ def test_predict_reveals_the_computed_answer_and_judges_the_pick():
     assert "(right" in box.shown.value
     with pytest.raises(ValueError, match="not among"):
         predict("?", ["a", "b"], "c")
+
+
+def test_every_step_time_term_of_the_cost_model_is_charted():
+    """The charts stack the cost model's own terms (mini3d.cost.model.TIME_TERMS, one list): they
+    are the breakdown's whole step (its other entries the listed details), each has a label and a
+    colour, and with ep > 1 the all-to-alls are drawn as "ep all-to-all" in the story's panel and
+    the planner's bars."""
+    from mini3d.cost.model import BREAKDOWN_DETAILS, TIME_TERMS
+    from mini3d.course.viz import planning, story70b as s
+
+    rows = s.story_rows({"ep": dict(tp=2, dp=4, ep=4, zero=1), "dense": dict(tp=2, dp=4, zero=1)},
+                        model="mixtral-8x7b")
+    assert rows[0]["time"]["ep_comm"] > 0 == rows[1]["time"]["ep_comm"]
+    for r in rows:
+        assert abs(sum(r["time"].values()) - r["step_time_s"]) < 1e-9 * r["step_time_s"]
+    from mini3d.config import model_from_preset
+    from mini3d.cost.hardware import load_hardware
+    from mini3d.cost.model import estimate_cost
+
+    est = estimate_cost(model_from_preset("mixtral-8x7b"), rows[0]["plan"], load_hardware("A100-80GB"))
+    assert set(est.breakdown) - set(BREAKDOWN_DETAILS) == set(TIME_TERMS)
+    assert s.TIME_TERMS is planning.TIME_TERMS is TIME_TERMS
+    assert set(TIME_TERMS) <= set(planning.TERM_LABELS) & set(planning.TERM_COLORS)
+    names = {t.name for t in s.story_figure(rows).data}
+    assert "ep all-to-all" in names
+    ranked = [dict(layout="tp2 dp4 ep4", breakdown=rows[0]["time"])]
+    assert "ep all-to-all" in {t.name for t in planning.time_breakdown_figure(ranked).data}

@@ -76,8 +76,7 @@ from mini3d.config import ModelConfig, Plan, PlanError
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import bubble_formula, simulate
 from mini3d.cost.comm_time import cp_time, dp_time, ep_time, members_per_node, tp_time
-from mini3d.cost.flops import (FLOPS_CONVENTION, flops_per_token, hardware_flops, layers_flops,
-                               model_flops)
+from mini3d.cost.flops import FLOPS_CONVENTION, flops_per_token, hardware_flops, layers_flops, model_flops
 from mini3d.cost.hardware import Hardware
 from mini3d.cost.activations import ELEMENT_BYTES, elementwise_traffic_s, local_seq_len, score_traffic_s
 from mini3d.cost.host_share import shared_host_step
@@ -131,7 +130,7 @@ class CostEstimate:
     hfu: float
     bubble_fraction: float
     comm_bytes: dict  # wire bytes one rank sends per step, per axis
-    breakdown: dict  # seconds: compute, tp_comm, bubble, pp_comm, dp_exposed (+ dp_total, ...)
+    breakdown: dict  # seconds: TIME_TERMS (+ BREAKDOWN_DETAILS)
     memory: MemoryEstimate
     capacity_bytes: float
     fits: bool = field(init=False)
@@ -245,6 +244,11 @@ def optimizer_params(plan: Plan, terms: dict) -> float:
             + terms["n_expert"] / expert_sharding_degree(plan))
 
 
+# The breakdown's step-time terms, in the charts' order: they add up to step_time_s (+ host_sharing)
+TIME_TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
+BREAKDOWN_DETAILS = ("attention_scores", "dp_total", "cp_total", "efficiency", "host_sharing")  # of them
+
+
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
                   eff: Efficiency | None = None, memory: MemoryEstimate | None = None) -> CostEstimate:
     """Step time, throughput, utilisation, communication and memory of `plan` (validated first;
@@ -295,6 +299,6 @@ def predict_step_time(cfg: ModelConfig, plan: Plan, hw: Hardware) -> float:
     return estimate_cost(cfg, plan, hw).step_time_s
 
 
-__all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "estimate_cost", "predict_step_time",
+__all__ = ["Efficiency", "CALIBRATED", "CostEstimate", "TIME_TERMS", "BREAKDOWN_DETAILS", "estimate_cost", "predict_step_time",
            "flops_per_token", "layers_flops", "optimizer_params", "model_flops", "hardware_flops", "bubble_fraction", "bubble_formula",
            "link_bandwidths", "PlanError"]

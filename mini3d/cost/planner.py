@@ -25,10 +25,8 @@ from dataclasses import dataclass, field
 from mini3d.config import ModelConfig, Plan
 from mini3d.cost.memory import CATEGORIES, estimate_memory, gib, model_state_bytes, state_bytes
 from mini3d.cost.hardware import Hardware
-from mini3d.cost.model import CostEstimate, estimate_cost
+from mini3d.cost.model import TIME_TERMS, CostEstimate, estimate_cost
 
-TIME_TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_exposed",
-              "optimizer")
 # From this many tokens per sequence the search also splits sequences over cp ranks (shorter ones
 # fit with tp and recompute alone, and the ring's per-layer exchange would only cost time).
 LONG_SEQUENCE = 8192

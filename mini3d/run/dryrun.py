@@ -175,11 +175,10 @@ def bubble_line(plan) -> str:
     return f"pipeline bubble ({plan.schedule}): {text}"
 
 
-def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
-    """(status, line): record the step's programs and run them under NCCL's ordering rules."""
+def communication_line(cfg, plan, progs, grid: Grid) -> tuple[int, str]:
+    """(status, line): run the recorded programs (`record_programs`) under NCCL's ordering rules."""
     from mini3d.diagnose.rendezvous import simulate
 
-    progs, grid = record_programs(cfg, plan, grad_clip)
     hang = simulate(progs, grid)
     if hang:
         return 1, f"communication: {hang}"
@@ -190,9 +189,10 @@ def communication_line(cfg, plan, grad_clip: float = 0.0) -> tuple[int, str]:
                                 f"{rec.vocab_size}, seq_len={rplan.seq_len}: same order and groups, "
                                 f"smaller messages)")
     cp = f"cp={plan.cp} " if plan.cp > 1 else ""
+    ep = f" ep={plan.ep}" if plan.ep > 1 else ""
     return 0, (f"communication: deadlock-free: the real step's {n} ops, recorded on a tp={t} "
-               f"{cp}pp={plan.pp} dp={d} slice{on} (every tp/dp member runs the same program), all "
-               f"complete under NCCL's ordering rules (each pair's and each group's ops in issue "
+               f"{cp}pp={plan.pp} dp={d}{ep} slice{on} (every tp/dp member runs the same program), "
+               f"all complete under NCCL's ordering rules (each pair's and each group's ops in issue "
                f"order, a send only once its receive is at the head of the peer's stream, pair "
                f"communicators joined on first use)")
 
@@ -204,24 +204,45 @@ def ep_groups(grid: Grid, ep: int) -> tuple[list[list[int]], list[list[int]]]:
     return grid.groups("ep"), grid.groups("edp")
 
 
-def ep_lines(cfg, plan, grid: Grid) -> list[str]:
-    """The ep axis: its groups, the experts per rank, and the all-to-all bytes per step."""
-    if plan.ep == 1:
+def recorded_all_to_alls(progs, grid: Grid) -> list[int]:
+    """All-to-alls one rank of each pipeline stage issued in the recorded step (every member of a
+    stage issues the same ones)."""
+    first = grid.groups("pp")[0]  # its s-th member is on stage s
+    return [sum(1 for what, _, op in progs[r] if what == "issue" and op[2].startswith("all_to_all"))
+            for r in first]
+
+
+def ep_lines(cfg, plan, grid: Grid, progs=None, rec_grid: Grid | None = None) -> list[str]:
+    """The ep axis: its groups, the experts per rank, and per pipeline stage the all-to-alls of
+    one step (counted in the recorded programs `progs`, when given) and the bytes they send, by
+    the cost model's `ep_wire_bytes` (the volume of `mini3d.cost.moe`; dropless, balanced
+    routing: an upper bound with a capacity factor)."""
+    if plan.ep == 1 or not cfg.n_experts:
         return []
+    from mini3d.cost.activations import ELEMENT_BYTES, moe_tokens
     from mini3d.cost.comm_time import ep_wire_bytes, moe_stage_layers
-    from mini3d.cost.moe import A2A_PER_LAYER, experts_per_rank
+    from mini3d.cost.moe import experts_per_rank
 
     groups, edp = ep_groups(grid, plan.ep)
     show = lambda gs: " ".join(str(g) for g in gs[:8]) + (" ..." if len(gs) > 8 else "")  # noqa: E731
-    per_stage = ", ".join(f"stage {s}: {plan.micro_batches * ep_wire_bytes(cfg, plan, s):,.0f} B "
-                          f"({moe_stage_layers(cfg, plan, s)} MoE layers)" for s in range(plan.pp))
+    counts = recorded_all_to_alls(progs, rec_grid) if progs else [None] * plan.pp
+    stages = []
+    for s in range(plan.pp):
+        sent = plan.micro_batches * ep_wire_bytes(cfg, plan, s)
+        ops = f"{counts[s]} all-to-alls on the ep group, " if counts[s] is not None else ""
+        stages.append(("" if plan.pp == 1 else f"stage {s}: ") + f"{ops}sending {sent / 2**20:,.2f} "
+                      f"MiB ({sent:,.0f} B, {moe_stage_layers(cfg, plan, s)} MoE layers)")
+    tokens = moe_tokens(plan)
     return [f"ep groups (ep={plan.ep}, {experts_per_rank(cfg.n_experts, plan.ep)} of "
             f"{cfg.n_experts} experts per rank): {show(groups)}",
             f"expert-data-parallel groups (the ranks holding the same experts, dp*cp/ep = "
             f"{len(edp[0])}): {show(edp)}",
-            f"ep all-to-all bytes sent per rank per step ({A2A_PER_LAYER} per MoE layer per "
-            f"micro-batch x {plan.micro_batches} micro-batches, mini3d.cost.moe.a2a_bytes): "
-            f"{per_stage}"]
+            "expert parallelism per rank and step (recorded: per MoE layer and micro-batch the "
+            "counts exchange, dispatch and combine forward, their gradients backward, the "
+            "forward's again under full recompute): " + "; ".join(stages) + " under balanced "
+            f"routing ({tokens:g} tokens x top_k={cfg.top_k} x (ep-1)/ep x d_model={cfg.d_model} x "
+            f"{ELEMENT_BYTES[plan.dtype]} B per all-to-all x {plan.micro_batches} micro-batches: "
+            f"mini3d.cost.comm_time.ep_wire_bytes)"]
 
 
 def bytes_line(cfg, plan) -> str:
@@ -234,28 +255,6 @@ def bytes_line(cfg, plan) -> str:
             + ", ".join(f"{a} {b:,.0f} B" for a, b in sent.items()))
 
 
-def all_to_all_line(cfg, plan) -> str | None:
-    """Expert parallelism's traffic per rank and step (ep > 1): the all-to-alls the recorded step
-    issues and the bytes they send under balanced routing (`mini3d.cost.moe`, the one formula;
-    dropless, so an upper bound with a capacity factor). None without ep."""
-    from mini3d.cost.moe import A2A_PER_LAYER, a2a_bytes_per_micro_batch, experts_per_rank
-
-    if plan.ep == 1 or not cfg.n_experts:
-        return None
-    layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    tokens = plan.micro_batch_size * plan.seq_len // plan.cp
-    nbytes = {"float32": 4, "bf16": 2, "float64": 8}[plan.dtype]
-    sent = plan.micro_batches * a2a_bytes_per_micro_batch(tokens, cfg.d_model, cfg.top_k, plan.ep,
-                                                          nbytes, layers)
-    ops = plan.micro_batches * layers * (A2A_PER_LAYER + 1)  # + the counts exchange
-    return (f"expert parallelism: ep={plan.ep}, {experts_per_rank(cfg.n_experts, plan.ep)} of "
-            f"{cfg.n_experts} experts per rank in each of {layers} MoE layers; per rank and step "
-            f"{ops} all-to-alls on the ep group ({A2A_PER_LAYER} per MoE layer and micro-batch: "
-            f"dispatch and combine, forward and backward, + the counts exchange), sending "
-            f"{sent / 2**20:,.2f} MiB under balanced routing ({tokens} tokens x top_k={cfg.top_k} "
-            f"x (ep-1)/ep x d_model={cfg.d_model} x {nbytes} B per all-to-all: mini3d.cost.moe)")
-
-
 def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: float = 0.0) -> int:
     """Print the map, the recorded step's verdict, memory and bubble for a validated plan; 0 or 1."""
     grid = Grid(plan.tp, plan.pp, plan.dp, cp=plan.cp, ep=plan.ep)
@@ -264,13 +263,12 @@ def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: f
     out(f"dry run: {cfg.name} ({cfg.n_params() / 1e6:,.1f} M parameters) on tp={plan.tp} "
         f"{cp}pp={plan.pp} dp={plan.dp}{ep} ({plan.world_size} ranks); plan is valid")
     out(grid.describe(gpus_per_node))
-    for line in ep_lines(cfg, plan, grid):
-        out(line)
     out(schedule_note(plan))
-    status, line = communication_line(cfg, plan, grad_clip)
+    progs, rec_grid = record_programs(cfg, plan, grad_clip)
+    status, line = communication_line(cfg, plan, progs, rec_grid)
     out(line)
-    if all_to_all_line(cfg, plan):
-        out(all_to_all_line(cfg, plan))
+    for line in ep_lines(cfg, plan, grid, progs, rec_grid):
+        out(line)
     for line in memory_lines(cfg, plan):
         out(line)
     out(bubble_line(plan))
@@ -279,5 +277,5 @@ def dry_run(cfg, plan, gpus_per_node: int | None = None, out=print, grad_clip: f
     return status
 
 
-__all__ = ["dry_run", "ep_groups", "ep_lines", "bytes_line", "record_rank", "record_programs", "recording_setup", "RecordingLog",
+__all__ = ["dry_run", "ep_groups", "ep_lines", "recorded_all_to_alls", "bytes_line", "record_rank", "record_programs", "recording_setup", "RecordingLog",
            "fake_process_group"]

@@ -22,13 +22,22 @@ from mini3d.schedule_kinds import MULTI_CHUNK, SCHEDULES
 # machine-independent; bf16 has its rounding bounds). pp=4 (8 layers) only in the random campaign.
 DIMS = {
     "tp": (1, 2), "cp": (1, 2), "pp": (1, 2), "schedule": SCHEDULES, "dp": (1, 2),
-    "zero": (0, 1, 2, 3), "tied": (False, True), "family": ("gpt2", "llama", "qwen2", "qwen3"),
+    "zero": (0, 1, 2, 3), "tied": (False, True),
+    "family": ("gpt2", "llama", "qwen2", "qwen3", "deepseek"),
     "sp": (False, True), "recompute": ("none", "selective", "full"), "clip": (False, True),
     "dtype": ("float64", "bf16"), "validation": (False, True), "micro_batches": (1, 4),
-    "attention": ("explicit", "sdpa"), "moe": (False, True),
+    "attention": ("explicit", "sdpa"), "moe": (False, True), "ep": (1, 2),
 }
 # moe=True: 4 routed experts, top-2, a small balancing loss per layer (the scope pp can carry)
 MOE_FLAGS = ["--experts", "4", "--top-k", "2", "--aux-loss-coef", "0.01", "--aux-loss-scope", "layer"]
+# family=deepseek: multi-head latent attention with every width different (q latent 12, kv latent 8,
+# heads 6 + 4 rotary wide for q/k and 5 for v: v <= q/k, which ring attention (cp) needs), full
+# attention (MLA has no grouped-query form); with moe=True also DeepSeek-V3's grouped sigmoid
+# router (2 groups of 2 experts, the best group a token, scaled by 2.5)
+MLA_FLAGS = ["--kv-heads", "4", "--q-lora-rank", "12", "--kv-lora-rank", "8", "--qk-rope-dim", "4",
+             "--qk-nope-dim", "6", "--v-head-dim", "5"]
+DEEPSEEK_MOE_FLAGS = ["--router", "sigmoid", "--route-groups", "2", "--route-topk-groups", "1",
+                      "--routed-scaling-factor", "2.5"]
 RANDOM_DIMS = {**DIMS, "pp": (1, 2, 4), "dtype": ("float64", "float32", "bf16")}
 MAX_WORLD = 8  # gloo on CPU, one thread a rank
 STEPS, SEED, GLOBAL_BATCH, SEQ_LEN, CLIP = 3, 1, 8, 16, 0.5  # CLIP binds: the norms are > 1
@@ -65,10 +74,12 @@ def flags(case: dict, data: str = "DATA") -> list[str]:
     case = normalized(case)
     out = ["--model", "tiny", "--layers", str(layers(case)), "--hidden", "32", "--heads", "4",
            "--ffn", "128", "--family", case["family"],
-           "--kv-heads", "4" if case["family"] == "gpt2" else "2",  # llama-like: grouped-query
            "--tie-embeddings" if case["tied"] else "--no-tie-embeddings"]
+    deepseek = case["family"] == "deepseek"
+    out += MLA_FLAGS if deepseek else [  # llama-like: grouped-query
+        "--kv-heads", "4" if case["family"] == "gpt2" else "2"]
     for flag, name in (("--tp", "tp"), ("--cp", "cp"), ("--pp", "pp"), ("--dp", "dp"),
-                       ("--zero", "zero"), ("--schedule", "schedule"),
+                       ("--zero", "zero"), ("--ep", "ep"), ("--schedule", "schedule"),
                        ("--micro-batches", "micro_batches"), ("--recompute", "recompute"),
                        ("--dtype", "dtype"), ("--attention", "attention")):
         out += [flag, str(case[name])]
@@ -76,6 +87,7 @@ def flags(case: dict, data: str = "DATA") -> list[str]:
             "--seq-len", str(SEQ_LEN), "--bucket-mb", "0.01"]  # small buckets: several a stage
     out += ["--sequence-parallel"] if case["sp"] else []
     out += MOE_FLAGS if case.get("moe") else []
+    out += DEEPSEEK_MOE_FLAGS if case.get("moe") and deepseek else []
     out += ["--grad-clip", str(CLIP)] if case["clip"] else []
     out += ["--eval-every", "2", "--eval-batches", "1"] if case["validation"] else []
     return out + ["--log-grad-norm", "--steps", str(STEPS), "--seed", str(SEED), "--data", data,
@@ -107,8 +119,9 @@ def plan_of(case: dict) -> Plan:
 
 
 # Each refusal the matrix meets: (name, when it fires, text its exit-2 message must hold). Plan
-# validation (mini3d/config.py) and `mini3d train`'s run checks (mini3d/run/checks.py) own them;
-# `refusals` must explain every problem Plan reports for a matrix case (tests/test_matrix.py).
+# validation (mini3d/config.py), the run's (mini3d/run/config.py RunConfig.problems) and `mini3d
+# train`'s run checks (mini3d/run/checks.py) own them; `refusals` must explain every problem those
+# report for a matrix case (tests/test_matrix.py `problems_of`).
 RULES = (
     ("zero3-pp", lambda c: c["zero"] == 3 and c["pp"] > 1,
      lambda c: [f"zero=3 with pp={c['pp']} is refused", "--zero 1"]),
@@ -123,13 +136,23 @@ RULES = (
      lambda c: ["recompute='selective'", "ring attention (cp > 1)"]),
     ("sdpa-selective", lambda c: c["attention"] == "sdpa" and c["recompute"] == "selective",
      lambda c: ["recompute='selective'", "attention='sdpa'"]),
+    ("ep-dense", lambda c: c["ep"] > 1 and not c["moe"],
+     lambda c: [f"ep={c['ep']} needs a mixture-of-experts model"]),
+    ("ep-dp-cp", lambda c: (c["dp"] * c["cp"]) % c["ep"],
+     lambda c: [f"ep={c['ep']} does not divide dp*cp = {c['dp']}*{c['cp']} = {c['dp'] * c['cp']}"]),
+    # ep x ZeRO-3: goes when ZeRO-3 shards the expert slices over edp (mini3d/dp/zero3.py)
+    ("ep-zero3", lambda c: c["ep"] > 1 and c["moe"] and c["zero"] == 3,
+     lambda c: [f"ep={c['ep']} with zero=3 is refused"]),
+    # MLA x sequence parallelism: goes when the latent attention splits over the sequence
+    ("mla-sp", lambda c: c["family"] == "deepseek" and c["sp"],
+     lambda c: ["family='deepseek' with sequence_parallel"]),
 )
 
 
 # Dimensions neither RULES nor the world size read: validity does not depend on their values
 # (tests/test_matrix.py checks it), so the exhaustive search for impossible pairs
 # (pairwise.possible) tries one value of each.
-RULE_FREE = ("family", "clip", "dtype", "validation", "moe")
+RULE_FREE = ("clip", "dtype", "validation")
 
 
 def refusals(case: dict) -> list[str]:
@@ -148,7 +171,7 @@ def is_valid(case: dict) -> bool:
 def describe(case: dict) -> str:
     """A short name: the values that differ from the defaults."""
     c = normalized(case)
-    parts = [f"{k}{c[k]}" for k in ("tp", "cp", "pp", "dp") if c[k] > 1]
+    parts = [f"{k}{c[k]}" for k in ("tp", "cp", "pp", "dp", "ep") if c[k] > 1]
     parts += [c["schedule"]] if c["pp"] > 1 else []
     parts += [f"zero{c['zero']}"] if c["zero"] else []
     parts += [f"m{c['micro_batches']}", c["family"], c["dtype"], c["attention"]]

@@ -70,7 +70,7 @@ def reference_of(case: dict) -> dict:
     micro-batches, dp x micro_batches of them (dp's slices of the global batch, in order): the
     balancing loss is a function of each micro-batch's routing, not a mean over tokens."""
     m = case["dp"] * case["micro_batches"] if case.get("moe") else 1
-    return {**case, "tp": 1, "cp": 1, "pp": 1, "dp": 1, "zero": 0, "schedule": "1f1b", "sp": False,
+    return {**case, "tp": 1, "cp": 1, "pp": 1, "dp": 1, "ep": 1, "zero": 0, "schedule": "1f1b", "sp": False,
             "recompute": "none", "micro_batches": m, "attention": "explicit", "dtype": "float64",
             "layers": layers(case)}  # the case's model
 

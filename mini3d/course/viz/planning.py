@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import ipywidgets as W
 
+from mini3d.cost.model import TIME_TERMS
 from mini3d.course.viz.theme import CAPACITY_COLOR, new_figure, to_gib
 from mini3d.course.viz.widgets import synced, wire
 
-# The step-time terms of mini3d.cost.model, in the order they are stacked.
-# They add up to its step_time_s (cp_comm too: a layout with cp > 1 would otherwise draw short).
-TIME_TERMS = ("compute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
+# The step-time terms are the cost model's own list (mini3d.cost.model.TIME_TERMS, in the order
+# they are stacked): they add up to its step_time_s, so a layout never draws short.
 TERM_LABELS = {"compute": "compute", "tp_comm": "tp all-reduce", "cp_comm": "cp ring (exposed)",
-               "bubble": "pipeline bubble", "pp_comm": "pp send/recv", "dp_exposed": "dp sync (exposed)",
-               "optimizer": "optimizer"}
-TERM_COLORS = {"compute": "#3b6fb6", "tp_comm": "#2e9e5b", "cp_comm": "#b59a2a", "bubble": "#e6a23c",
-               "pp_comm": "#c8553d", "dp_exposed": "#7fa7db", "optimizer": "#8e6bbf"}
+               "ep_comm": "ep all-to-all", "bubble": "pipeline bubble", "pp_comm": "pp send/recv",
+               "dp_exposed": "dp sync (exposed)", "optimizer": "optimizer"}
+TERM_COLORS = {"compute": "#3b6fb6", "tp_comm": "#2e9e5b", "cp_comm": "#b59a2a", "ep_comm": "#c05fa0",
+               "bubble": "#e6a23c", "pp_comm": "#c8553d", "dp_exposed": "#7fa7db", "optimizer": "#8e6bbf"}
 
 
 def _row(est, layout: str) -> dict:

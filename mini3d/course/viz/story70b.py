@@ -19,16 +19,14 @@ from __future__ import annotations
 
 from plotly.subplots import make_subplots
 
+from mini3d.cost.model import TIME_TERMS
 from mini3d.course.viz.planning import TERM_COLORS, TERM_LABELS
 from mini3d.course.viz.theme import (CAPACITY_COLOR, CATEGORY_COLORS, CATEGORY_LABELS, LEGEND_RIGHT, TEMPLATE_NAME,
                                      to_gib)
 
 STORY_BATCH = dict(global_batch=64, seq_len=4096, dtype="bf16")  # chapter 00's 64 x 4096 tokens
 MEMORY_TERMS = ("params", "grads", "optimizer", "activations", "comm_buffers")
-# The step-time terms of mini3d.cost.model.estimate_cost; they add up to its step_time_s.
-TIME_TERMS = ("compute", "tp_comm", "cp_comm", "pp_comm", "dp_exposed", "bubble", "optimizer")
-_TIME_LABELS = dict(TERM_LABELS, cp_comm="cp ring (exposed)")
-_TIME_COLORS = dict(TERM_COLORS, cp_comm="#b59a2a")
+# The step-time terms: mini3d.cost.model.TIME_TERMS, which add up to estimate_cost's step_time_s.
 
 
 def story_plan(options):
@@ -92,7 +90,7 @@ def story_figure(rows: list[dict], title: str | None = None):
     for t in TIME_TERMS:
         ys = [r["time"][t] for r in rows]
         if any(ys):
-            fig.add_bar(x=labels, y=ys, name=_TIME_LABELS[t], marker_color=_TIME_COLORS[t],
+            fig.add_bar(x=labels, y=ys, name=TERM_LABELS[t], marker_color=TERM_COLORS[t],
                         legendgroup="time", legendgrouptitle_text="step time", row=1, col=2)
     if rows:  # the capacity line on the memory panel, named in the legend (not over the bars)
         cap, line = to_gib(rows[0]["capacity_bytes"]), dict(color=CAPACITY_COLOR, dash="dash", width=2)
