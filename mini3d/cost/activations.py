@@ -39,6 +39,10 @@ e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
   ep * n * min(top_k, E/ep) rows at worst (every token of the ep group routed to its experts),
   with a capacity factor at most (E/ep) * ceil(C * n * top_k / E) per source rank.
 
+* multi-head latent attention (the deepseek family, `mla_activation_bytes`) keeps its latents
+  whole on every tp rank and the heads' expanded q, k, v split, in place of the qkv, projection
+  input and core terms above.
+
 Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
 keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
 With e = 2, f = 4h, a math kernel and dropout masks added back, the sum is the paper's
@@ -101,6 +105,11 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     if plan.cp > 1:
         core = (4 * s * b * h + 4 * a * s * b) / t
     split = (qkv * s * b * e + sbh + mlp * s * b * e) / t
+    if cfg.mla:  # the latent attention's own terms in place of q/k/v and the projection input
+        terms = mla_activation_bytes(cfg, plan, fused_attention)
+        rep += terms["latents"]
+        split = terms["heads"] + mlp * s * b * e / t
+        core = terms["core"]
     if moe:
         split += moe_activation_bytes(cfg, plan) - mlp * s * b * e / t
     full = rep + split + core
@@ -133,6 +142,39 @@ def moe_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     routed = 2 * 8 * rows + 3 * rows * cfg.d_model * e + rows * e + hidden * rows * cfg.moe_width * e
     shared = hidden * n * cfg.moe_width * cfg.n_shared_experts * e
     return router + routed + shared
+
+
+def mla_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool) -> dict:
+    """What multi-head latent attention (mini3d.models.mla, the deepseek family) keeps for
+    backward, one micro-batch, one tp rank, in place of the q/k/v, projection-input and core terms
+    (the block's norms and its input to the down-projections are `_llama_terms`' replicated 6 sbh):
+    {"latents": the down-projections' outputs, whole on every tp rank (tp splits the heads, not
+    the latents): the query latent as its RMSNorm keeps it (input, normalised, output: 3 q_lora_rank
+    wide; none without a query latent), kv_a's whole output [kv latent | rotary key]
+    (kv_lora_rank + qk_rope_dim, the norm's input), the kv latent normalised and its norm's output
+    (2 kv_lora_rank); "heads": the tp-local heads' q and k after the rotation and the shared
+    rotary key's expansion (n * (qk_nope_dim + qk_rope_dim) each), v made contiguous and the
+    projection's input (n * v_head_dim each); "core": the softmax probabilities (a*s^2*b*e, the
+    explicit core) or the fused kernel's output (n * v_head_dim: its (b, a, s, v) layout makes the
+    projection's input a second tensor) and float32 log-sum-exp; with ring attention (cp > 1) v
+    travels padded to q's width (mini3d.models.mla), so v and the float32 output are that wide.
+    Per token, the kv latent and the rotary key are all a KV cache needs to keep
+    (`mini3d.cost.kv_cache.kv_cache_bytes`); training keeps the expanded keys and values as well.
+    Left out, like the other families' small terms: each RMSNorm's float32 rstd (4sb), the
+    rotary cos/sin tables (s * qk_rope_dim each) and the explicit core's causal mask (s^2 bools);
+    with them the count is exact against the saved-tensor ledger (tests/test_cost_mla.py)."""
+    s, b, t, e = local_seq_len(plan), plan.micro_batch_size, plan.tp, ELEMENT_BYTES[plan.dtype]
+    n, qk, r = cfg.n_heads, cfg.head_dim, cfg.kv_lora_rank
+    v = qk if plan.cp > 1 else cfg.v_head_dim  # ring attention pads v to k's width
+    latents = (3 * cfg.q_lora_rank + r + cfg.qk_rope_dim + 2 * r) * s * b * e
+    heads = n * (2 * qk + v + cfg.v_head_dim) * s * b * e / t
+    if plan.cp > 1:
+        core = (4 * s * b * n * qk + 4 * n * s * b) / t
+    elif fused_attention:
+        core = (n * cfg.v_head_dim * s * b * e + 4 * n * s * b) / t
+    else:
+        core = n * s * s * b * e / t
+    return {"latents": latents, "heads": heads, "core": core}
 
 
 def _llama_terms(cfg: ModelConfig, fused_attention: bool) -> tuple[int, int, int]:
@@ -196,4 +238,4 @@ def score_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
     return {"fwd": fwd * per_pass, "bwd": (bwd + (fwd if plan.recompute != "none" else 0)) * per_pass}
 
 
-__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
+__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "mla_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
