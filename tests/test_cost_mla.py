@@ -143,3 +143,43 @@ def test_node_limited_routing_caps_the_nodes_and_the_bytes():
     assert internode_bytes(4096, 7168, 2, limited["remote"]) == 4096 * limited["remote"] * 7168 * 2
     with pytest.raises(ValueError, match="nodes=3"):
         nodes_reached(256, 8, 3)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3 on H100 / H200 nodes
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gpus,gpu", [(256, "H200-141GB"), (1024, "H100-80GB")])
+def test_planner_fits_deepseek_v3_on_h100_and_h200_nodes(gpus, gpu):
+    """671B (654B of it routed experts) on 256 H200s / 1024 H100s, one 4096-token sequence per GPU
+    per step, bf16, flash attention: the planner finds layouts that fit (micro-batches of one
+    sequence, to keep the search to a few seconds), each under the card's memory by the
+    estimator's own count, and every one splits the experts (ep > 1). `mini3d estimate`'s stage
+    lines give the routed experts' share of the model states, per ep rank."""
+    from mini3d.cost.hardware import PRESETS as GPUS
+    from mini3d.cost.memory import estimate_memory
+    from mini3d.cost.planner import search
+
+    cfg, hw = PRESETS["deepseek-v3"], GPUS[gpu]
+    found = search(cfg, gpus, hw, gpus, 4096, attention="sdpa", max_micro_batch=1, suggest=False)
+    assert found.candidates and found.n_fit > 0
+    for c in found.candidates:
+        mem = estimate_memory(cfg, c.plan)
+        assert mem.total == c.memory.total < hw.memory_bytes and c.plan.world_size == gpus
+        assert c.plan.ep > 1
+        x = mem.detail["experts"]
+        assert f"routed experts' {x['n_params'] / 1e9:.2f}e9 parameters" in mem.summary()
+
+
+def test_estimate_states_what_active_params_count(capsys):
+    """The card's "37B activated" against mini3d's 37.55e9: `estimate` says what its count holds
+    (embedding, head, attention, dense layers, router, routed and shared experts) and gives it
+    without the input embedding too, 36.63e9 (tests/test_deepseek.py pins both against the card)."""
+    import json
+
+    from mini3d import cli
+
+    assert cli.main(["estimate", "--model", "deepseek-v3", "--json"]) == 0
+    (note,) = [n for n in json.loads(capsys.readouterr().out)["notes"] if n.startswith("active_params")]
+    assert "37.55e9" in note and "36.63e9" in note and "shared experts" in note and "router" in note
+    assert cli.main(["estimate", "--model", "llama-3.1-8b", "--json"]) == 0
+    assert "notes" not in json.loads(capsys.readouterr().out)  # a dense model: active = all
