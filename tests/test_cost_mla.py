@@ -28,7 +28,8 @@ CASES = [("none", "explicit"), ("selective", "explicit"), ("full", "explicit"), 
 def small_terms(cfg: ModelConfig, recompute: str, attention: str, s: int = S, b: int = B) -> int:
     """The float32 bytes `layer_activation_bytes` leaves out (its docstring): each RMSNorm's rstd
     (the block's two, the latents' one or two), the four rotary cos/sin tables (q's and k's) and
-    the explicit core's causal mask; nothing but the block input under full recompute."""
+    the explicit core's causal mask (not ring attention's); nothing but the block input under full
+    recompute."""
     if recompute == "full":
         return 0
     norms = 2 + 1 + (1 if cfg.q_lora_rank else 0)
@@ -60,18 +61,23 @@ def test_mla_activations_equal_the_saved_tensor_ledger(q_lora_rank, recompute, a
 
 
 @pytest.mark.timeout(180)
-def test_mla_activations_under_tp2_keep_the_latents_whole():
-    """tp=2 through the trainer (one launch, both cores): each rank's blocks keep the latents
-    whole and half of the heads' q, k, v and scores, as `mla_activation_bytes` says."""
+def test_mla_activations_under_tp2_and_cp2():
+    """tp=2 and cp=2 through the trainer (one launch, both cores): under tp each rank's blocks
+    keep the latents whole and half of the heads' q, k, v and scores, as `mla_activation_bytes`
+    says; under cp each keeps its s/cp tokens' terms, and ring attention v padded to k's width
+    and its float32 output and log-sum-exp (no s x s matrix, no causal mask)."""
     from mini3d.launch.launcher import launch
     from mini3d.run.train import make_spec
     from tests.threed_workers import run_specs
 
     plans = [Plan(tp=2, global_batch=B, seq_len=S, attention=a) for a in ("explicit", "sdpa")]
+    plans.append(Plan(cp=2, global_batch=B, seq_len=S))
     specs = [make_spec(MLA, p, steps=1, collect=["activations"]) for p in plans]
     ranks = launch(run_specs, 2, specs, device="cpu", timeout=150)
     for plan, runs in zip(plans, zip(*ranks)):
-        est = layer_activation_bytes(MLA, plan)["stored"] + small_terms(MLA, "none", plan.attention)
+        ring = plan.cp > 1
+        est = layer_activation_bytes(MLA, plan)["stored"] + small_terms(
+            MLA, "none", "ring" if ring else plan.attention, s=S // plan.cp)
         for r in runs:
             got = [sum(v for k, v in r["activations"].items() if k.startswith(f"layer{i}."))
                    for i in range(MLA.n_layers)]
@@ -183,3 +189,31 @@ def test_estimate_states_what_active_params_count(capsys):
     assert "37.55e9" in note and "36.63e9" in note and "shared experts" in note and "router" in note
     assert cli.main(["estimate", "--model", "llama-3.1-8b", "--json"]) == 0
     assert "notes" not in json.loads(capsys.readouterr().out)  # a dense model: active = all
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("routing", [dict(router="sigmoid"),
+                                     dict(router="sigmoid", route_groups=4, route_topk_groups=2,
+                                          routed_scaling_factor=2.5)], ids=["sigmoid", "grouped"])
+def test_deepseek_moe_block_equals_the_ledger(routing):
+    """A deepseek MoE block (MLA + shared expert + DeepSeek-V3's sigmoid routers): the mixture keeps
+    `moe_activation_bytes` plus its input within 1% (what is left out: the int32 counts per expert
+    and the renormalisation's sums, `router_activation_bytes`); counting the sigmoid routers as
+    the softmax one (4nE + 8nk, before their terms) missed the grouped router by 5.6%. The whole
+    block is the MLA terms (exact, with `small_terms`) plus that."""
+    from mini3d.cost.activations import moe_activation_bytes
+    from mini3d.models.transformer import GPT
+    from mini3d.recompute import measure_activations
+
+    cfg = dataclasses.replace(MLA, max_seq_len=64, n_experts=8, top_k=2, moe_ffn=16, dense_layers=1,
+                              n_shared_experts=1, **routing)
+    plan = Plan(global_batch=2, seq_len=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    with measure_activations(model) as led:
+        model(x, x)
+    measured = led.by_category["layer1.mlp"]
+    assert abs(moe_activation_bytes(cfg, plan) + 2 * 64 * cfg.d_model * 4 - measured) < 0.01 * measured
+    est = layer_activation_bytes(cfg, plan, moe=True)["stored"] + small_terms(cfg, "none", "explicit", 64, 2)
+    assert abs(est - led.layer_bytes(1)) < 0.005 * led.layer_bytes(1)

@@ -29,7 +29,8 @@ e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
 * a MoE layer (`moe_activation_bytes`) keeps, in place of the dense MLP's terms, for its
   n = s*b tokens (s*b/t under sequence parallelism: the layer is whole on every tp rank)
   and r = n * top_k * kept rows (kept: `mini3d.cost.moe.kept_fraction`): the router's float32
-  probabilities 4nE and its top-k indices 8nk; the rows' sort order and token index, 2 * 8r;
+  probabilities 4nE and its top-k indices 8nk (the sigmoid routers more: `router_activation_bytes`);
+  the rows' sort order and token index, 2 * 8r;
   three (r, d) row tensors 3*r*h*e (the permuted input the experts read, their output and its
   weighted copy), the routing weights r*e, and per row the expert MLP's hidden values as the
   dense MLP keeps them, (4 llama | 2 gpt2) * r*F*e with F = moe_width; shared experts as a
@@ -135,13 +136,27 @@ def moe_tokens(plan: Plan) -> float:
 def moe_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     """Bytes one MoE layer's mixture keeps for backward, one micro-batch, one rank (the terms:
     the module docstring; the MLP's input is the norm output counted with the block)."""
-    n, e, k, E = moe_tokens(plan), ELEMENT_BYTES[plan.dtype], cfg.top_k, cfg.n_experts
+    n, e, k = moe_tokens(plan), ELEMENT_BYTES[plan.dtype], cfg.top_k
     rows = n * k * kept_fraction(cfg.capacity_factor)
     hidden = 4 if cfg.llama_like else 2  # SwiGLU: gate, up, silu(gate), product; gpt2: fc out, act out
-    router = 4 * n * E + 8 * n * k
+    router = router_activation_bytes(cfg, n)
     routed = 2 * 8 * rows + 3 * rows * cfg.d_model * e + rows * e + hidden * rows * cfg.moe_width * e
     shared = hidden * n * cfg.moe_width * cfg.n_shared_experts * e
     return router + routed + shared
+
+
+def router_activation_bytes(cfg: ModelConfig, n: float) -> float:
+    """What the router (mini3d.models.routers) keeps for `n` tokens: every router its float32
+    probabilities 4nE and top-k indices 8nk; the sigmoid routers gather the chosen scores by
+    those indices (8nk more); with route_groups G > 1 (DeepSeek-V3's node-limited routing) also
+    each group's two best indices (16nG) and the allowed-expert mask (nE bools). Left out: the
+    renormalisation's few float32 values per token (its sums, at most 4n(k + 2): 0.9% of the
+    tiny deepseek MoE layer of tests/test_cost_mla.py, 0.01% of DeepSeek-V3's)."""
+    E, k, G = cfg.n_experts, cfg.top_k, cfg.route_groups
+    out = 4 * n * E + 8 * n * k
+    if cfg.router == "sigmoid":
+        out += 8 * n * k + ((16 * n * G + n * E) if G > 1 else 0)
+    return out
 
 
 def mla_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool) -> dict:
@@ -238,4 +253,4 @@ def score_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
     return {"fwd": fwd * per_pass, "bwd": (bwd + (fwd if plan.recompute != "none" else 0)) * per_pass}
 
 
-__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "mla_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
+__all__ = ["score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "router_activation_bytes", "mla_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
