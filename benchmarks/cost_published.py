@@ -27,7 +27,7 @@ def _layout(p) -> str:
 
 NOTES = """Where it misses: Megatron-LM's 1.7B and 3.6B rows (-13%, -9%) are the smallest hidden
 sizes (h=2304, 3072 at tp 1-2). The model now charges the elementwise kernels' HBM traffic (norms,
-residual adds, the MLP activation: `mini3d.cost.activations.elementwise_traffic_s`), which moved
+residual adds, the MLP activation: `mini3d.cost.traffic.elementwise_traffic_s`), which moved
 them from -15% and -12% and the tp8 rows without sequence parallelism up (18.4B +3.7% -> +8.4%:
 their norms and adds run whole on every tp rank); what is left is most likely dropout (its masks
 and the attention-probability dropout Megatron-LM 2021 ran, not counted) and kernel launch gaps,

@@ -71,3 +71,24 @@ def test_explorer_draws_and_refuses_what_does_not_divide():
 def test_routing_run_failure_is_reported():
     with pytest.raises(RuntimeError, match=r"exit 2\)[\s\S]*ep=2 does not divide n_experts=3"):
         X.routing_runs((0.0,), experts=3, top_k=1, steps=1)
+
+
+def test_kv_cache_rows_and_figure_follow_the_one_count():
+    """DeepSeek-V3 at 4,096 tokens in bf16: the rows are mini3d.cost.kv_cache's count (61 layers x
+    576 numbers x 2 bytes per token for the latent), the bars draw their GiB on a log axis."""
+    from mini3d.course.viz.experts import kv_cache_figure
+
+    v3 = PRESETS["deepseek-v3"]
+    rows = {r["kind"]: r for r in X.kv_cache_rows(v3, 4096)}
+    assert rows["mla"]["per_token"] == 61 * 576 * 2 and rows["mla"]["sequence"] == 4096 * 61 * 576 * 2
+    assert rows["full"]["per_layer"] == 128 * (192 + 128) and rows["gqa"]["per_layer"] == 8 * (192 + 128)
+    fig = kv_cache_figure(list(rows.values()), 4096, v3.name)
+    assert fig.layout.yaxis.type == "log" and list(fig.data[0].y) == [r["sequence"] / 2**30 for r in rows.values()]
+
+
+def test_routing_reach_bounds_the_nodes_and_counts_rows_per_node():
+    reach = X.routing_reach(PRESETS["deepseek-v3"])
+    slot, free, limited = reach["every slot"], reach["per node"], reach["per node, limited"]
+    assert slot["rows"] == 8 * 7 / 8 and free["nodes"] == slot["nodes"] > limited["nodes"]
+    assert limited["max"] == 4 and slot["rows"] > free["rows"] > limited["rows"]
+    assert limited["bytes"] / slot["bytes"] == pytest.approx(limited["rows"] / 7)

@@ -124,6 +124,9 @@ def _figures():
                                                         micro_batches=8, seq_len=4096, dtype="bf16"),
                         GPUS["A100-80GB"])
     yield "09 time breakdown", planning.time_breakdown_figure([planning._row(est, "x"), planning._row(est, "y")])
+    from mini3d.course.experts import kv_cache_rows
+    from mini3d.course.viz.experts import kv_cache_figure
+    yield "10 kv cache", kv_cache_figure(kv_cache_rows(PRESETS["deepseek-v3"], 4096), 4096, "deepseek-v3")
     yield "the 70B story", story70b.story_figure(story70b.story_rows({"a": dict(dp=8), "b": dict(tp=8, pp=2)}))
 
 

@@ -29,7 +29,8 @@ e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
 * a MoE layer (`moe_activation_bytes`) keeps, in place of the dense MLP's terms, for its
   n = s*b tokens (s*b/t under sequence parallelism: the layer is whole on every tp rank)
   and r = n * top_k * kept rows (kept: `mini3d.cost.moe.kept_fraction`): the router's float32
-  probabilities 4nE and its top-k indices 8nk; the rows' sort order and token index, 2 * 8r;
+  probabilities 4nE and its top-k indices 8nk (the sigmoid routers more: `router_activation_bytes`);
+  the rows' sort order and token index, 2 * 8r;
   three (r, d) row tensors 3*r*h*e (the permuted input the experts read, their output and its
   weighted copy), the routing weights r*e, and per row the expert MLP's hidden values as the
   dense MLP keeps them, (4 llama | 2 gpt2) * r*F*e with F = moe_width; shared experts as a
@@ -38,6 +39,10 @@ e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
   as many rows as its own tokens send out); dropless, one rank can receive up to
   ep * n * min(top_k, E/ep) rows at worst (every token of the ep group routed to its experts),
   with a capacity factor at most (E/ep) * ceil(C * n * top_k / E) per source rank.
+
+* multi-head latent attention (the deepseek family, `mla_activation_bytes`) keeps its latents
+  whole on every tp rank and the heads' expanded q, k, v split, in place of the qkv, projection
+  input and core terms above.
 
 Selective recompute drops the attention core term (recomputed from Q, K, V). Full recompute
 keeps only the block input, sbh*e (/ t under sequence parallelism), Korthikanti's 2sbh.
@@ -101,6 +106,11 @@ def layer_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool |
     if plan.cp > 1:
         core = (4 * s * b * h + 4 * a * s * b) / t
     split = (qkv * s * b * e + sbh + mlp * s * b * e) / t
+    if cfg.mla:  # the latent attention's own terms in place of q/k/v and the projection input
+        terms = mla_activation_bytes(cfg, plan, fused_attention)
+        rep += terms["latents"]
+        split = terms["heads"] + mlp * s * b * e / t
+        core = terms["core"]
     if moe:
         split += moe_activation_bytes(cfg, plan) - mlp * s * b * e / t
     full = rep + split + core
@@ -126,13 +136,60 @@ def moe_tokens(plan: Plan) -> float:
 def moe_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     """Bytes one MoE layer's mixture keeps for backward, one micro-batch, one rank (the terms:
     the module docstring; the MLP's input is the norm output counted with the block)."""
-    n, e, k, E = moe_tokens(plan), ELEMENT_BYTES[plan.dtype], cfg.top_k, cfg.n_experts
+    n, e, k = moe_tokens(plan), ELEMENT_BYTES[plan.dtype], cfg.top_k
     rows = n * k * kept_fraction(cfg.capacity_factor)
     hidden = 4 if cfg.llama_like else 2  # SwiGLU: gate, up, silu(gate), product; gpt2: fc out, act out
-    router = 4 * n * E + 8 * n * k
+    router = router_activation_bytes(cfg, n)
     routed = 2 * 8 * rows + 3 * rows * cfg.d_model * e + rows * e + hidden * rows * cfg.moe_width * e
     shared = hidden * n * cfg.moe_width * cfg.n_shared_experts * e
     return router + routed + shared
+
+
+def router_activation_bytes(cfg: ModelConfig, n: float) -> float:
+    """What the router (mini3d.models.routers) keeps for `n` tokens: every router its float32
+    probabilities 4nE and top-k indices 8nk; the sigmoid routers gather the chosen scores by
+    those indices (8nk more); with route_groups G > 1 (DeepSeek-V3's node-limited routing) also
+    each group's two best indices (16nG) and the allowed-expert mask (nE bools). Left out: the
+    renormalisation's few float32 values per token (its sums, at most 4n(k + 2): 0.9% of the
+    tiny deepseek MoE layer of tests/test_cost_mla.py, 0.01% of DeepSeek-V3's)."""
+    E, k, G = cfg.n_experts, cfg.top_k, cfg.route_groups
+    out = 4 * n * E + 8 * n * k
+    if cfg.router == "sigmoid":
+        out += 8 * n * k + ((16 * n * G + n * E) if G > 1 else 0)
+    return out
+
+
+def mla_activation_bytes(cfg: ModelConfig, plan: Plan, fused_attention: bool) -> dict:
+    """What multi-head latent attention (mini3d.models.mla, the deepseek family) keeps for
+    backward, one micro-batch, one tp rank, in place of the q/k/v, projection-input and core terms
+    (the block's norms and its input to the down-projections are `_llama_terms`' replicated 6 sbh):
+    {"latents": the down-projections' outputs, whole on every tp rank (tp splits the heads, not
+    the latents): the query latent as its RMSNorm keeps it (input, normalised, output: 3 q_lora_rank
+    wide; none without a query latent), kv_a's whole output [kv latent | rotary key]
+    (kv_lora_rank + qk_rope_dim, the norm's input), the kv latent normalised and its norm's output
+    (2 kv_lora_rank); "heads": the tp-local heads' q and k after the rotation and the shared
+    rotary key's expansion (n * (qk_nope_dim + qk_rope_dim) each), v made contiguous and the
+    projection's input (n * v_head_dim each); "core": the softmax probabilities (a*s^2*b*e, the
+    explicit core) or the fused kernel's output (n * v_head_dim: its (b, a, s, v) layout makes the
+    projection's input a second tensor) and float32 log-sum-exp; with ring attention (cp > 1) v
+    travels padded to q's width (mini3d.models.mla), so v and the float32 output are that wide.
+    Per token, the kv latent and the rotary key are all a KV cache needs to keep
+    (`mini3d.cost.kv_cache.kv_cache_bytes`); training keeps the expanded keys and values as well.
+    Left out, like the other families' small terms: each RMSNorm's float32 rstd (4sb), the
+    rotary cos/sin tables (s * qk_rope_dim each) and the explicit core's causal mask (s^2 bools);
+    with them the count is exact against the saved-tensor ledger (tests/test_cost_mla.py)."""
+    s, b, t, e = local_seq_len(plan), plan.micro_batch_size, plan.tp, ELEMENT_BYTES[plan.dtype]
+    n, qk, r = cfg.n_heads, cfg.head_dim, cfg.kv_lora_rank
+    v = qk if plan.cp > 1 else cfg.v_head_dim  # ring attention pads v to k's width
+    latents = (3 * cfg.q_lora_rank + r + cfg.qk_rope_dim + 2 * r) * s * b * e
+    heads = n * (2 * qk + v + cfg.v_head_dim) * s * b * e / t
+    if plan.cp > 1:
+        core = (4 * s * b * n * qk + 4 * n * s * b) / t
+    elif fused_attention:
+        core = (n * cfg.v_head_dim * s * b * e + 4 * n * s * b) / t
+    else:
+        core = n * s * s * b * e / t
+    return {"latents": latents, "heads": heads, "core": core}
 
 
 def _llama_terms(cfg: ModelConfig, fused_attention: bool) -> tuple[int, int, int]:
@@ -175,57 +232,4 @@ def head_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     return ln + s * b * h * e + s * b * padded_size(cfg.vocab_size, t) // t * 4
 
 
-SCORE_PASSES = {"fwd": 4, "bwd": 8}  # s x s score tensor: written, softmax read + written, read by A.V;
-# backward: probabilities and their gradient read, the softmax gradient read + written, read twice
-
-
-def score_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
-    """Seconds one micro-batch's attention scores spend in HBM, forward and backward, on a GPU
-    whose attention is written out (`plan.attention == "explicit"`, as in Megatron-LM's fused
-    softmax of 2021-22): every token of every local head has s scores, and each pass over them
-    moves their bytes at `memory_bw` (`SCORE_PASSES`; recomputation runs the forward passes
-    again; attention dropout, which mini3d refuses under tp, would add more). Flash attention
-    (sdpa) keeps them on chip: none. A shared host's measured per-token overhead already holds
-    this work: none there either.
-    Relative to the matmuls this is s / (head_dim x h): a fifth of a 1.7B model's step (h=2304,
-    head_dim 96), a few percent at h=12288."""
-    if plan.attention != "explicit" or hw.shared_host:
-        return {"fwd": 0.0, "bwd": 0.0}
-    per_pass = layers * tokens * cfg.n_heads / plan.tp * plan.seq_len * ELEMENT_BYTES[plan.dtype] / hw.memory_bw
-    fwd, bwd = SCORE_PASSES["fwd"], SCORE_PASSES["bwd"]
-    return {"fwd": fwd * per_pass, "bwd": (bwd + (fwd if plan.recompute != "none" else 0)) * per_pass}
-
-
-# Elements read + written per token and layer by the elementwise kernels, in units of h (norms and
-# residual adds, on every tp rank unless sequence-parallel) and of d_ff / t (the MLP activation):
-#   forward:  2 norms (read x, write y: 2h each), 2 residual adds (read 2h, write h each);
-#             GELU reads and writes d_ff/t (2), SwiGLU reads gate and up, writes one (3)
-#   backward: 2 norms (read x and dy, write dx: 3h each), 2 adds (3h each);
-#             GELU reads x and dy, writes dx (3), SwiGLU reads gate, up and dy, writes two (5)
-ELEMENTWISE_ELEMENTS = {"fwd": {"hidden": 10, "gelu": 2, "swiglu": 3},
-                        "bwd": {"hidden": 12, "gelu": 3, "swiglu": 5}}
-
-
-def elementwise_traffic_s(cfg, plan, hw, layers: int, tokens: float) -> dict:
-    """Seconds one micro-batch's memory-bound elementwise kernels spend in HBM, forward and
-    backward (`ELEMENTWISE_ELEMENTS`: the norms, the residual adds and the MLP activation, as
-    Megatron's fused bias-GeLU / bias-dropout-add kernels move them; dropout's masks left out).
-    The norms and adds act on the full hidden vector on every tp rank, or on s/t of the tokens
-    under sequence parallelism. Full recompute runs the forward's kernels again; selective
-    recompute only the attention core's (counted in `score_traffic_s`). A shared host's measured
-    per-token overhead already holds this work: none there. Relative to the matmuls (24 h^2
-    FLOPs a token and layer forward) this is ~6% of a 1.7B model's step (h=2304, tp1) on an A100
-    and ~1% at h=12288 with sequence parallelism. MoE layers are counted as dense ones of d_ff."""
-    if hw.shared_host:
-        return {"fwd": 0.0, "bwd": 0.0}
-    h, t, act = cfg.d_model, plan.tp, "swiglu" if cfg.llama_like else "gelu"
-    out = {}
-    for kind, n in ELEMENTWISE_ELEMENTS.items():
-        per_token = n["hidden"] * h / (t if plan.sequence_parallel else 1) + n[act] * cfg.d_ff / t
-        out[kind] = layers * tokens * per_token * ELEMENT_BYTES[plan.dtype] / hw.memory_bw
-    if plan.recompute == "full":
-        out["bwd"] += out["fwd"]
-    return out
-
-
-__all__ = ["elementwise_traffic_s", "ELEMENTWISE_ELEMENTS", "score_traffic_s", "SCORE_PASSES", "ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]
+__all__ = ["ELEMENT_BYTES", "local_seq_len", "ring_block_bytes", "paper_layer_activation_bytes", "layer_activation_bytes", "moe_tokens", "moe_activation_bytes", "router_activation_bytes", "mla_activation_bytes", "inflight_microbatches", "head_microbatches", "head_activation_bytes"]

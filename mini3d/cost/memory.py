@@ -110,7 +110,13 @@ class MemoryEstimate:
 
     def summary(self) -> str:
         parts = ", ".join(f"{k} {getattr(self, k) / GIB:.2f}" for k in CATEGORIES)
-        return f"stage {self.stage}: {gib(self.total, 2)} per rank ({parts} GiB)"
+        text = f"stage {self.stage}: {gib(self.total, 2)} per rank ({parts} GiB)"
+        x = self.detail.get("experts")
+        if x and x["n_params"]:  # a MoE stage: the routed experts' share of the model states
+            text += (f"; of them routed experts' {x['n_params'] / 1e9:.2f}e9 parameters (this ep "
+                     f"rank's): params {x['params'] / GIB:.2f}, grads {x['grads'] / GIB:.2f}, "
+                     f"optimizer {x['optimizer'] / GIB:.2f} GiB")
+        return text
 
 
 def model_state_bytes(n_params: float, dtype: str, dp: int, zero: int,

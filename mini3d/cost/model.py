@@ -10,7 +10,7 @@ Step time, on the busiest pipeline rank:
   constants are fitted on two rows of Korthikanti et al. (`calibration.py`); the H100 presets'
   eff_max on one torchtitan row (`hardware.H100_EFF_MAX`); every other published row
   (`mini3d.cost.published`) is a prediction. Written-out attention (`attention="explicit"`) also
-  moves its s x s scores through HBM (`activations.score_traffic_s`), flash attention does not.
+  moves its s x s scores through HBM (`traffic.score_traffic_s`), flash attention does not.
 * expert parallelism (ep > 1): per MoE layer and micro-batch four all-to-alls of the rank's
   routed rows (dispatch and combine, forward and backward; `mini3d.cost.comm_time.ep_time`, the
   volume from `mini3d.cost.moe`) on the ep group's links (inside a node while tp*ep <=
@@ -77,39 +77,16 @@ from mini3d.pp.schedules import make_schedule
 from mini3d.pp.simulator import bubble_formula, simulate
 from mini3d.cost.comm_time import cp_time, dp_time, ep_time, members_per_node, tp_time
 from mini3d.cost.flops import FLOPS_CONVENTION, flops_per_token, hardware_flops, layers_flops, model_flops
+from mini3d.cost.efficiency import CALIBRATED, Efficiency, efficiency_for
 from mini3d.cost.hardware import Hardware
-from mini3d.cost.activations import ELEMENT_BYTES, elementwise_traffic_s, local_seq_len, score_traffic_s
+from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len
+from mini3d.cost.traffic import elementwise_traffic_s, score_traffic_s
 from mini3d.cost.host_share import shared_host_step
 from mini3d.cost.memory import MemoryEstimate, estimate_memory
 from mini3d.cost.params import (expert_sharding_degree, head_rank, sharding_degree,
                                 stage_expert_count, stage_layers, stage_param_count)
 
 ADAM_BYTES_PER_PARAM = 28  # read grad + read/write master, m, v (+ write the bf16 copy)
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fraction of peak FLOP/s reached: eff_max * w / (w + half_width)."""
-
-    eff_max: float
-    half_width: float
-
-    def at(self, width: float) -> float:
-        return self.eff_max * width / (width + self.half_width)
-
-
-# Fitted by `mini3d.cost.calibration.fit_efficiency()` on the two Korthikanti et al. 2022 rows
-# (A100-80GB, Megatron-LM); tests check that refitting gives these values and both rows within 5%.
-# The H100 presets carry their own eff_max (`mini3d.cost.hardware`), fitted on one torchtitan row.
-CALIBRATED = Efficiency(eff_max=0.7400, half_width=243.8)
-
-
-def efficiency_for(hw: Hardware, override: Efficiency | None = None) -> Efficiency:
-    if override is not None:
-        return override
-    if hw.eff_max is not None:
-        return Efficiency(hw.eff_max, hw.eff_half_width or 0.0)
-    return CALIBRATED
 
 
 @dataclass

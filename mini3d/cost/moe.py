@@ -14,6 +14,10 @@ token counted once instead of top_k times, or the local share (1 / ep) counted a
 two usual slips (exercises/a2a_volume.py's grader checks both). With a capacity factor the
 dropped slots stay home: `kept` is the fraction of slots kept (1.0 dropless).
 
+Node-limited routing (DeepSeek-V3: a token uses at most route_topk_groups groups, one node
+each) bounds the nodes a token reaches: `nodes_reached` counts them by running the real router,
+`internode_bytes` turns them into the bytes that cross between nodes.
+
 The estimator, the time model, the dry run, the course's figures and the grader call these
 functions; none keeps a copy of the formula.
 """
@@ -60,3 +64,41 @@ def a2a_bytes_per_micro_batch(tokens: int, d_model: int, top_k: int, ep: int,
 def experts_per_rank(n_experts: int, ep: int) -> int:
     """Routed experts one ep rank holds (ep divides n_experts: Plan.problems checks it)."""
     return n_experts // ep
+
+
+# ----------------------------------------------------------------------------- node-limited routing
+
+def nodes_reached(n_experts: int, top_k: int, nodes: int, groups: int = 1, topk_groups: int = 1,
+                  tokens: int = 8192, seed: int = 0) -> dict:
+    """How many nodes one token's top_k experts sit on, with the E experts spread over `nodes`
+    nodes in order (expert e on node e // (E / nodes); DeepSeek-V3 puts each of its 8 groups on
+    one node) and routed by the real router (`mini3d.models.routers.GroupedSigmoidRouter`:
+    groups=1 is plain top-k; else the best `topk_groups` of `groups` groups, node-limited
+    routing) on random scores (`tokens` tokens of standard-normal logits, seeded; no bias, so
+    every expert is equally likely: balanced routing). Returns {"mean": distinct nodes per token,
+    "max": the most any token reached, "remote": distinct nodes other than the token's own per
+    token (its source node drawn uniformly, so a reached node is its own with probability
+    1 / nodes)}. A token crosses to each remote node once when the dispatch sends it node by
+    node and forwards it inside the node (DeepSeek-V3's all-to-all: `internode_bytes`)."""
+    import torch
+
+    from mini3d.models.routers import GroupedSigmoidRouter
+
+    if n_experts % nodes or n_experts % groups:
+        raise ValueError(f"n_experts={n_experts} must split evenly over nodes={nodes} and "
+                         f"groups={groups}")
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, n_experts, generator=g)
+    router = GroupedSigmoidRouter(groups, topk_groups, 1.0, True)
+    _, experts, _ = router.route(logits, top_k, torch.zeros(n_experts))
+    node = experts // (n_experts // nodes)  # (tokens, k)
+    hit = torch.zeros(tokens, nodes, dtype=torch.bool).scatter_(1, node, True).sum(1).double()
+    return {"mean": hit.mean().item(), "max": int(hit.max()), "remote": hit.mean().item() * (nodes - 1) / nodes}
+
+
+def internode_bytes(tokens: int, d_model: int, element_bytes: int, rows_per_token: float) -> float:
+    """Bytes one node's `tokens` tokens send to other nodes in ONE all-to-all when each token
+    crosses as `rows_per_token` rows of d_model values: `nodes_reached(...)["remote"]` when the
+    dispatch sends a token once per node, top_k * (nodes - 1) / nodes when it sends every
+    token-slot on its own (`a2a_bytes`'s count with ep = nodes)."""
+    return tokens * rows_per_token * d_model * element_bytes

@@ -104,3 +104,19 @@ def expert_sharding_degree(plan: Plan) -> int:
     """Ranks that hold the same routed experts, reduce their gradients and share ZeRO's shards of
     them: the expert-data-parallel group, dp*cp / ep (= sharding_degree without ep)."""
     return plan.dp * plan.cp // plan.ep
+
+
+ACTIVE_PARAMS_COUNT = ("the token embedding and the output head, every layer's attention and "
+                       "norms, the dense layers' MLPs, and per MoE layer the router, the top_k "
+                       "routed experts and the shared experts")
+
+
+def active_params_convention(cfg: ModelConfig) -> str:
+    """What `ModelConfig.active_params` counts, with the number, and the same count without the
+    input embedding (a table lookup, no matmul: how DeepSeek's model cards count "activated",
+    e.g. DeepSeek-V3's 37B against mini3d's 37.55e9, 36.63e9 without it). A tied table is also
+    the head's matmul, so nothing is left out for it. `mini3d estimate` prints this for MoE models."""
+    active = cfg.active_params()
+    lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    return (f"active_params {active / 1e9:.2f}e9 counts {ACTIVE_PARAMS_COUNT}; without the input "
+            f"embedding (a lookup, as DeepSeek's cards count 'activated'): {(active - lookup) / 1e9:.2f}e9")

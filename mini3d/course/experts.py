@@ -15,6 +15,10 @@
     ep_vs_tp(cfg, gpus)            parameters and model-state bytes per GPU, and bytes sent per
                                    step, of ep against tp on one node (mini3d.cost.memory,
                                    mini3d.cost.model, mini3d.cost.moe)
+    kv_cache_rows(cfg, seq_len)    KV-cache bytes per token and per sequence of full heads, GQA
+                                   and MLA's latent (mini3d.cost.kv_cache)
+    routing_reach(cfg)             nodes a token reaches with and without node-limited routing,
+                                   and the inter-node rows and bytes (mini3d.cost.moe)
 
 The live runs go through the command line, as a learner would type it, so whatever `--ep` does
 in the engine (today: dp with the experts replicated, the same numbers by parity) is what the
@@ -247,6 +251,41 @@ def ep_vs_tp(cfg, gpus: int = 8, seq_len: int = 4096, dtype: str = "bf16", gpu: 
     return rows
 
 
-__all__ = ["FWD_FLOPS_PER_PARAM", "ROUTING_RUN", "a2a_rows", "balanced_kept", "busiest_share", "late_share",
+# ---------------------------------------------------------------- DeepSeek-V3: MLA's cache, node-limited routing
+
+
+def kv_cache_rows(cfg, seq_len: int, kv_heads: int = 8, element_bytes: int = 2) -> list[dict]:
+    """Full heads, GQA with `kv_heads` groups and MLA's latent, each with cfg's head widths: the
+    numbers one token adds to one layer's cache (`per_layer`), its bytes over all layers
+    (`per_token`) and one sequence of `seq_len` tokens (`sequence`), by mini3d.cost.kv_cache."""
+    from mini3d.cost.kv_cache import kv_cache_bytes, kv_cache_elements
+
+    labels = {"full": f"full heads ({cfg.n_heads})", "gqa": f"GQA ({kv_heads} groups)", "mla": "MLA latent"}
+    return [dict(kind=k, label=label, per_layer=kv_cache_elements(cfg, k, kv_heads),
+                 per_token=kv_cache_bytes(cfg, 1, element_bytes, k, kv_heads),
+                 sequence=kv_cache_bytes(cfg, seq_len, element_bytes, k, kv_heads))
+            for k, label in labels.items()]
+
+
+def routing_reach(cfg, tokens: int = 4096, element_bytes: int = 2) -> dict:
+    """cfg's experts in route_groups groups, one node each: per token, the nodes its top_k reach and
+    the rows that cross to other nodes in one all-to-all, with `bytes` for `tokens` tokens
+    (mini3d.cost.moe): "every slot" sends each remote token-slot on its own; "per node" sends a
+    token once to each remote node it uses (forwarded inside the node), without the group limit;
+    "per node, limited" also keeps each token within route_topk_groups groups (node-limited routing)."""
+    from mini3d.cost.moe import internode_bytes, nodes_reached
+
+    nodes, E, k = cfg.route_groups, cfg.n_experts, cfg.top_k
+    free = nodes_reached(E, k, nodes)
+    limited = nodes_reached(E, k, nodes, nodes, cfg.route_topk_groups)
+    out = {}
+    for name, reach, rows in (("every slot", free, k * (nodes - 1) / nodes), ("per node", free, free["remote"]),
+                              ("per node, limited", limited, limited["remote"])):
+        out[name] = dict(nodes=reach["mean"], max=reach["max"], rows=rows,
+                         bytes=internode_bytes(tokens, cfg.d_model, element_bytes, rows))
+    return out
+
+
+__all__ = ["FWD_FLOPS_PER_PARAM", "kv_cache_rows", "routing_reach", "ROUTING_RUN", "a2a_rows", "balanced_kept", "busiest_share", "late_share",
            "capacity_cfg", "capacity_rows", "ep_vs_tp", "expert_params", "moe_layer_count",
            "routing_command", "routing_runs", "start_routing_runs", "why_experts"]

@@ -79,6 +79,7 @@ def plan_from_args(args, cfg: ModelConfig) -> Plan:
 
 def cmd_estimate(args) -> int:
     from mini3d.cost.model import estimate_cost
+    from mini3d.cost.params import active_params_convention
     from mini3d.cost.planner import describe, why_not
 
     cfg = model_from_args(args)
@@ -87,6 +88,8 @@ def cmd_estimate(args) -> int:
     est = estimate_cost(cfg, plan, hw, args.gpus)
     stages = estimate_all_stages(cfg, plan)
     notes = preset_notes(cfg)  # what the preset's counts leave out (deepseek-v3: its MTP module)
+    if cfg.n_experts:  # what "active" counts (the cards' "activated" leave the embedding out)
+        notes.append(active_params_convention(cfg))
     if args.json:
         out = est.as_dict()
         out["memory_per_stage_bytes"] = [dict(s.as_dict(), detail=None) for s in stages]

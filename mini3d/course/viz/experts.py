@@ -6,6 +6,7 @@
     capacity_figure(rows)            dropped token-slots against the capacity factor
     a2a_figure(rows)                 bytes one GPU sends per step against ep, one line per top_k
     moe_explorer(cfg)                ep / top_k / capacity-factor sliders over the all-to-all volume
+    kv_cache_figure(rows, seq_len)   one sequence's KV cache for full heads, GQA and MLA's latent
 
 The data comes from `mini3d.course.experts` (live runs through `mini3d train`, one MoE layer of
 `mini3d.models.moe`, the volume of `mini3d.cost.moe`); nothing here computes a number itself.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from mini3d.course.viz.theme import CAPACITY_COLOR, GIB, new_figure
+from mini3d.course.viz.theme import CAPACITY_COLOR, GIB, gib, new_figure
 
 COEF_COLORS = ["#c8553d", "#3b6fb6", "#2e9e5b", "#8e6bbf"]
 TOPK_COLORS = {1: "#9a9a9a", 2: "#3b6fb6", 4: "#e8893a", 8: "#2e9e5b"}
@@ -75,6 +76,22 @@ def _a2a_traces(fig, rows: list[dict]):
                         name=f"top_k={k}", line_color=TOPK_COLORS.get(k, "#8e6bbf"))
 
 
+KV_COLORS = {"full": "#c8553d", "gqa": "#3b6fb6", "mla": "#2e9e5b"}
+
+
+def kv_cache_figure(rows: list[dict], seq_len: int, name: str = ""):
+    """rows of mini3d.course.experts.kv_cache_rows: one sequence's cache, one bar per attention,
+    on a log axis (the three differ by up to two orders of magnitude)."""
+    fig = new_figure(f"{name + ': ' if name else ''}KV cache of one {seq_len:,}-token sequence",
+                     "what each layer caches per token", "cache (GiB, log)")
+    fig.add_bar(x=[r["label"] for r in rows], y=[r["sequence"] / GIB for r in rows],
+                marker_color=[KV_COLORS.get(r["kind"], "#8e6bbf") for r in rows], name="KV cache",
+                text=[f"{gib(r['sequence'], 2)} ({r['per_layer']:,} numbers a layer)" for r in rows],
+                textposition="outside", showlegend=False)
+    fig.update_yaxes(type="log")
+    return fig
+
+
 def moe_view(cfg, ep: int, top_k: int, capacity_factor: float, tokens: int = 4096) -> dict:
     """What the explorer draws for one setting: the volume against every ep that divides the
     experts (lines for top_k and for top_k=1), the chosen point, and the status numbers."""
@@ -128,4 +145,4 @@ def moe_explorer(cfg, ep: int = 4, capacity_factor: float = 0.0, tokens: int = 4
     return _explorer(controls, fig, status, update)
 
 
-__all__ = ["a2a_figure", "capacity_figure", "load_figure", "moe_explorer", "moe_view", "routing_figure"]
+__all__ = ["kv_cache_figure", "KV_COLORS", "a2a_figure", "capacity_figure", "load_figure", "moe_explorer", "moe_view", "routing_figure"]
