@@ -10,6 +10,10 @@ Each kind reproduces one way a real 3D-parallel job fails, on rank RANK during o
                extra row (ARG: the axis)
     p2p-order  its first send of the step becomes "recv first, then send": with a pipeline
                neighbour that also receives first, both wait forever (a real deadlock)
+    a2a-split  its first all-to-all of token rows in the step (expert parallelism's dispatch,
+               whose sizes the count exchange before it announced) sends one extra row to the
+               next member of its ep group: the sizes it sends disagree with what that peer
+               expects (gloo aborts the receiver; NCCL hangs or corrupts); needs ep >= 2
     slow       the rank sleeps ARG seconds (default 2) at the start of the step: a straggler; the
                job must finish with the right numbers, only later
     freeze     the rank stops itself (SIGSTOP) at the start of the step: a frozen process that
@@ -39,7 +43,7 @@ from mini3d.comm import COLLECTIVES
 from mini3d.cost.memory import CATEGORIES
 from mini3d.exits import EXIT_OOM, Mini3dError
 
-KINDS = ("crash", "skip", "shape", "p2p-order", "slow", "oom", "freeze", "raise")
+KINDS = ("crash", "skip", "shape", "p2p-order", "a2a-split", "slow", "oom", "freeze", "raise")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
           "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -95,6 +99,9 @@ def fault_problems(fault: Fault, plan, steps: int | None = None) -> list[str]:
     if fault.kind == "p2p-order" and plan.pp < 2:
         out.append(f"--inject-fault {fault}: p2p-order needs pipeline neighbours (pp >= 2, got "
                    f"pp={plan.pp})")
+    if fault.kind == "a2a-split" and getattr(plan, "ep", 1) < 2:
+        out.append(f"--inject-fault {fault}: a2a-split needs expert parallelism's all-to-all "
+                   f"(--ep >= 2 with --experts, got ep={getattr(plan, 'ep', 1)})")
     return out
 
 
@@ -224,6 +231,8 @@ class FaultInjector:
         if kind == "shape":  # an op whose wrong size a peer notices: gloo lets a broadcast's
             # receiver (or a recv) take a message shorter than its buffer, so not those
             return ev.op in ("all_reduce", "send") or (ev.op == "broadcast" and ev.wire_bytes > 0)
+        if kind == "a2a-split":  # token rows (floating), not the integer count table announcing them
+            return ev.op == "all_to_all" and not ev.dtype.startswith(("int", "uint"))
         return kind == "p2p-order" and ev.op == "send"
 
     def __call__(self, ev, tensor: torch.Tensor):
@@ -234,9 +243,8 @@ class FaultInjector:
         kind = self.fault.kind
         if kind == "skip":
             return comm.SKIP
-        if kind == "shape":
-            flat = tensor.reshape(-1)
-            out = torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+        if kind in ("shape", "a2a-split"):
+            out = self._extra_row(ev, tensor)
             ev.shape = tuple(out.shape)  # what is issued: the black box records it again
             if self.topo.log.on_issue is not None:
                 self.topo.log.on_issue(ev)
@@ -244,6 +252,21 @@ class FaultInjector:
         axis = self.topo.axes[ev.axis]  # p2p-order: receive first, then send (if ever)
         comm.recv(torch.empty_like(tensor), axis, ev.peer)
         return tensor
+
+    def _extra_row(self, ev, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` with one row more: at the end (shape), or at the end of the block for the
+        next member of the group, whose input split grows by one (a2a-split: `ev.splits` then
+        holds what is sent, the peer's output split what it expects)."""
+        if ev.op != "all_to_all":
+            flat = tensor.reshape(-1)
+            return torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+        ins, outs = list(ev.splits[0]), ev.splits[1]
+        peer = (ev.group.index(self.topo.rank) + 1) % len(ev.group)
+        end = sum(ins[:peer + 1])
+        row = tensor[end - 1:end] if ins[peer] else tensor.new_zeros((1,) + tuple(tensor.shape[1:]))
+        ins[peer] += 1
+        ev.splits = (tuple(ins), outs)
+        return torch.cat([tensor[:end], row, tensor[end:]])
 
 
 __all__ = ["Fault", "FaultInjector", "KINDS", "OutOfMemory", "fault_problems",
