@@ -40,3 +40,42 @@ def test_a2a_split_names_the_sender_and_both_sizes(tmp_path, capfd):
                   r"rows to rank 0, which expected (\d+) from it", ex.text)
     assert m and int(m.group(1)) == int(m.group(2)) + 1, ex.text
     assert "a2a-split:1:1" in ex.text and "grid tp=1 ep=2 pp=1 dp=2" in ex.text
+
+
+@pytest.mark.timeout(400)
+def test_ep_trains_from_hf_weights_and_samples_as_without_ep(tmp_path, capfd):
+    """`--init-from-hf` of a Mixtral directory over dp2 ep2 (each rank slices its 2 of the 4
+    experts from the full HF tensors, as a resume does): the first loss is transformers' on the
+    same batch, and the losses of 2 steps and the `--sample-every` text (the reporting rank
+    generates from the full state, the experts gathered over ep: `gather_full_state`) are those
+    of the one-process run. float64, so that the summation order of the dp/ep reductions
+    (~1e-16 relative) cannot move a sampled token or a loss past 1e-9."""
+    import json
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from mini3d.data.corpus import Batches, load_tokens
+    from tests.test_hf import moe_config, saved
+
+    hf = saved(moe_config("mixtral", vocab_size=256), tmp_path / "hf").eval()
+    assert isinstance(hf, transformers.MixtralForCausalLM)
+    common = ["train", "--init-from-hf", str(tmp_path / "hf"), "--steps", "2", "--seq-len", "16",
+              "--global-batch", "4", "--micro-batches", "1", "--dtype", "float64",
+              "--sample-every", "1", "--no-progress", "--timeout", "250"]
+    out = {}
+    for name, layout in (("ep", ["--dp", "2", "--ep", "2"]), ("one", [])):
+        log = tmp_path / f"{name}.jsonl"
+        assert main([*common, *layout, "--log-jsonl", str(log)]) == 0
+        err = capfd.readouterr().err
+        samples = [line for line in err.splitlines() if line.startswith("sample at step")]
+        losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+        out[name] = losses, samples
+    assert len(out["ep"][1]) == 2 and out["ep"][1] == out["one"][1], out  # the same text
+    assert all(not s.endswith(": ''") for s in out["ep"][1]), out  # (48 tokens each)
+    assert out["ep"][0] == pytest.approx(out["one"][0], rel=1e-9, abs=1e-9)
+    x, y = Batches(load_tokens(), 16, 4, 0).global_batch_at(0)  # the batch of step 1 (seed 0)
+    with torch.no_grad():  # transformers in float32: its weights are the float32 HF ones
+        want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
+    assert out["ep"][0][0] == pytest.approx(want, abs=1e-5), (out["ep"][0][0], want)
