@@ -79,3 +79,66 @@ def test_ep_trains_from_hf_weights_and_samples_as_without_ep(tmp_path, capfd):
     with torch.no_grad():  # transformers in float32: its weights are the float32 HF ones
         want = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten()).item()
     assert out["ep"][0][0] == pytest.approx(want, abs=1e-5), (out["ep"][0][0], want)
+
+
+# A MoE model whose routed experts are most of its states (8 experts of 512, d 64), over dp=4
+MOE = dict(n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=128, family="llama",
+           n_experts=8, top_k=2, moe_ffn=512, name="oom-moe")
+
+
+def _moe_plan(**kw):
+    from mini3d.config import ModelConfig, Plan
+
+    return ModelConfig(**MOE), Plan(dp=4, global_batch=8, seq_len=64, dtype="float32", **kw)
+
+
+def test_oom_report_names_expert_states_and_suggests_a_larger_ep():
+    """`--memory-budget`'s report (check_budget): the expert states and the ep dispatch buffers
+    are lines of their own, the estimator's numbers (`estimate_memory`'s detail), and the plans
+    that fit include one with a larger ep (the planner walks ep)."""
+    from mini3d.cost.memory import estimate_memory
+    from mini3d.diagnose.faults import OutOfMemory
+    from mini3d.diagnose.oom import check_budget, estimated_bytes
+
+    cfg, plan = _moe_plan()  # ep=1: 24 of its 30.5 MiB are expert states
+    est = estimate_memory(cfg, plan, 0)
+    with pytest.raises(OutOfMemory) as e:
+        check_budget(estimated_bytes(cfg, plan, 0), 20 * 2**20, 0, {"tp": 0, "pp": 0, "dp": 0},
+                     cfg, plan)
+    report = e.value.report
+    experts = est.detail["experts"]["total"]
+    assert re.search(rf"optimizer .*\n +experts +- +{experts / 2**20:,.1f} MiB", report), report
+    assert "a2a bufs" not in report  # ep=1: no dispatch across ranks
+    fits = report.split("plans that would fit: ")[1].split("; ")
+    assert any(" ep2 " in f or " ep4 " in f for f in fits), report
+    # ep=2: the experts halve, and the dispatch's send and receive buffers show up
+    cfg, plan = _moe_plan(ep=2)
+    est = estimate_memory(cfg, plan, 0)
+    with pytest.raises(OutOfMemory) as e:
+        check_budget(estimated_bytes(cfg, plan, 0), 4 * 2**20, 0, {"tp": 0, "pp": 0, "dp": 0},
+                     cfg, plan)
+    a2a = est.detail["comm_buffers"]["ep"]
+    assert a2a > 0 and re.search(rf"comm_buffers .*\n +a2a bufs +- +{a2a / 2**20:,.1f} MiB",
+                                 e.value.report), e.value.report
+    assert est.detail["experts"]["total"] == experts / 2
+
+
+def test_injected_oom_under_ep_names_the_expert_lines():
+    """`--inject-fault oom` with experts (the estimate the session hands the injector, for_run)."""
+    from types import SimpleNamespace
+
+    from mini3d.comm_log import CommLog
+    from mini3d.diagnose.faults import OutOfMemory
+    from mini3d.diagnose.session import for_run
+    from mini3d.run.config import RunConfig
+
+    cfg, plan = _moe_plan(ep=2)
+    topo = SimpleNamespace(rank=0, coords={"tp": 0, "ep": 0, "pp": 0, "dp": 0}, log=CommLog(0),
+                           pp=SimpleNamespace(index=0))
+    diag = for_run(topo, RunConfig(model=cfg, plan=plan, inject_fault="oom:0:1",
+                                   memory_budget="8MiB"))
+    diag.step_start(0, lambda: {"params": 2**20})
+    with pytest.raises(OutOfMemory) as e:
+        diag.step_start(1, lambda: {"params": 2**20})
+    assert e.value.report.startswith("OUT OF MEMORY on rank 0 (tp=0, ep=0, pp=0, dp=0)")
+    assert "    experts " in e.value.report and "    a2a bufs " in e.value.report, e.value.report

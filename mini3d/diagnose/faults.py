@@ -135,25 +135,46 @@ REMEDIES = {
 def oom_report(rank: int, coords: dict, measured: dict, estimated: dict | None, budget: int,
                category: str, requested: int, fits: list[str] | None = None) -> str:
     """The OOM report: which rank, which category, measured vs estimated per category, what fits."""
-    where = ", ".join(f"{k}={coords[k]}" for k in ("tp", "pp", "dp") if k in coords)
+    where = ", ".join(f"{k}={coords[k]}" for k in ("tp", "cp", "ep", "pp", "dp") if k in coords)
     total = sum(measured.get(c, 0) for c in CATEGORIES)
     doing = (f"allocating {_mib(requested)} of {category} with {_mib(total)} in use" if requested
              else f"{_mib(total)} measured in use, most of it {category},")
     lines = [f"OUT OF MEMORY on rank {rank} ({where}): {doing} exceeds the memory budget of "
              f"{_mib(budget)}",
              f"  {'category':<13}{'measured':>14}{'estimated':>14}"]
+    moe = _expert_lines(estimated)
     for c in CATEGORIES:
         est = _mib(estimated[c]) if estimated and c in estimated else "-"
         mark = ("   <- this allocation" if requested else "   <- largest") if c == category else ""
         lines.append(f"  {c:<13}{_mib(measured.get(c, 0)):>14}{est:>14}{mark}")
+        lines += moe.get(c, [])
     est_total = _mib(sum(estimated.get(c, 0) for c in CATEGORIES)) if estimated else "-"
     lines.append(f"  {'total':<13}{_mib(total + requested):>14}{est_total:>14}   (with the request)")
     if fits:
         lines.append("plans that would fit: " + "; ".join(fits))
     else:
-        lines.append(f"to fit: lower {category} ({REMEDIES.get(category, 'tp or pp')}) or raise "
-                     f"the budget; `mini3d plan` lists plans that fit")
+        lines.append(f"to fit: lower {category} ({REMEDIES.get(category, 'tp or pp')}"
+                     + ("; the expert states also with a larger ep" if moe else "")
+                     + ") or raise the budget; `mini3d plan` lists plans that fit")
     return "\n".join(lines)
+
+
+def _expert_lines(estimated: dict | None) -> dict[str, list[str]]:
+    """A MoE model's share of the estimate on lines of its own (from the estimator's `detail`,
+    `mini3d.cost.memory.estimate_stage`): the routed experts' states this rank holds (part of
+    params, grads and optimizer; E/ep experts, ZeRO-sharded over edp) and expert parallelism's
+    dispatch buffers (part of comm_buffers: `mini3d.cost.moe.a2a_buffer_bytes`). Estimated only:
+    the live ledger does not split the categories. {category: the lines to print below it}."""
+    detail = (estimated or {}).get("detail") or {}
+    experts, ep = detail.get("experts") or {}, (detail.get("comm_buffers") or {}).get("ep", 0)
+    out = {}
+    if experts.get("total"):
+        out["optimizer"] = [f"  {'  experts':<13}{'-':>14}{_mib(experts['total']):>14}   (of the three "
+                            f"above: the states of {experts.get('n_params', 0):,} expert parameters)"]
+    if ep:
+        out["comm_buffers"] = [f"  {'  a2a bufs':<13}{'-':>14}{_mib(ep):>14}   (of comm_buffers: the "
+                               f"ep dispatch's send and receive rows)"]
+    return out
 
 
 class OutOfMemory(Mini3dError, RuntimeError):
