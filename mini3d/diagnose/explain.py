@@ -29,8 +29,8 @@ from mini3d.diagnose.run_dir import Run, death, doing, entered, load_run, pick_j
 class Explanation:
     text: str
     culprit: int | None = None  # world rank judged responsible
-    kind: str = "unknown"  # crash, error, stopped, skip, shape(-p2p), p2p-order, a2a-split, straggler, oom, save,
-    # finished, unknown
+    kind: str = "unknown"  # crash, error, stopped, skip, shape(-p2p), p2p-order, a2a-split,
+    # straggler, oom, save, finished, unknown
     findings: list = field(default_factory=list)
 
 

@@ -278,7 +278,7 @@ class FaultInjector:
         """`tensor` with one row more: at the end (shape), or at the end of the block for the
         next member of the group, whose input split grows by one (a2a-split: `ev.splits` then
         holds what is sent, the peer's output split what it expects)."""
-        if ev.op != "all_to_all":
+        if self.fault.kind == "shape":
             flat = tensor.reshape(-1)
             return torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
         ins, outs = list(ev.splits[0]), ev.splits[1]
