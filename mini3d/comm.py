@@ -103,17 +103,17 @@ def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, 
          splits=None):
     """Record, issue `fn(tensor)` (always asynchronously: it returns a Work), and wait for it
     unless the caller asked for `async_op` (then the caller waits through TracedWork). `splits`:
-    an all-to-all's (input, output) split sizes, kept on the event (for explain-hang)."""
+    an all-to-all's (input, output) split sizes, kept on the event (for explain-hang) and issued
+    as the event has them, `fn(tensor, ev.splits)` (a fault may change them: a2a-split)."""
     log = axis.log
-    eid, ev = log.begin(axis, op, tensor, nbytes, wire, peer, seq_key)
-    ev.splits = splits
+    eid, ev = log.begin(axis, op, tensor, nbytes, wire, peer, seq_key, splits=splits)
     if log.fault is not None:
         tensor = log.fault(ev, tensor)
         if tensor is SKIP:
             log.retract(eid, ev, seq_key)
             return DONE if async_op else None
-        ev.shape = tuple(tensor.shape)  # a fault may have changed it
-    work = fn(tensor)
+        ev.shape = tuple(tensor.shape)  # a fault may have changed it (an all-to-all's splits too)
+    work = fn(tensor) if splits is None else fn(tensor, ev.splits)
     blocking = tensor.device.type != "cuda"  # gloo's wait() returns once the op is done
     if async_op:
         return TracedWork(work, log, eid, ev, after, blocking)
@@ -205,8 +205,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, axis, output_splits=No
     row = input.element_size() * (math.prod(input.shape[1:]) if input.dim() else 1)
     b, wire = _nbytes(input), (sum(ins) - ins[axis.index]) * row
     return _run(axis, "all_to_all", input, b, wire,
-                lambda t: dist.all_to_all_single(output, t, outs, ins, group=axis.group,
-                                                 async_op=True),
+                lambda t, s: dist.all_to_all_single(output, t, list(s[1]), list(s[0]),
+                                                    group=axis.group, async_op=True),
                 async_op, splits=(tuple(ins), tuple(outs)))
 
 

@@ -110,7 +110,7 @@ class CommLog:
 
     def begin(self, axis, op: str, tensor: torch.Tensor, nbytes: int, wire: int,
               peer: int | None = None, seq_key: str | None = None,
-              batch: int | None = None) -> tuple[int, Event]:
+              batch: int | None = None, splits: tuple | None = None) -> tuple[int, Event]:
         key = (axis.name, seq_key or op)
         if self.works:
             self.reap()
@@ -118,7 +118,7 @@ class CommLog:
             self._seq[key] += 1
             ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
                        str(tensor.dtype).replace("torch.", ""), nbytes, wire, time.perf_counter(),
-                       peer=peer, context=dict(self.context), batch=batch)
+                       peer=peer, context=dict(self.context), batch=batch, splits=splits)
             self.bytes_by_axis[axis.name] += nbytes
             self.wire_bytes_by_axis[axis.name] += wire
             self.count_by_axis_op[(axis.name, op)] += 1

@@ -85,6 +85,7 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--inject-fault crash:0:99", "step 99 is never reached"),
     ("--inject-fault skip:0:1", "a single process issues no collective"),
     ("--inject-fault p2p-order:0:1", "p2p-order needs pipeline neighbours"),
+    ("--dp 2 --inject-fault a2a-split:0:1", "a2a-split needs expert parallelism's all-to-all"),
     ("--memory-budget 12XB", "size '12XB' is not understood"),
     # added here
     ("--device tpu", "device='tpu' is unknown"),

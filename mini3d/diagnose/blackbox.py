@@ -42,6 +42,8 @@ class BlackBox:
             return  # outside the training loop's steps: nothing to compare it with
         rec = {"axis": ev.axis, "op": ev.op, "seq": ev.seq, "group": list(ev.group),
                "shape": list(ev.shape), "peer": ev.peer, "context": dict(ev.context)}
+        if ev.splits is not None:  # an all-to-all's (sent, expected) rows per member
+            rec["splits"] = [list(ev.splits[0]), list(ev.splits[1])]
         if retracted:
             rec["retracted"] = True
         try:

@@ -1,7 +1,8 @@
-"""Two findings `explain` looks for in a failed run's dumps: a collective whose members disagree on
-its shape (`shape_mismatch`, with the side that departed from its own previous step named), and
-the first op #k of a group that members issued from different points of the program
-(`first_divergence`: the member that skipped one op before it).
+"""Three findings `explain` looks for in a failed run's dumps: a collective whose members disagree on
+its shape (`shape_mismatch`, with the side that departed from its own previous step named), the
+first op #k of a group that members issued from different points of the program
+(`first_divergence`: the member that skipped one op before it), and an all-to-all whose sender's
+split sizes disagree with what its peer expects (`split_mismatch`, from the events' `splits`).
 """
 
 from __future__ import annotations
@@ -82,4 +83,40 @@ def first_divergence(run: Run) -> tuple[int, str] | None:
     return None
 
 
-__all__ = ["shape_mismatch", "first_divergence"]
+def _a2a_events(run: Run) -> dict[int, dict[tuple, dict]]:
+    """{rank: {(axis, seq): all_to_all event with splits}} from the dumps and the black boxes (a
+    rank gloo aborted left only its black box)."""
+    out: dict[int, dict[tuple, dict]] = {}
+    for r in set(run.dumps) | set(run.issued):
+        mine = out.setdefault(r, {})
+        for e in run.issued.get(r, []) + (run.dumps[r]["events"] if r in run.dumps else []):
+            if e["op"] == "all_to_all" and e.get("splits"):
+                mine[(e["axis"], e["seq"])] = e  # the dump's last: it has what was issued
+    return out
+
+
+def split_mismatch(run: Run) -> tuple[int, str] | None:
+    """(sender, text) of the first all_to_all in which a member sent a peer another number of rows
+    than the peer expected from it (its input split vs the peer's output split). The peer's
+    expectation is what the sender announced (mini3d's dispatch exchanges the counts first), so
+    the sender is the one that departed from it."""
+    events = _a2a_events(run)
+    for a, mine in sorted(events.items()):
+        for key, e in sorted(mine.items(), key=lambda kv: kv[1]["seq"]):
+            group, (ins, _) = list(e["group"]), e["splits"]
+            for j, b in enumerate(group):
+                theirs = events.get(b, {}).get(key)
+                if b == a or theirs is None:
+                    continue
+                expected = theirs["splits"][1][group.index(a)]
+                if ins[j] != expected:
+                    ctx = ", ".join(f"{k} {v}" for k, v in (e.get("context") or {}).items())
+                    return a, (f"split sizes disagree in all_to_all #{e['seq']} on the {e['axis']} "
+                               f"group {group}" + (f" ({ctx})" if ctx else "") + f": rank {a} sent "
+                               f"{ins[j]} rows to rank {b}, which expected {expected} from it "
+                               f"(rank {a}'s input splits {list(ins)}, rank {b}'s output splits "
+                               f"{list(theirs['splits'][1])}: the counts rank {a} announced)")
+    return None
+
+
+__all__ = ["shape_mismatch", "first_divergence", "split_mismatch"]

@@ -9,8 +9,9 @@ we ask every other member (or the p2p peer) whether it has entered the matching 
 edge of a wait-for graph, labelled with what that member does instead. Following the edges ends at
 the culprit: a rank that crashed (no dump), finished without the op (it skipped one), runs outside
 communication (a straggler), or at a cycle (a point-to-point order deadlock). Independently, the
-same op's shape is compared across members (shape mismatch), and each group's ops are aligned by
-seq to find the first one whose step or shape differs between members (where a skip happened).
+same op's shape is compared across members (shape mismatch), an all-to-all's split sizes between
+sender and receiver (a2a-split), and each group's ops are aligned by seq to find the first one
+whose step or shape differs between members (where a skip happened).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from mini3d.diagnose.history import (describe_op, diverged_behind_abort, diverging_rank, own_error,
                                      process_state)
-from mini3d.diagnose.divergence import first_divergence, shape_mismatch
+from mini3d.diagnose.divergence import first_divergence, shape_mismatch, split_mismatch
 from mini3d.diagnose.run_dir import Run, death, doing, entered, load_run, pick_job, seq_key, who
 
 
@@ -28,8 +29,8 @@ from mini3d.diagnose.run_dir import Run, death, doing, entered, load_run, pick_j
 class Explanation:
     text: str
     culprit: int | None = None  # world rank judged responsible
-    kind: str = "unknown"  # crash, error, stopped, skip, shape(-p2p), p2p-order, straggler, oom, save,
-    # finished, unknown
+    kind: str = "unknown"  # crash, error, stopped, skip, shape(-p2p), p2p-order, a2a-split,
+    # straggler, oom, save, finished, unknown
     findings: list = field(default_factory=list)
 
 
@@ -108,6 +109,9 @@ HINTS = {
              "differs (a per-rank batch or padding size?)",
     "shape-p2p": "a send and its recv must have the same shape: rank {c}'s send differs from what "
                  "its pipeline neighbour expects (a micro-batch or sequence length that varies?)",
+    "a2a-split": "an all-to-all's sizes must agree: what rank {c} sends member j (its input "
+                 "split j) is what j expects from it (j's output split), the counts exchanged "
+                 "before the rows; derive both from one count table (mini3d.ep.dispatch)",
     "p2p-order": "pair every send with a recv posted in a compatible order: the lower pipeline "
                  "index sends first, the higher receives first (see mini3d.pp.p2p.PipeP2P.exchange)",
     "straggler": "rank {c} is slow or stuck outside communication: compare its step time, or "
@@ -172,6 +176,9 @@ def _culprit(run: Run) -> tuple[int | None, str, list[str]]:
     for r in sorted(run.dumps):
         for m, why in waits_for(run, r):
             waits.append(f"{who(run, r)} waits in {describe_op(run.dumps[r]['blocked'])}; {why}")
+    split = split_mismatch(run)
+    if split:
+        return split[0], "a2a-split", findings + waits + [split[1]]
     shape = shape_mismatch(run)
     skip = first_divergence(run)
     ends = [follow(run, r) for r in sorted(run.dumps) if waits_for(run, r)]
@@ -224,6 +231,7 @@ HEADLINES = {
     "shape": "{w} entered a collective with the wrong tensor shape",
     "shape-p2p": "{w} sent a point-to-point message with the wrong tensor shape",
     "p2p-order": "{w} is in a point-to-point order deadlock",
+    "a2a-split": "{w} sent an all-to-all block of another size than its peer expected",
     "straggler": "{w} did not reach the op its peers wait in (slow or stuck outside communication)",
     "stopped": "{w} stopped responding (its process was frozen); its peers waited for it",
     "error": "{w} crashed with an exception of its own; the other ranks lost their connection to it",
@@ -238,7 +246,7 @@ def explain(run_dir: str) -> Explanation | None:
     if not run.dumps:
         return None
     culprit, kind, findings = _culprit(run)
-    g = run.grid.sizes
+    g = {**run.grid.sizes, "ep": run.grid.ep}
     axes = " ".join(f"{a}={g[a]}" for a in ("tp", "cp", "ep", "pp", "dp")
                     if a in g and (a in ("tp", "pp", "dp") or g[a] > 1))
     lines = [f"run {run_dir}: {run.world} ranks, grid {axes}; "

@@ -10,6 +10,10 @@ Each kind reproduces one way a real 3D-parallel job fails, on rank RANK during o
                extra row (ARG: the axis)
     p2p-order  its first send of the step becomes "recv first, then send": with a pipeline
                neighbour that also receives first, both wait forever (a real deadlock)
+    a2a-split  its first all-to-all of token rows in the step (expert parallelism's dispatch,
+               whose sizes the count exchange before it announced) sends one extra row to the
+               next member of its ep group: the sizes it sends disagree with what that peer
+               expects (gloo aborts the receiver; NCCL hangs or corrupts); needs ep >= 2
     slow       the rank sleeps ARG seconds (default 2) at the start of the step: a straggler; the
                job must finish with the right numbers, only later
     freeze     the rank stops itself (SIGSTOP) at the start of the step: a frozen process that
@@ -39,7 +43,7 @@ from mini3d.comm import COLLECTIVES
 from mini3d.cost.memory import CATEGORIES
 from mini3d.exits import EXIT_OOM, Mini3dError
 
-KINDS = ("crash", "skip", "shape", "p2p-order", "slow", "oom", "freeze", "raise")
+KINDS = ("crash", "skip", "shape", "p2p-order", "a2a-split", "slow", "oom", "freeze", "raise")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12,
           "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -95,6 +99,9 @@ def fault_problems(fault: Fault, plan, steps: int | None = None) -> list[str]:
     if fault.kind == "p2p-order" and plan.pp < 2:
         out.append(f"--inject-fault {fault}: p2p-order needs pipeline neighbours (pp >= 2, got "
                    f"pp={plan.pp})")
+    if fault.kind == "a2a-split" and getattr(plan, "ep", 1) < 2:
+        out.append(f"--inject-fault {fault}: a2a-split needs expert parallelism's all-to-all "
+                   f"(--ep >= 2 with --experts, got ep={getattr(plan, 'ep', 1)})")
     return out
 
 
@@ -128,25 +135,46 @@ REMEDIES = {
 def oom_report(rank: int, coords: dict, measured: dict, estimated: dict | None, budget: int,
                category: str, requested: int, fits: list[str] | None = None) -> str:
     """The OOM report: which rank, which category, measured vs estimated per category, what fits."""
-    where = ", ".join(f"{k}={coords[k]}" for k in ("tp", "pp", "dp") if k in coords)
+    where = ", ".join(f"{k}={coords[k]}" for k in ("tp", "cp", "ep", "pp", "dp") if k in coords)
     total = sum(measured.get(c, 0) for c in CATEGORIES)
     doing = (f"allocating {_mib(requested)} of {category} with {_mib(total)} in use" if requested
              else f"{_mib(total)} measured in use, most of it {category},")
     lines = [f"OUT OF MEMORY on rank {rank} ({where}): {doing} exceeds the memory budget of "
              f"{_mib(budget)}",
              f"  {'category':<13}{'measured':>14}{'estimated':>14}"]
+    moe = _expert_lines(estimated)
     for c in CATEGORIES:
         est = _mib(estimated[c]) if estimated and c in estimated else "-"
         mark = ("   <- this allocation" if requested else "   <- largest") if c == category else ""
         lines.append(f"  {c:<13}{_mib(measured.get(c, 0)):>14}{est:>14}{mark}")
+        lines += moe.get(c, [])
     est_total = _mib(sum(estimated.get(c, 0) for c in CATEGORIES)) if estimated else "-"
     lines.append(f"  {'total':<13}{_mib(total + requested):>14}{est_total:>14}   (with the request)")
     if fits:
         lines.append("plans that would fit: " + "; ".join(fits))
     else:
-        lines.append(f"to fit: lower {category} ({REMEDIES.get(category, 'tp or pp')}) or raise "
-                     f"the budget; `mini3d plan` lists plans that fit")
+        lines.append(f"to fit: lower {category} ({REMEDIES.get(category, 'tp or pp')}"
+                     + ("; the expert states also with a larger ep" if moe else "")
+                     + ") or raise the budget; `mini3d plan` lists plans that fit")
     return "\n".join(lines)
+
+
+def _expert_lines(estimated: dict | None) -> dict[str, list[str]]:
+    """A MoE model's share of the estimate on lines of its own (from the estimator's `detail`,
+    `mini3d.cost.memory.estimate_stage`): the routed experts' states this rank holds (part of
+    params, grads and optimizer; E/ep experts, ZeRO-sharded over edp) and expert parallelism's
+    dispatch buffers (part of comm_buffers: `mini3d.cost.moe.a2a_buffer_bytes`). Estimated only:
+    the live ledger does not split the categories. {category: the lines to print below it}."""
+    detail = (estimated or {}).get("detail") or {}
+    experts, ep = detail.get("experts") or {}, (detail.get("comm_buffers") or {}).get("ep", 0)
+    out = {}
+    if experts.get("total"):
+        out["optimizer"] = [f"  {'  experts':<13}{'-':>14}{_mib(experts['total']):>14}   (of the three "
+                            f"above: the states of {experts.get('n_params', 0):,} expert parameters)"]
+    if ep:
+        out["comm_buffers"] = [f"  {'  a2a bufs':<13}{'-':>14}{_mib(ep):>14}   (of comm_buffers: the "
+                               f"ep dispatch's send and receive rows)"]
+    return out
 
 
 class OutOfMemory(Mini3dError, RuntimeError):
@@ -224,6 +252,8 @@ class FaultInjector:
         if kind == "shape":  # an op whose wrong size a peer notices: gloo lets a broadcast's
             # receiver (or a recv) take a message shorter than its buffer, so not those
             return ev.op in ("all_reduce", "send") or (ev.op == "broadcast" and ev.wire_bytes > 0)
+        if kind == "a2a-split":  # token rows (floating), not the integer count table announcing them
+            return ev.op == "all_to_all" and not ev.dtype.startswith(("int", "uint"))
         return kind == "p2p-order" and ev.op == "send"
 
     def __call__(self, ev, tensor: torch.Tensor):
@@ -234,9 +264,8 @@ class FaultInjector:
         kind = self.fault.kind
         if kind == "skip":
             return comm.SKIP
-        if kind == "shape":
-            flat = tensor.reshape(-1)
-            out = torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+        if kind in ("shape", "a2a-split"):
+            out = self._extra_row(ev, tensor)
             ev.shape = tuple(out.shape)  # what is issued: the black box records it again
             if self.topo.log.on_issue is not None:
                 self.topo.log.on_issue(ev)
@@ -244,6 +273,21 @@ class FaultInjector:
         axis = self.topo.axes[ev.axis]  # p2p-order: receive first, then send (if ever)
         comm.recv(torch.empty_like(tensor), axis, ev.peer)
         return tensor
+
+    def _extra_row(self, ev, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` with one row more: at the end (shape), or at the end of the block for the
+        next member of the group, whose input split grows by one (a2a-split: `ev.splits` then
+        holds what is sent, the peer's output split what it expects)."""
+        if self.fault.kind == "shape":
+            flat = tensor.reshape(-1)
+            return torch.cat([flat, flat[:1]]) if tensor.dim() <= 1 else torch.cat([tensor, tensor[:1]])
+        ins, outs = list(ev.splits[0]), ev.splits[1]
+        peer = (ev.group.index(self.topo.rank) + 1) % len(ev.group)
+        end = sum(ins[:peer + 1])
+        row = tensor[end - 1:end] if ins[peer] else tensor.new_zeros((1,) + tuple(tensor.shape[1:]))
+        ins[peer] += 1
+        ev.splits = (tuple(ins), outs)
+        return torch.cat([tensor[:end], row, tensor[end:]])
 
 
 __all__ = ["Fault", "FaultInjector", "KINDS", "OutOfMemory", "fault_problems",

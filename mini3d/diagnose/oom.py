@@ -33,10 +33,17 @@ def plans_that_fit(cfg, plan, budget: int, n: int = 3) -> list[str]:
     return [describe(c.plan) for c in found.candidates]
 
 
-def estimated_bytes(cfg, plan, stage: int) -> dict:
+def estimate_for_report(cfg, plan, stage: int) -> dict:
+    """The estimator's bytes per category with its `detail` (a MoE model's expert states and
+    dispatch buffers get lines of their own in the report: `faults._expert_lines`)."""
     from mini3d.cost.memory import estimate_memory
 
-    est = estimate_memory(cfg, plan, stage).as_dict()
+    return estimate_memory(cfg, plan, stage).as_dict()
+
+
+def estimated_bytes(cfg, plan, stage: int) -> dict:
+    """The estimator's bytes per category only."""
+    est = estimate_for_report(cfg, plan, stage)
     return {c: est[c] for c in CATEGORIES}
 
 
@@ -47,7 +54,7 @@ def check_budget(measured: dict, budget: int, rank: int, coords: dict, cfg, plan
         return
     biggest = max(CATEGORIES, key=lambda c: measured.get(c, 0))
     raise OutOfMemory(rank, coords, biggest, 0, budget, measured,
-                      estimated_bytes(cfg, plan, coords["pp"]), plans_that_fit(cfg, plan, budget))
+                      estimate_for_report(cfg, plan, coords["pp"]), plans_that_fit(cfg, plan, budget))
 
 
 def cuda_oom(err, measured_states: dict, device, rank: int, coords: dict, cfg, plan,
@@ -64,7 +71,7 @@ def cuda_oom(err, measured_states: dict, device, rank: int, coords: dict, cfg, p
         os.makedirs(run_dir, exist_ok=True)
         dump_memory_snapshot(os.path.join(run_dir, f"memory_snapshot_rank{rank}.pickle"))
     exc = OutOfMemory(rank, coords, "activations", 0, capacity, measured,
-                      estimated_bytes(cfg, plan, coords["pp"]), plans_that_fit(cfg, plan, capacity))
+                      estimate_for_report(cfg, plan, coords["pp"]), plans_that_fit(cfg, plan, capacity))
     exc.report += f"\n(the CUDA allocator said: {str(err).splitlines()[0]})"
     exc.args = (exc.report,)
     return exc

@@ -26,6 +26,7 @@ CAUSES = {
     "shape": "entered a collective with the wrong tensor shape",
     "shape-p2p": "sent a point-to-point message with the wrong tensor shape",
     "p2p-order": "is in a point-to-point order deadlock with its pipeline neighbour",
+    "a2a-split": "sent an all-to-all block of another size than its peer expected (split sizes)",
     "straggler": "stopped responding (it never reached the op its peers waited in)",
     "stopped": "stopped responding (its process was frozen, e.g. by SIGSTOP)",
     "oom": "ran out of memory",

@@ -173,7 +173,8 @@ def load_run(run_dir: str) -> Run:
             run.stderr[int(re.findall(r"rank(\d+)\.stderr$", path)[0])] = f.read(20000)
     if dumps:
         g = next(iter(dumps.values()))["grid"]
-        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1))
+        run.grid = Grid(g["tp"], g["pp"], g["dp"], g.get("order", "tp-dp-pp"), cp=g.get("cp", 1),
+                        ep=g.get("ep", 1))
         run.world = run.grid.world_size
     return run
 
@@ -181,7 +182,7 @@ def load_run(run_dir: str) -> Run:
 def who(run: Run, r: int) -> str:
     """'rank 3 (tp=1, pp=1, dp=0)', with cp= (and ep=) when that axis is split."""
     c = run.grid.coords(r)
-    return f"rank {r} ({coords_text(c, run.grid.sizes)})"
+    return f"rank {r} ({coords_text(c, {**run.grid.sizes, 'ep': run.grid.ep})})"
 
 
 def coords_text(c: dict, sizes: dict) -> str:

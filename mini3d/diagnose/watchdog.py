@@ -135,7 +135,7 @@ class Watchdog:
             recent = list(log.events)[-RECENT_EVENTS:]
         return {
             "rank": self.rank, "pid": os.getpid(), "status": status, "reason": reason,
-            "coords": self.topo.coords, "grid": {**grid.sizes, "order": "-".join(grid.order),
+            "coords": self.topo.coords, "grid": {**grid.sizes, "ep": grid.ep, "order": "-".join(grid.order),
                                                  "world_size": grid.world_size},
             "context": dict(log.context), "hang_timeout": self.hang_timeout, "fault": self.fault,
             "blocked": _event_dict(blocked, now, blocked) if blocked else None,
@@ -229,7 +229,7 @@ class Watchdog:
     def _stop_job(self, what: str):
         from mini3d.diagnose.run_dir import coords_text
 
-        where = coords_text(self.topo.coords, self.topo.grid.sizes)
+        where = coords_text(self.topo.coords, {**self.topo.grid.sizes, "ep": self.topo.grid.ep})
         print(f"mini3d watchdog: rank {self.rank} ({where}) {what}; "
               f"every rank dumps to {self.run_dir}; stopping the job (run: mini3d explain-hang "
               f"{self.run_dir})", file=sys.__stderr__, flush=True)

@@ -159,8 +159,9 @@ class RunConfig:
 
     def _ep_problems(self) -> list[str]:
         """Expert parallelism (ep > 1) composes with tp, sequence parallelism, pp, cp and ZeRO-0-2
-        (tests/test_ep.py); refused: ZeRO-3, the Hugging Face import and the samples.
-        Checkpoints hold the full experts."""
+        (tests/test_ep.py); refused: ZeRO-3. Checkpoints hold the full experts, and the Hugging
+        Face import and the samples go through the same full state (each rank slices its experts
+        from it; a sample gathers them: tests/test_ep_diag.py)."""
         p = self.plan
         if p.ep == 1 or not self.model.n_experts:
             return []
@@ -168,13 +169,6 @@ class RunConfig:
         if p.zero == 3:
             out.append(f"ep={p.ep} with zero=3 is refused: ZeRO-3 does not shard expert slices over "
                        f"edp yet; use --zero 1 or 2 with --ep")
-        untested = [f"--{n.replace('_', '-')}" for n in ("init_from_hf", "sample_every")
-                    if getattr(self, n)]
-        if untested:
-            out.append(f"ep={p.ep} with {', '.join(untested)} is refused for now (the Hugging Face "
-                       f"import and the samples are not checked under expert parallelism yet); "
-                       f"train with --ep without them (checkpoints work: --save / --resume), or "
-                       f"with --ep 1")
         return out
 
     def _tokenizer_problems(self, data_ok: bool) -> list[str]:
