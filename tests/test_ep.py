@@ -182,8 +182,7 @@ def test_cli_dp2_ep2_equals_the_one_process_run(tmp_path):
         assert "expert_load_max" in a
 
 
-@pytest.mark.parametrize("flags,named", [
-    (["--zero", "3"], "zero=3"), (["--sample-every", "1"], "--sample-every")])
+@pytest.mark.parametrize("flags,named", [(["--zero", "3"], "zero=3")])
 def test_ep_combinations_not_built_yet_are_refused(flags, named, capsys):
     from mini3d import cli
 
