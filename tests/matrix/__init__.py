@@ -143,9 +143,6 @@ RULES = (
     # ep x ZeRO-3: goes when ZeRO-3 shards the expert slices over edp (mini3d/dp/zero3.py)
     ("ep-zero3", lambda c: c["ep"] > 1 and c["moe"] and c["zero"] == 3,
      lambda c: [f"ep={c['ep']} with zero=3 is refused"]),
-    # MLA x sequence parallelism: goes when the latent attention splits over the sequence
-    ("mla-sp", lambda c: c["family"] == "deepseek" and c["sp"],
-     lambda c: ["family='deepseek' with sequence_parallel"]),
 )
 
 
