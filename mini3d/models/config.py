@@ -255,10 +255,21 @@ class ModelConfig:
         layer the router, top_k routed experts and the shared experts (= n_params when dense)."""
         return self._count(active=True)
 
+    def moe_layer_count(self) -> int:
+        """How many blocks `is_moe_layer` (closed form: validation counts the parameters of any
+        --layers value, 10**12 included, before a process starts)."""
+        if self.n_experts <= 0 or self.n_layers <= 0:
+            return 0
+        first = -(-self.dense_layers // self.moe_every) * self.moe_every  # first MoE index
+        return max(0, (self.n_layers - 1 - first) // self.moe_every + 1) if first < self.n_layers else 0
+
     def _count(self, active: bool) -> int:
         V, h = self.vocab_size, self.d_model
         head = 0 if self.tie_embeddings else V * h
-        layers = sum(self.layer_param_count(1, i, active) for i in range(self.n_layers))
+        n_moe = self.moe_layer_count()
+        moe = self.layer_param_count(1, self.dense_layers + (-self.dense_layers) % self.moe_every,
+                                     active) if n_moe else 0
+        layers = (self.n_layers - n_moe) * self.layer_param_count(1, None, active) + n_moe * moe
         return V * h + self.position_params() + layers + self.norm_params() + head
 
     def problems(self) -> list[str]:
