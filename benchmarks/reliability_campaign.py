@@ -1,11 +1,12 @@
 """Reliability campaign (issue #33), run by hand, not in the suite:
 
     OMP_NUM_THREADS=1 python benchmarks/reliability_campaign.py [faults] [signals] [inputs]
-        [--repeats 3] [--layouts tp2,pp2,pp2i,cp2,dp2z2] [--out results.jsonl]
+        [--repeats 3] [--layouts tp2,pp2,pp2i,cp2,dp2z2,dp2ep2] [--out results.jsonl]
 
 Three kinds of trial, each a real `mini3d train` subprocess, each counted on five checks:
 
-- faults: every injected fault kind on rank 1 at step 1 x five 2-rank layouts x repeats. Expected:
+- faults: every injected fault kind on rank 1 at step 1 x six 2-rank layouts x repeats (p2p-order
+  on the pipelines only, a2a-split on the ep layout only). Expected:
   the kind's exit code; the first stderr line names rank 1 (the culprit, not a victim); no Python
   traceback on the terminal (a `raise` fault's own traceback, shown under its marker, excepted); no
   process of the trial left; no `mini3d-rdzv-*` directory left.
@@ -43,9 +44,12 @@ LAYOUTS = {
     "pp2i": ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--micro-batches", "2"],
     "cp2": ["--cp", "2"],
     "dp2z2": ["--dp", "2", "--zero", "2"],
+    "dp2ep2": ["--dp", "2", "--ep", "2", "--experts", "4", "--top-k", "2", "--family", "llama",
+               "--kv-heads", "2"],
 }
 FAULTS = {"crash": (1, 3), "skip": (1, 3), "shape": (1, 3), "freeze": (3,), "raise": (1,),
-          "p2p-order": (3,)}
+          "p2p-order": (3,), "a2a-split": (1, 3)}
+ONLY = {"p2p-order": ("pp",), "a2a-split": ("dp2ep2",)}  # faults that need a pipeline / an ep group
 HANG = 3.0
 
 
@@ -98,7 +102,7 @@ def fault_trials(layouts, repeats):
     for r in range(repeats):
         for name in layouts:
             for kind, codes in FAULTS.items():
-                if kind == "p2p-order" and not name.startswith("pp"):
+                if kind in ONLY and not name.startswith(ONLY[kind]):
                     continue
                 run = tempfile.mkdtemp(prefix="campaign-run-")
                 args = ["train", *SMALL, *LAYOUTS[name], "--steps", "3", "--hang-timeout", str(HANG),
