@@ -98,18 +98,17 @@ def _cached_bytes(cfg: ModelConfig, n: int) -> int:
     x = torch.randint(0, cfg.vocab_size, (1, n))
     with torch.no_grad(), KVDecoder(model) as decode:
         decode(x)
-        cores = [blk.attn.core for blk in model.blocks.values()]
-        return sum(c.k.nbytes + c.v.nbytes for c in cores)
+        return sum(blk.attn.core.nbytes for blk in model.blocks.values())
 
 
 @pytest.mark.timeout(60)
 def test_kv_cache_bytes_are_what_the_cache_holds():
     """mini3d's cache (capacity max_seq_len) holds kv_cache_bytes of its attention: full heads
-    (gpt2), GQA (llama, 2 of 4 heads), and for deepseek the expanded keys and values (it does not
-    keep the latent), n_heads * (qk 10 + v 10) numbers, not the latent's 8 + 4."""
+    (gpt2), GQA (llama, 2 of 4 heads), and for deepseek the latent (8 + 4 numbers a token and
+    layer, not the expanded heads' n_heads * (qk 10 + v 10))."""
     gpt2 = ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, max_seq_len=16)
     llama = dataclasses.replace(gpt2, family="llama", n_kv_heads=2, d_ff=48)
-    for cfg, kind in ((gpt2, "full"), (llama, "gqa"), (MLA, "full")):
+    for cfg, kind in ((gpt2, "full"), (llama, "gqa"), (MLA, "mla")):
         assert _cached_bytes(cfg, 5) == kv_cache_bytes(cfg, 16, element_bytes=4, kind=kind), cfg.family
     assert kv_cache_elements(MLA) == 8 + 4 and kv_cache_elements(MLA, "full") == 4 * (10 + 10)
     assert kv_cache_elements(llama) == kv_cache_elements(llama, "gqa") == 2 * 2 * 8

@@ -1,7 +1,8 @@
 """Sampling with a key/value cache (mini3d.models.kv_cache) is sampling without one: the same tokens,
 token for token, and each step's logits equal to float32 rounding, for both families (gpt2's learned
-positions, llama's rotary with grouped-query attention), a tied head, the sdpa core, and runs that
-cross the window (max_seq_len), where the cache recomputes the last window."""
+positions, llama's rotary with grouped-query attention, deepseek's latent attention, whose cache
+keeps the latent), a tied head, the sdpa core, and runs that cross the window (max_seq_len), where
+the cache recomputes the last window."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ GPT2 = ModelConfig(n_layers=3, d_model=32, n_heads=4, vocab_size=64, max_seq_len
 LLAMA = dataclasses.replace(GPT2, family="llama", n_kv_heads=2, d_ff=48, tie_embeddings=True)
 CASES = {"gpt2": GPT2, "gpt2-tied": dataclasses.replace(GPT2, tie_embeddings=True),
          "llama-gqa-tied": LLAMA, "llama-mqa": dataclasses.replace(LLAMA, n_kv_heads=1,
-                                                                   tie_embeddings=False)}
+                                                                   tie_embeddings=False),
+         # multi-head latent attention: the cache keeps the latent (models.kv_cache.LatentCache)
+         "deepseek-mla": dataclasses.replace(GPT2, family="deepseek", n_kv_heads=4, d_ff=48,
+                                             q_lora_rank=12, kv_lora_rank=8, qk_rope_dim=4,
+                                             qk_nope_dim=6, v_head_dim=10)}
 
 
 def model_of(cfg: ModelConfig, core: str = "explicit") -> GPT:

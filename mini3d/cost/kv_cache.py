@@ -13,10 +13,9 @@ has seen, so the cache grows by the same bytes with each token of each sequence:
   decoder can fold kv_b's expansion into the query and the output projection (DeepSeek-V2,
   section 2.1.3), so the expanded keys and values are never stored.
 
-mini3d's own single-process cache (mini3d.models.kv_cache) keeps what the attention core reads:
-the n_kv_heads keys and values for gpt2 and llama (`"full"` / `"gqa"`), and for the deepseek
-family the expanded per-head keys and values (`"full"` of its widths), not the latent
-(mini3d.models.mla). tests/test_cost_mla.py measures its buffers against this count. The
+mini3d's own single-process cache (mini3d.models.kv_cache) keeps the n_kv_heads keys and values
+for gpt2 and llama (`"full"` / `"gqa"`), and for the deepseek family the latent (`"mla"`:
+`LatentCache`, which expands it with kv_b again at each step rather than folding kv_b away). tests/test_cost_mla.py measures its buffers against this count. The
 course's chapter on experts and its figure call these functions.
 """
 

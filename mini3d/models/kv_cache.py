@@ -3,7 +3,7 @@
 Without a cache every sampled token runs the model over the whole context again. With one, each
 attention layer keeps the keys and values of the positions it has seen (the llama family's after
 rotary, and only its n_kv_heads key/value heads under grouped-query attention, never the repeated
-ones), so the first call processes the prompt and each next call the new token alone, at its own
+ones; the deepseek family's latent instead, `LatentCache`), so the first call processes the prompt and each next call the new token alone, at its own
 position: the embedding's learned position (gpt2) and rotary's angle (llama) both come from the
 `positions` argument `mini3d.models.transformer.GPT` already takes.
 
@@ -80,6 +80,52 @@ class CachedCore:
         n = min(self.length, self.capacity)
         return offset_attention(q, self.k[:, :, :n], self.v[:, :, :n])
 
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+class LatentCache:
+    """Multi-head latent attention's cache (mini3d.models.mla, the deepseek family): per position
+    the normalised kv latent and the rotated rotary key all heads share, kv_lora_rank + qk_rope_dim
+    numbers (`mini3d.cost.kv_cache`'s "mla"), not the expanded per-head keys and values. MLA hands
+    each call's new latents to `extend`, which stores them and returns every cached position's,
+    and kv_b expands them again each step: the same numbers as caching the expanded heads, for
+    kv_b's FLOPs over the cached positions (DeepSeek-V2 instead folds kv_b into the query and the
+    output projection; mini3d keeps the attention as training computes it). Installed as the
+    layer's core too: the prompt runs through the model's own core, later calls attend over the
+    cached positions (`offset_attention`). Slides as `CachedCore` does."""
+
+    def __init__(self, core, capacity: int, slide: bool = False):
+        self.core, self.capacity, self.slide = core, capacity, slide
+        self.latent = self.rope = None  # (B, capacity, kv_rank), (B, 1, capacity, rope)
+        self.length, self.prompt = 0, True
+
+    def extend(self, latent, k_rope):
+        start, T = self.length, latent.shape[1]
+        if start + T > self.capacity and not (self.slide and T == 1):
+            raise ValueError(f"KV cache: {start} cached + {T} new positions > capacity "
+                             f"{self.capacity}")
+        if self.latent is None or self.latent.shape[0] != latent.shape[0]:
+            B = latent.shape[0]
+            self.latent = latent.new_empty(B, self.capacity, latent.shape[-1])
+            self.rope = k_rope.new_empty(B, 1, self.capacity, k_rope.shape[-1])
+        slot = start % self.capacity
+        self.latent[:, slot:slot + T] = latent
+        self.rope[:, :, slot:slot + T] = k_rope
+        self.length, self.prompt = start + T, start == 0
+        if start == 0:
+            return latent, k_rope
+        n = min(self.length, self.capacity)
+        return self.latent[:, :n], self.rope[:, :, :n]
+
+    def __call__(self, q, k, v):
+        return self.core(q, k, v) if self.prompt else offset_attention(q, k, v)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.latent is None else self.latent.nbytes + self.rope.nbytes
+
 
 class KVDecoder:
     """Next-token logits of a whole `mini3d.models.transformer.GPT` (one process, eval), with a KV cache.
@@ -113,12 +159,17 @@ class KVDecoder:
     def __enter__(self):
         self.cores = [attn.core for attn in self.attns]
         for attn, core in zip(self.attns, self.cores):
-            attn.core = CachedCore(core, self.window, self.slide)
+            if hasattr(attn, "latent_cache"):  # MLA: the latent, not the expanded heads
+                attn.core = attn.latent_cache = LatentCache(core, self.window, self.slide)
+            else:
+                attn.core = CachedCore(core, self.window, self.slide)
         return self
 
     def __exit__(self, *exc):
         for attn, core in zip(self.attns, self.cores):
             attn.core = core
+            if hasattr(attn, "latent_cache"):
+                attn.latent_cache = None
         return False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,8 @@ class MLA(nn.Module):
         inv_freq = yarn_frequencies(self.rope, self.rope_base, self.yarn, t.device)
         return rotary(t, self.rope_base, (), positions, inv_freq, self.amplitude)
 
+    latent_cache = None  # a decoder's latent KV cache while one is open (mini3d.models.kv_cache)
+
     def forward(self, x: torch.Tensor, positions=None) -> torch.Tensor:
         n = self.n_local_heads
         q = self.q_b(self.q_a_norm(self.q_a(x))) if self.q is None else self.q(x)
@@ -131,13 +133,18 @@ class MLA(nn.Module):
         q = q.view(B, T, n, self.nope + self.rope).transpose(1, 2)  # (B, n, T, nope + rope)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a(x).split([self.kv_rank, self.rope], dim=-1)
-        kv = self.kv_b(self.kv_a_norm(latent)).view(B, T, n, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, n, T, nope), (B, n, T, v)
+        latent = self.kv_a_norm(latent)
         k_rope = self._rotate(self.share_key(k_rope).unsqueeze(1), positions)  # (B, 1, T, rope): one for all heads
+        S = T  # key positions: this call's, or every cached one's while decoding
+        if self.latent_cache is not None:  # mini3d.models.kv_cache.LatentCache: keeps the latent
+            latent, k_rope = self.latent_cache.extend(latent, k_rope)
+            S = latent.shape[1]
+        kv = self.kv_b(latent).view(B, S, n, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, n, S, nope), (B, n, S, v)
         q = torch.cat([q_nope, self._rotate(q_rope, positions)], dim=-1)
         if self.q_scale != 1.0:  # YaRN's softmax scale
             q = q * self.q_scale
-        k = torch.cat([k_nope, k_rope.expand(B, n, T, self.rope)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, n, S, self.rope)], dim=-1)
         pad = q.shape[-1] - self.v_dim if getattr(self.core, "same_kv_width", False) else 0
         if pad:  # (ring attention: zero features of v give zero outputs, dropped again)
             y = self.core(q, k, F.pad(v, (0, pad)))[..., :self.v_dim]
