@@ -46,9 +46,10 @@ def train_case(cfg, plan, steps: int, grad_clip: float = 0.0) -> dict:
         losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
         loads.append(dict(getattr(trainer.net.module, "moe_load", {})))
         norms.append(trainer.last_grad_norm)
-    module = trainer.net.module
+    module = trainer.net.module  # (ZeRO-3: its parameters are gathered only while they compute)
+    params = dict(module.named_parameters())
     return {"losses": losses, "grads": grads, "loads": loads, "norms": norms,
-            "params": {n: _full(topo, p, p) for n, p in module.named_parameters()},
+            "params": {n: _full(topo, params[n], v) for n, v in trainer.net.full_params().items()},
             "biases": {n: b.clone() for n, b in module.named_buffers() if n.endswith("expert_bias")},
             "a2a": topo.log.count("ep", "all_to_all"), "ep_wire": topo.log.wire_bytes_by_axis["ep"]}
 

@@ -160,16 +160,13 @@ class RunConfig:
         return out
 
     def _ep_problems(self) -> list[str]:
-        """Expert parallelism (ep > 1) composes with tp, sequence parallelism, pp, cp and ZeRO-0-2
-        (tests/test_ep.py); refused: ZeRO-3, the Hugging Face import and the samples.
-        Checkpoints hold the full experts."""
+        """Expert parallelism (ep > 1) composes with tp, sequence parallelism, pp, cp and ZeRO-0-3
+        (ZeRO-3 shards the expert slices over edp: mini3d.dp.zero3; tests/test_ep.py); refused:
+        the Hugging Face import and the samples. Checkpoints hold the full experts."""
         p = self.plan
         if p.ep == 1 or not self.model.n_experts:
             return []
         out = []
-        if p.zero == 3:
-            out.append(f"ep={p.ep} with zero=3 is refused: ZeRO-3 does not shard expert slices over "
-                       f"edp yet; use --zero 1 or 2 with --ep")
         untested = [f"--{n.replace('_', '-')}" for n in ("init_from_hf", "sample_every")
                     if getattr(self, n)]
         if untested:
