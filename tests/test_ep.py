@@ -82,6 +82,19 @@ def _assert_same(got: dict, ref: dict, clipped: bool = False):
         assert got["norms"] == pytest.approx(ref["norms"], rel=1e-12)
 
 
+def _assert_ledger_is_estimated(got: dict, cfg, plan):
+    """The rank's measured model states (`mini3d.dp.model_state_ledger`) are the estimator's:
+    dense states sharded over dp x cp, expert states over edp (`expert_sharding_degree`; ZeRO-3's
+    expert pieces kept whole when edp has one member), up to the shard padding (at most dp - 1
+    elements a flat group, 16 bytes an element at most: float64 Adam moments)."""
+    from mini3d.cost.memory import estimate_memory
+
+    led, est, pad = got["ledger"], estimate_memory(cfg, plan), got["groups"] * (plan.dp - 1) * 16
+    assert abs(led["parameters"] - est.params) <= pad, (led, est)
+    assert abs(led["gradients"] - est.grads) <= pad, (led, est)
+    assert abs(led["master_weights"] + led["optimizer_states"] - est.optimizer) <= pad, (led, est)
+
+
 def _ref(case):
     cfg, plan, steps, clip = case
     return cfg, plan.replace(dp=1, ep=1, zero=0, micro_batches=plan.dp * plan.micro_batches), \
@@ -153,6 +166,7 @@ def test_ep_equals_the_one_process_run():
         for rank_results in results:
             for name, got in zip(names, rank_results):
                 _assert_same(got, ref[name], clipped=cases[name][3] > 0)
+                _assert_ledger_is_estimated(got, *cases[name][:2])
                 assert got["a2a"] > 0 and got["ep_wire"] > 0, name  # the tokens did travel
     assert ref["dropless"]["losses"][-1] < ref["dropless"]["losses"][0]  # it learns
     for name, case in cases.items():  # the clip did act
@@ -216,6 +230,10 @@ def test_dry_run_records_the_all_to_alls(capsys):
     # 5 all-to-alls per layer (the counts, then 4 as recorded above), each sending
     # 256 x top_k 2 x 1/2 x 64 x 4 B = 64 KiB of rows under balanced routing: 4 x 4 x 64 KiB
     assert "20 all-to-alls on the ep group" in out and "sending 1.00 MiB" in out
+    # ZeRO-3 under ep (no longer refused): its per-unit gathers, expert pieces on edp, record
+    # deadlock-free too
+    assert main([*BRIEF, "--dp", "2", "--ep", "2", "--zero", "3", "--dry-run"]) == 0
+    assert "deadlock-free" in capsys.readouterr().out
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
