@@ -239,23 +239,25 @@ def test_dry_run_records_the_all_to_alls(capsys):
 # ---- checkpoints -------------------------------------------------------------------------------
 @pytest.mark.timeout(400)
 def test_checkpoint_holds_the_full_experts_and_resumes_in_any_layout(tmp_path):
-    """A dp2 x ep2 run (ZeRO-1, float64) saves the full stacked experts (gathered over ep, in
-    expert order) and their moments; resumed under ep it continues exactly, and resumed on one
-    process (the experts sliced nowhere) it continues with the same losses: a gather in the
-    wrong order or a slice of the wrong rows would change them."""
+    """A dp2 x ep2 run (ZeRO-3, float64) saves the full stacked experts (gathered over edp and
+    ep, in expert order) and their moments; resumed under ep (ZeRO-3 and ZeRO-1) it continues
+    exactly, and resumed on one process (the experts sliced nowhere) it continues with the same
+    losses: a gather in the wrong order or a slice of the wrong rows would change them."""
     import os
 
     from mini3d.run.train import make_spec, reporter_records
     from tests.threed_workers import run_specs
 
     cfg = dataclasses.replace(AUX, vocab_size=256)
-    plan = Plan(dp=2, ep=2, zero=1, global_batch=4, seq_len=16, dtype="float64")
+    plan = Plan(dp=2, ep=2, zero=3, global_batch=4, seq_len=16, dtype="float64")
     spec = lambda p, **kw: make_spec(cfg, p, steps=4, seed=2, lr=1e-2, **kw)
     full, step2 = str(tmp_path / "full"), os.path.join(str(tmp_path / "full"), "step-000002")
-    first = launch(run_specs, 2, [spec(plan, save=full, save_every=2),
-                                  spec(plan, resume=step2)], device="cpu", timeout=300)
-    whole, resumed = (reporter_records([r[i] for r in first]) for i in range(2))
-    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in whole[2:]], rel=1e-12)
+    first = launch(run_specs, 2, [spec(plan, save=full, save_every=2), spec(plan, resume=step2),
+                                  spec(plan.replace(zero=1), resume=step2)], device="cpu",
+                   timeout=300)
+    whole, *resumed = (reporter_records([r[i] for r in first]) for i in range(3))
+    for run in resumed:
+        assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in whole[2:]], rel=1e-12)
     saved = torch.load(os.path.join(step2, "stage0.pt"), weights_only=False)
     for layer in (1, 2):
         name = f"blocks.{layer}.mlp.experts.w_up"
