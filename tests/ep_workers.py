@@ -4,7 +4,8 @@ parallelism (and the one-process reference), several cases in one launch.
 Each case is (cfg, plan, steps, grad_clip). Every rank feeds its dp slice of a fixed global batch
 (in `plan.micro_batches` micro-batches), and returns the mean losses, every step's gradients at
 full shape by reference name (after the dp / edp reduction, before clipping; expert slices
-gathered over ep), the grad norms, the final full parameters, the expert biases and the loads.
+gathered over ep), the grad norms, the final full parameters, the expert biases, the loads, and
+the rank's model-state ledger (`mini3d.dp.model_state_ledger`) with its count of flat groups.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from mini3d import comm
+from mini3d.dp import model_state_ledger
 from mini3d.grid import Grid, build_topology
 from mini3d.run.train import Trainer
 from tests.moe_workers import dp_slice
@@ -46,11 +48,14 @@ def train_case(cfg, plan, steps: int, grad_clip: float = 0.0) -> dict:
         losses.append(trainer.mean_loss_over_dp(trainer.step(mbs, step)))
         loads.append(dict(getattr(trainer.net.module, "moe_load", {})))
         norms.append(trainer.last_grad_norm)
-    module = trainer.net.module
+    module = trainer.net.module  # (ZeRO-3: its parameters are gathered only while they compute)
+    params = dict(module.named_parameters())
     return {"losses": losses, "grads": grads, "loads": loads, "norms": norms,
-            "params": {n: _full(topo, p, p) for n, p in module.named_parameters()},
+            "params": {n: _full(topo, params[n], v) for n, v in trainer.net.full_params().items()},
             "biases": {n: b.clone() for n, b in module.named_buffers() if n.endswith("expert_bias")},
-            "a2a": topo.log.count("ep", "all_to_all"), "ep_wire": topo.log.wire_bytes_by_axis["ep"]}
+            "a2a": topo.log.count("ep", "all_to_all"), "ep_wire": topo.log.wire_bytes_by_axis["ep"],
+            "ledger": model_state_ledger(trainer.net, trainer.optimizer),
+            "groups": len(trainer.optimizer.shards)}
 
 
 def train_cases(cases: list) -> list:

@@ -1,6 +1,7 @@
 """MoE layers under tp, sequence parallelism, pp (every schedule, dense-only stages), cp, ZeRO-3,
 recomputation, bf16 and clipping, and expert parallelism composed with them (ep x cp, ep x tp x sp,
-ep x pp, ep x tp x pp x ZeRO-1: the issue's layout), equal the one-process MoE run: losses, every
+ep x pp, ep x recompute (full, selective), ep x bf16, ep x ZeRO-3 x bf16 on edp = 2,
+ep x tp x pp x ZeRO-1: the issue's layout), equal the one-process MoE run: losses, every
 gradient of every step (gathered to full shape, captured just before the inner AdamW step: after the
 dp / tp / pp syncs and clipping), the per-step expert load report, and the aux-loss-free biases,
 over 3 steps.
@@ -24,7 +25,13 @@ agrees to 3e-7; with tp x cp x sp the activations are rounded after other reduct
 tokens whose top-2 is a near-tie pick another expert, and the gradients of the experts and of
 the router move with the tokens each expert gets (measured: up to 24 % of a layer's expert
 tensors, 11 % of a router, the global norm < 3 %). A gradient off by a factor 2 (a double
-count) is 100 % off, a missing tp sum 50 %.
+count) is 100 % off, a missing tp sum 50 %. A layout that splits no token's computation (dp
+and ep only: the same bf16 ops on the same rows; ep only runs an expert's rows of the whole ep
+group as one matmul) is held tighter at the first step, where both runs start from the same
+weights: every tensor within 1 % (measured: 2e-3 on the expert weights, bf16's 2^-8 rounding
+of their gradients summed over other row groupings, 2e-11 elsewhere), so a wrong scale (a
+missing 1/ep on the expert gradients: 100 %) or a 2 % slip fails it; later steps take the
+bounds above (their bf16 weights have drifted apart: up to 9 % measured on an expert tensor).
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ DEEPSEEK_CASES = {
 }
 # ---- end of deepseek
 
-BF16 = dict(loss=1e-2, grad=0.03, tensor=0.1, routed=0.35)  # see the module docstring
+BF16 = dict(loss=1e-2, grad=0.03, tensor=0.1, routed=0.35, first=0.01)  # see the module docstring
 BASE = dict(global_batch=8, seq_len=16, bucket_mb=0.01, dtype="float64")
 
 # (name, model, plan changes, grad_clip)
@@ -89,7 +96,12 @@ CASES = {
         ("pp2-zbv-recompute-full", CFG, dict(pp=2, schedule="zbv", virtual_stages=2,
                                              micro_batches=2, recompute="full"), 0.0),
         ("dp2-zero1-bf16", CFG, dict(dp=2, zero=1, micro_batches=2, dtype="bf16"), CLIP),
-        ("cp2-ep2-clip", CFG, dict(cp=2, ep=2, micro_batches=2), CLIP)],
+        ("cp2-ep2-clip", CFG, dict(cp=2, ep=2, micro_batches=2), CLIP),
+        ("dp2-ep2-recompute-full-clip", CFG, dict(dp=2, ep=2, recompute="full", micro_batches=2),
+         CLIP),
+        ("dp2-ep2-zero1-recompute-selective", CFG, dict(dp=2, ep=2, zero=1,
+                                                        recompute="selective"), 0.0),
+        ("dp2-ep2-bf16", CFG, dict(dp=2, ep=2, micro_batches=2, dtype="bf16"), 0.0)],
     4: [("tp2-pp2-sp-zb-h1-sigmoid", SIGMOID, dict(tp=2, pp=2, sequence_parallel=True,
                                                    schedule="zb-h1", micro_batches=2), 0.0),
         ("cp2-dp2-zero3-clip", CFG, dict(cp=2, dp=2, zero=3), CLIP),
@@ -99,7 +111,8 @@ CASES = {
                                                 micro_batches=2), CLIP),
         ("pp2-dp2-ep2-interleaved-sigmoid", SIGMOID, dict(pp=2, dp=2, ep=2, schedule="interleaved",
                                                           virtual_stages=2, micro_batches=2), 0.0),
-        ("cp2-dp2-ep4-zero1", CFG, dict(cp=2, dp=2, ep=4, zero=1, micro_batches=2), 0.0)],
+        ("cp2-dp2-ep4-zero1", CFG, dict(cp=2, dp=2, ep=4, zero=1, micro_batches=2), 0.0),
+        ("dp4-ep2-zero3-bf16-clip", CFG, dict(dp=4, ep=2, zero=3, dtype="bf16"), CLIP)],
     8: [("tp2-pp2-dp2-ep2-zero1-clip", CFG, dict(tp=2, pp=2, dp=2, ep=2, zero=1, micro_batches=2),
          CLIP)],
 }
@@ -172,6 +185,10 @@ def test_moe_layout_equals_the_one_process_run(runs, name):
     for step in range(STEPS):
         got, want = _merged(ranks, step), ref["grads"][step]
         assert sorted(got) == sorted(want)
+        if bf16 and step == 0 and not any(case["plan"].get(k, 1) > 1 for k in ("tp", "cp", "pp")):
+            for n, g in want.items():  # dp x ep, first step: tight (module docstring)
+                err = float((got[n] - g).double().norm() / g.double().norm().clamp_min(1e-30))
+                assert err < BF16["first"], (name, step, n, err)
         if bf16:
             num = sum(float((got[n] - want[n]).double().pow(2).sum()) for n in want)
             den = sum(float(want[n].double().pow(2).sum()) for n in want)

@@ -169,12 +169,23 @@ def grad_bucket_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
                                            largest_param_numel(cfg, plan, stage)))
 
 
+def gathered_block_numel(cfg: ModelConfig, plan: Plan) -> int:
+    """Elements of the largest block ZeRO-3 all-gathers for its forward or backward: the block's
+    parameters on one tp rank, less its routed experts where their shard group (edp,
+    `expert_sharding_degree`) has one member: those pieces are kept whole (`mini3d.dp.zero3`) and
+    counted in `params` already."""
+    whole = cfg.n_experts and expert_sharding_degree(plan) == 1
+    experts = cfg.moe_params(plan.tp, ep=plan.ep)["experts"] if whole else 0
+    return max(layer_params(cfg, plan.tp, i, plan.ep) - experts * cfg.is_moe_layer(i)
+               for i in range(cfg.n_layers))
+
+
 def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
     """Buffers communication needs on pipeline rank `stage` besides the tensors above (stated
     choices, not measurements): dp: the gradient buckets alive during backward beyond the
     persistent gradients (`mini3d.dp.buckets.transient_grad_bytes`: ZeRO-2/3 the full buffers of
     the buckets in flight, GRAD_BUCKETS_IN_FLIGHT times the largest, at any micro-batch count); ZeRO-3: one block's gathered parameters plus the
-    prefetched next; pp: a send and a receive activation buffer;
+    prefetched next (`gathered_block_numel`); pp: a send and a receive activation buffer;
     sequence parallel: one all-gathered (s, b, h) input; cp: ring attention's backward, the peak
     (the K/V block held and the one arriving, and three float32 dK/dV accumulators: the one being
     summed, the one arriving, the one leaving); ep: one all-to-all's send and receive buffers of a
@@ -190,7 +201,7 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
     if plan.cp > 1:
         out["cp"] = 2 * ring_block_bytes(cfg, plan) + 3 * ring_block_bytes(cfg, plan, 4)
     if d > 1 and plan.zero == 3:
-        out["zero3"] = 2 * layer_params(cfg, plan.tp, ep=plan.ep) * e
+        out["zero3"] = 2 * gathered_block_numel(cfg, plan) * e
     if plan.ep > 1 and any(cfg.is_moe_layer(i) for i in stage_layers(cfg, plan, stage)):
         out["ep"] = 2 * a2a_buffer_bytes(moe_tokens(plan), cfg.d_model, cfg.top_k, e,
                                          kept_fraction(cfg.capacity_factor))
@@ -251,5 +262,6 @@ def estimate_memory(cfg: ModelConfig, plan: Plan, stage: int | None = None,
 
 __all__ = ["MemoryEstimate", "CATEGORIES", "STATE_BYTES", "state_bytes", "estimate_memory", "estimate_stage", "estimate_all_stages",
            "model_state_bytes", "stage_param_count", "grad_bucket_numel", "largest_param_numel",
+           "gathered_block_numel",
            "stage_layers", "layer_params", "stage_expert_count",
            "sharding_degree", "expert_sharding_degree"]

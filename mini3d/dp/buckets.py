@@ -80,6 +80,23 @@ def split_into_buckets(params: list, bucket_bytes: int) -> list[list]:
     return buckets
 
 
+def runs_by_axis(params: list, dp_axis, expert_axis) -> list[tuple]:
+    """[(axis, prescale, consecutive parameters)]: maximal runs of dense parameters (on `dp_axis`,
+    prescale 1) and of expert slices (`ep_expert`, on `expert_axis`), in the given order (reverse
+    registration: the runs follow the backward, so expert buckets launch as their layer's
+    gradients arrive). An expert run's gradient is multiplied by `prescale` = |edp| / |dp x cp|
+    = 1/ep before its edp average (mini3d.dp.ddp, "Expert parallelism": a rank's expert gradient
+    already sums its whole ep group's tokens); the one formula, for ZeRO-0-2 and ZeRO-3."""
+    out = []
+    for p in params:
+        axis = expert_axis if expert_axis is not None and getattr(p, "ep_expert", False) else dp_axis
+        if out and out[-1][0] is axis:
+            out[-1][2].append(p)
+        else:
+            out.append((axis, 1.0 if axis is dp_axis else axis.size / dp_axis.size, [p]))
+    return out
+
+
 def largest_bucket_numel(bucket_numel: int, largest_param_numel: int) -> int:
     """Elements of the largest bucket `split_into_buckets` makes from buckets of `bucket_numel`
     elements and parameters of at most `largest_param_numel` (before shard padding)."""

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from mini3d import comm
-from mini3d.dp.buckets import FlatGroup, InFlight, param_names, split_into_buckets
+from mini3d.dp.buckets import FlatGroup, InFlight, param_names, runs_by_axis, split_into_buckets
 from mini3d.dp.ledger import GradMeter
 from mini3d.dp.stage import ZeroStage
 
@@ -119,20 +119,6 @@ class BucketStage(ZeroStage):
         return full
 
 
-def _runs_by_axis(params: list, dp_axis, expert_axis) -> list[tuple]:
-    """[(axis, consecutive parameters)]: maximal runs of dense parameters (on `dp_axis`) and of
-    expert slices (`ep_expert`, on `expert_axis`), in the given order (reverse registration: the
-    runs follow the backward, so expert buckets launch as their layer's gradients arrive)."""
-    out = []
-    for p in params:
-        axis = expert_axis if expert_axis is not None and getattr(p, "ep_expert", False) else dp_axis
-        if out and out[-1][0] is axis:
-            out[-1][1].append(p)
-        else:
-            out.append((axis, [p]))
-    return out
-
-
 class DataParallel(GradSyncWrapper):
     """Bucketed, overlapped gradient sync of `module`'s local parameters over `dp_axis` (expert
     slices over `expert_axis`), as the ZeRO `stage` (a `BucketStage`: 0, 1 or 2) says."""
@@ -154,11 +140,11 @@ class DataParallel(GradSyncWrapper):
         self.meter = GradMeter()
         device = params[0].device
         self.buckets = []
-        for axis, run in _runs_by_axis(list(reversed(params)), dp_axis, expert_axis):
+        for axis, prescale, run in runs_by_axis(list(reversed(params)), dp_axis, expert_axis):
             n, idx = stage.shard_of(axis)
             for r in split_into_buckets(run, int(bucket_mb * 2**20)):
                 b = FlatGroup(len(self.buckets), r, n, idx)
-                b.axis, b.prescale = axis, (1.0 if axis is dp_axis else axis.size / dp_axis.size)
+                b.axis, b.prescale = axis, prescale
                 self.buckets.append(b)
         # one replica whose p.grad are views of the buckets has nothing to reduce or move: no
         # hooks (their Python, per parameter and step, is a few percent of a small model's step)

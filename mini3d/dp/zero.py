@@ -143,14 +143,13 @@ def make_dp(module: nn.Module, dp_axis, plan, optimizer_factory, expert_axis=Non
     The wrapper has forward, no_sync(), finish_grad_sync(), full_params(), full_grads(); the
     optimizer has step() and zero_grad(). `module` may be a whole model, a pipeline stage or a
     tensor-parallel shard: only its local parameters are synchronised over the dp axis; the expert
-    slices of expert parallelism (`ep_expert`) over `expert_axis` (edp; ddp.py), ZeRO-0-2 only."""
+    slices of expert parallelism (`ep_expert`) over `expert_axis` (edp; ddp.py, zero3.py)."""
     stage = zero_stage(plan.zero)
     grad = getattr(plan, "grad_dtype", "float32")
     for name, value in (("dtype", plan.dtype), ("grad_dtype", grad)):
         if value not in DTYPES:
             raise ValueError(f"{name}={value!r} is unknown (choose {', '.join(DTYPES)})")
     dtype, grad_dtype = DTYPES[plan.dtype], DTYPES[grad] if plan.dtype == "bf16" else None
-    extra = {} if expert_axis is None else {"expert_axis": expert_axis}
     wrapper = stage.wrap(module, dp_axis, param_dtype=dtype, grad_dtype=grad_dtype,
-                         bucket_mb=plan.bucket_mb, **extra)
+                         bucket_mb=plan.bucket_mb, expert_axis=expert_axis)
     return wrapper, ShardedOptimizer(wrapper, optimizer_factory)

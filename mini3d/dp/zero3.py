@@ -35,6 +35,12 @@ Micro-batches: every micro-batch gathers each unit twice (forward, backward) and
 its gradients into the shard as soon as they are complete, `no_sync()` or not, so no unit's full
 gradient outlives its reduction at any micro-batch count (why: zero.py, "Micro-batches under
 ZeRO-2/3"); `finish_grad_sync()` reduces what is left (a piece some parameter got no gradient in).
+
+Expert parallelism (`expert_axis`, edp): a unit's expert slices (`ep_expert`) get pieces of their
+own (`buckets.runs_by_axis`), sharded, gathered and reduce-scattered over edp (`piece.axis`; dense
+pieces over dp x cp), each gradient multiplied by `piece.prescale` (1/ep, the one formula of
+ddp.py's expert buckets) before the edp average. A piece whose group has one member (edp when
+ep = dp x cp) is kept whole (`piece.whole`): its shard is its full buffer, never freed or gathered.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ import torch
 import torch.nn as nn
 
 from mini3d import comm
-from mini3d.dp.buckets import GRAD_BUCKETS_IN_FLIGHT, FlatGroup, InFlight, param_names, split_into_buckets
+from mini3d.dp.buckets import (GRAD_BUCKETS_IN_FLIGHT, FlatGroup, InFlight, param_names,
+                               runs_by_axis, split_into_buckets)
 from mini3d.dp.ddp import GradSyncWrapper
 from mini3d.dp.ledger import GradMeter
 from mini3d.dp.stage import ZeroStage
@@ -61,9 +68,9 @@ class Zero3(ZeroStage):
     param_gather = "per_unit"
 
     def wrap(self, module: nn.Module, dp_axis, param_dtype=None, grad_dtype=None,
-             bucket_mb: float = 1.0) -> "FullyShardedDP":
+             bucket_mb: float = 1.0, expert_axis=None) -> "FullyShardedDP":
         return FullyShardedDP(module, dp_axis, param_dtype=param_dtype, grad_dtype=grad_dtype,
-                              bucket_mb=bucket_mb)
+                              bucket_mb=bucket_mb, expert_axis=expert_axis)
 
 
 def find_units(module: nn.Module) -> list[nn.Module]:
@@ -109,13 +116,14 @@ class Unit:
 
 
 class FullyShardedDP(GradSyncWrapper):
-    """ZeRO-3 over `dp_axis`: each rank stores 1/dp of every unit's parameters and gradients."""
+    """ZeRO-3 over `dp_axis`: each rank stores 1/dp of every unit's parameters and gradients
+    (of its expert slices 1/|edp|, over `expert_axis`)."""
 
     stage = 3
     strategy = Zero3()
 
     def __init__(self, module: nn.Module, dp_axis, param_dtype: torch.dtype | None = None,
-                 grad_dtype: torch.dtype | None = None, bucket_mb: float = 1.0):
+                 grad_dtype: torch.dtype | None = None, bucket_mb: float = 1.0, expert_axis=None):
         super().__init__()
         self.module, self.axis = module, dp_axis
         first = next(module.parameters())
@@ -125,9 +133,11 @@ class FullyShardedDP(GradSyncWrapper):
         self.groups, self.units, self._group_of, self._unit_of = [], [], {}, {}
         for i, mods in enumerate(tied_units(find_units(module))):
             params = {p: None for m in mods for p in m.parameters() if p.requires_grad}  # once each
-            runs = split_into_buckets(list(reversed(params)), int(bucket_mb * 2**20))
-            unit = Unit(i, [self._piece(len(self.groups) + k, r, first.device)
-                            for k, r in enumerate(runs)])
+            runs = [(axis, scale, r) for axis, scale, run in
+                    runs_by_axis(list(reversed(params)), dp_axis, expert_axis)
+                    for r in split_into_buckets(run, int(bucket_mb * 2**20))]  # one axis a piece
+            unit = Unit(i, [self._piece(len(self.groups) + k, r, first.device, axis, scale)
+                            for k, (axis, scale, r) in enumerate(runs)])
             self.groups += unit.pieces
             self.units.append(unit)
             self._free(unit)
@@ -141,13 +151,14 @@ class FullyShardedDP(GradSyncWrapper):
         self.require_sync = True
         self.in_flight = InFlight()  # the pieces' reduce-scatters, in issue order
 
-    def _piece(self, index: int, params: list, device) -> FlatGroup:
-        g = FlatGroup(index, params, self.axis.size, self.axis.index)
+    def _piece(self, index: int, params: list, device, axis, prescale: float) -> FlatGroup:
+        g = FlatGroup(index, params, axis.size, axis.index)
+        g.axis, g.prescale, g.whole = axis, prescale, axis.size == 1
         wide = torch.float64 if self.param_dtype == torch.float64 else torch.float32
         fp32 = g.flatten(wide, device)  # float64 runs: float64 masters
         g.master_init = None if self.param_dtype == wide else fp32[g.lo:g.hi].clone()
         g.shard = fp32[g.lo:g.hi].to(self.param_dtype).clone()
-        g.full = torch.empty(g.padded, dtype=self.param_dtype, device=device)
+        g.full = g.shard if g.whole else torch.empty(g.padded, dtype=self.param_dtype, device=device)
         g.adopt(g.full)
         g.grad_shard = torch.zeros(g.shard_numel, dtype=self.grad_dtype, device=device)
         self.meter.hold(("shard", index), g.grad_shard)
@@ -157,10 +168,10 @@ class FullyShardedDP(GradSyncWrapper):
     # ---- gather / free ---------------------------------------------------------------------
     def _gather(self, u: Unit, wait: bool = True):
         if u.state == "free":
-            for g in u.pieces:
+            cut = [g for g in u.pieces if not g.whole]
+            for g in cut:
                 g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-            u.works = [comm.all_gather(g.full, g.shard, self.axis, async_op=True)
-                       for g in u.pieces]
+            u.works = [comm.all_gather(g.full, g.shard, g.axis, async_op=True) for g in cut]
             u.state = "gathering"
         if wait and u.state == "gathering":
             for w in u.works:
@@ -171,7 +182,8 @@ class FullyShardedDP(GradSyncWrapper):
         for w in u.works:  # a prefetch still in flight
             w.wait()
         for g in u.pieces:
-            g.full.untyped_storage().resize_(0)
+            if not g.whole:
+                g.full.untyped_storage().resize_(0)
         u.works, u.state = [], "free"
 
     def _prefetch(self, i: int):
@@ -223,8 +235,10 @@ class FullyShardedDP(GradSyncWrapper):
 
     def _reduce(self, g: FlatGroup):
         flat, g.acc = g.acc, None  # from now on only the collective (and `finish`) hold it
+        if g.prescale != 1.0:  # expert piece: the edp average, divided by dp*cp (module docstring)
+            flat.mul_(g.prescale)
         # in place, into this rank's slice of the buffer (as ddp.py's stage 2): no output buffer
-        work = comm.reduce_scatter(flat[g.lo:g.hi], flat, self.axis, op="avg", async_op=True)
+        work = comm.reduce_scatter(flat[g.lo:g.hi], flat, g.axis, op="avg", async_op=True)
 
         def finish(g=g, flat=flat):
             g.grad_shard.add_(flat[g.lo:g.hi])
@@ -262,7 +276,7 @@ class FullyShardedDP(GradSyncWrapper):
 
     def _gathered(self, shard: torch.Tensor, g: FlatGroup) -> torch.Tensor:
         full = torch.empty(g.padded, dtype=shard.dtype, device=shard.device)
-        comm.all_gather(full, shard, self.axis)
+        comm.all_gather(full, shard, g.axis)
         return full
 
     def full_params(self) -> dict:

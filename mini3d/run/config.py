@@ -119,7 +119,7 @@ class RunConfig:
             out.append(data_problem)
         out += self._tokenizer_problems(data_problem is None)
         out += self._run_problems()
-        return out + self._moe_problems() + self._ep_problems() + self._mla_problems()
+        return out + self._moe_problems() + self._mla_problems()  # ep: any layout (tests/test_ep.py)
 
     def _mla_problems(self) -> list[str]:
         """The deepseek family's latent attention trains over dp (any ZeRO stage), tp (heads
@@ -155,20 +155,6 @@ class RunConfig:
                        f"would cap the experts over its own part of the tokens, not the "
                        f"micro-batch's as one process does; use capacity_factor=0 (dropless) or "
                        f"leave out {' and '.join(split)}")
-        return out
-
-    def _ep_problems(self) -> list[str]:
-        """Expert parallelism (ep > 1) composes with tp, sequence parallelism, pp, cp and ZeRO-0-2
-        (tests/test_ep.py); refused: ZeRO-3. Checkpoints hold the full experts, and the Hugging
-        Face import and the samples go through the same full state (each rank slices its experts
-        from it; a sample gathers them: tests/test_ep_diag.py)."""
-        p = self.plan
-        if p.ep == 1 or not self.model.n_experts:
-            return []
-        out = []
-        if p.zero == 3:
-            out.append(f"ep={p.ep} with zero=3 is refused: ZeRO-3 does not shard expert slices over "
-                       f"edp yet; use --zero 1 or 2 with --ep")
         return out
 
     def _tokenizer_problems(self, data_ok: bool) -> list[str]:

@@ -140,9 +140,6 @@ RULES = (
      lambda c: [f"ep={c['ep']} needs a mixture-of-experts model"]),
     ("ep-dp-cp", lambda c: (c["dp"] * c["cp"]) % c["ep"],
      lambda c: [f"ep={c['ep']} does not divide dp*cp = {c['dp']}*{c['cp']} = {c['dp'] * c['cp']}"]),
-    # ep x ZeRO-3: goes when ZeRO-3 shards the expert slices over edp (mini3d/dp/zero3.py)
-    ("ep-zero3", lambda c: c["ep"] > 1 and c["moe"] and c["zero"] == 3,
-     lambda c: [f"ep={c['ep']} with zero=3 is refused"]),
 )
 
 
