@@ -21,8 +21,9 @@ s/cp tokens (`local_seq_len`), and ring attention keeps no s x s matrix (`layer_
 the K/V blocks travelling the ring are counted in `comm_buffer_bytes` (`ring_block_bytes`).
 
 Mixture of experts: each MoE layer's router and shared experts count as dense weights; its routed
-experts are held E / ep per rank (`mini3d.cost.moe.experts_per_rank`), whole on every tp rank
-(no expert-tp: `ModelConfig.moe_params`). Dense states shard (ZeRO) over the dp x cp ranks as
+experts are held E / ep per rank (`mini3d.cost.moe.experts_per_rank`), whole on every tp rank,
+or with `plan.expert_tp` their F/tp slices (and the shared experts split like the MLP:
+`ModelConfig.moe_params`), so expert states divide by tp too. Dense states shard (ZeRO) over the dp x cp ranks as
 above; expert states over the ranks that hold the same experts, the expert-data-parallel group
 of dp*cp / ep ranks (`expert_sharding_degree`). `detail["experts"]` gives the expert share of
 params, grads and optimizer. A MoE layer's activations (router, permuted rows, expert hidden
@@ -129,8 +130,9 @@ def largest_param_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     h, t, w = cfg.d_model, plan.tp, cfg.layer_weights()
     layers = stage_layers(cfg, plan, stage)
     sizes = [max(w["qkv"], w["proj"], h * cfg.d_ff) // t] if layers else []
-    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E/ep, F, d), whole
-        sizes += [experts_per_rank(cfg.n_experts, plan.ep) * cfg.moe_width * h]
+    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E/ep, F, d) (F/tp)
+        sizes += [experts_per_rank(cfg.n_experts, plan.ep) * cfg.moe_width * h
+                  // (t if plan.expert_tp else 1)]
     table = padded_size(cfg.vocab_size, t) * h // t
     if stage == 0:
         sizes += [table, cfg.position_params()]
@@ -144,7 +146,8 @@ def largest_unit_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     embedding, each block, the head; a tied head joins the embedding's unit)."""
     h, t = cfg.d_model, plan.tp
     table = padded_size(cfg.vocab_size, t) * h // t
-    units = [layer_params(cfg, t, ep=plan.ep)] if stage_layers(cfg, plan, stage) else []
+    units = [layer_params(cfg, t, ep=plan.ep, expert_tp=plan.expert_tp)] \
+        if stage_layers(cfg, plan, stage) else []
     if stage == 0:
         units.append(table + cfg.position_params())
     if stage == head_rank(plan):
@@ -184,7 +187,7 @@ def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:
     if plan.cp > 1:
         out["cp"] = 2 * ring_block_bytes(cfg, plan) + 3 * ring_block_bytes(cfg, plan, 4)
     if d > 1 and plan.zero == 3:
-        out["zero3"] = 2 * layer_params(cfg, plan.tp, ep=plan.ep) * e
+        out["zero3"] = 2 * layer_params(cfg, plan.tp, ep=plan.ep, expert_tp=plan.expert_tp) * e
     if plan.ep > 1 and any(cfg.is_moe_layer(i) for i in stage_layers(cfg, plan, stage)):
         out["ep"] = 2 * a2a_buffer_bytes(moe_tokens(plan), cfg.d_model, cfg.top_k, e,
                                          kept_fraction(cfg.capacity_factor))
