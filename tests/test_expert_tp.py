@@ -72,7 +72,8 @@ def test_the_time_model_adds_the_expert_tp_reduction(sp):
     (["--expert-tp"], ["expert_tp", "tp=1", "--tp N"]),
     (["--expert-tp", "--tp", "2", "--experts", "0"], ["expert_tp", "n_experts=0", "--experts E"]),
     (["--expert-tp", "--tp", "2", "--moe-ffn", "33"], ["moe_width=33", "tp=2",
-                                                       "choose tp in [1, 3, 11, 33]"])])
+                                                       "choose tp in [1, 3, 11, 33]"]),
+    (["--expert-tp", "--tp", "2", "--sample-every", "1"], ["expert_tp with --sample-every"])])
 def test_what_expert_tp_cannot_split_is_refused_before_anything_starts(flags, named, capsys):
     assert cli.main(["train", "--experts", "4", "--top-k", "2", "--steps", "1", *flags]) == 2
     err = capsys.readouterr().err

@@ -122,6 +122,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         self.stats = None
         self.dispatch = None  # mini3d.ep's ExpertDispatch / mini3d.tp.experts' TPExperts run them
+        self.shared_by_sequence = False  # shared(x (B, T, d)), not shared(flat): mini3d.tp.experts
 
     def forward(self, x):
         B, T, d = x.shape
@@ -142,7 +143,8 @@ class MoE(nn.Module):
         out = (self.dispatch or self.experts)(flat[tok], counts) * w[:, None]
         y = flat.new_zeros(N, d).index_add(0, tok, out)
         if self.shared is not None:
-            y = y + self.shared(x).reshape(N, d)  # (B, T, d): a tp-split one's sequence dim
+            # a shared expert split over tp under sequence parallelism gathers the sequence dim
+            y = y + (self.shared(x).reshape(N, d) if self.shared_by_sequence else self.shared(flat))
         self.stats = {"logits": logits, "probs_sum": probs.sum(0), "selected": selected,
                       "counts": counts.detach(), "dropped": N * k - len(e), "tokens": N}
         return y.view(B, T, d)

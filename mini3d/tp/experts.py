@@ -67,6 +67,12 @@ class TPExperts:
         axis = self.axis
         if not self.sequence_parallel:
             return reduce_from_tp(self.experts(copy_to_tp(rows, axis), counts), axis)
+        return self._over_the_group(rows, counts)
+
+    @torch.compiler.disable  # collectives stay outside compiled graphs (mini3d.run.compile)
+    def _over_the_group(self, rows, counts):
+        """Sequence parallelism: the tp group's rows gathered, run, reduce-scattered back."""
+        axis = self.axis
         n, mine = axis.size, rows.shape[0]
         table = gather_counts(counts, axis)  # (tp, E)
         sizes = table.sum(1).tolist()
@@ -74,7 +80,7 @@ class TPExperts:
         order = by_local_expert(table)
         out = self.experts(got[order], table.sum(0))  # partial sums over this rank's F/tp
         back = all_to_all(out[torch.argsort(order)], axis, [mine] * n, sizes)  # (tp * mine, d)
-        return back.view(n, mine, -1).sum(0)  # the reduce-scatter's sum, in member order
+        return back.view(n, mine, rows.shape[1]).sum(0)  # the reduce-scatter's sum, in member order
 
 
 @torch.no_grad()
@@ -90,6 +96,7 @@ def apply_expert_tp(moe, axis, sequence_parallel: bool, parallelize_mlp) -> None
         experts._parameters[key] = _shard(full, dim, index, axis.index, full.shape[dim])
     if moe.shared is not None:
         parallelize_mlp(moe.shared, axis, sequence_parallel)
+        moe.shared_by_sequence = sequence_parallel  # its gather / scatter need the (B, T, d) dims
     moe.dispatch = TPExperts(experts, axis, sequence_parallel)
 
 
