@@ -10,10 +10,10 @@ One launch per world size runs all its cases in turn (tests/moe_workers.run_moe_
 case's model, clipping and dtype, and dp x micro_batches micro-batches (the router losses are
 per micro-batch: the reference must see the same micro-batches, which dp's slices of the global
 batch are, in order). The routed experts are not tensor-split (see mini3d/tp/parallelize.py),
-except in the `expert-tp` cases (`--expert-tp`, mini3d/tp/experts.py: tp, tp x sp, tp x pp x sp,
-tp x dp x ep x ZeRO-1 with clipping, tp x sp x dp x ep x ZeRO-2, tp in bf16), which also check
-that the checkpoint's state holds the full experts (equal to the one-process run's) and
-restores them. (bf16 is checked on the gpt2 model without sp: with this llama model under tp2 x
+except in the `expert-tp` cases (`--expert-tp`, mini3d/tp/experts.py: tp, tp x sp with full
+recomputation, tp x pp x sp, tp x dp x ZeRO-3, tp x dp x ep x ZeRO-1 with clipping,
+tp x sp x dp x ep x ZeRO-2, tp in bf16), which also check that the checkpoint's state holds the
+full experts (equal to the one-process run's) and restores them. (bf16 is checked on the gpt2 model without sp: with this llama model under tp2 x
 sp, with or without ep, a few near-tie tokens move the last router's bf16 gradient by 57 % at
 step 3 with the experts whole as with --expert-tp, past the bounds below, while float64 agrees to
 1e-15.)
@@ -80,7 +80,8 @@ CASES = {
         ("cp2-ep2-clip", CFG, dict(cp=2, ep=2, micro_batches=2), CLIP),
         ("tp2-expert-tp-pooled-capacity-clip", POOLED, dict(tp=2, expert_tp=True, micro_batches=2),
          CLIP),
-        ("tp2-sp-expert-tp", CFG, dict(tp=2, sequence_parallel=True, expert_tp=True), 0.0),
+        ("tp2-sp-expert-tp-recompute-full", CFG, dict(tp=2, sequence_parallel=True, expert_tp=True,
+                                                      recompute="full"), 0.0),
         ("tp2-expert-tp-pooled-bf16", POOLED, dict(tp=2, expert_tp=True, micro_batches=2,
                                                    dtype="bf16"), 0.0)],
     4: [("tp2-pp2-sp-zb-h1-sigmoid", SIGMOID, dict(tp=2, pp=2, sequence_parallel=True,
@@ -97,6 +98,8 @@ CASES = {
                                                        micro_batches=2), CLIP),
         ("tp2-sp-dp2-ep2-expert-tp-zero2", CFG, dict(tp=2, sequence_parallel=True, dp=2, ep=2,
                                                      zero=2, expert_tp=True), 0.0),
+        ("tp2-dp2-zero3-expert-tp-sigmoid-clip", SIGMOID, dict(tp=2, dp=2, zero=3, expert_tp=True,
+                                                               micro_batches=2), CLIP),
         ("tp2-pp2-sp-expert-tp-1f1b", CFG, dict(tp=2, pp=2, sequence_parallel=True, expert_tp=True,
                                                 schedule="1f1b", micro_batches=2), 0.0)],
     8: [("tp2-pp2-dp2-ep2-zero1-clip", CFG, dict(tp=2, pp=2, dp=2, ep=2, zero=1, micro_batches=2),
