@@ -66,6 +66,9 @@ class Plan:
     """expert-parallel degree: the routed experts of every MoE layer split over ep ranks carved
     out of dp x cp (dense weights stay replicated there); tokens reach their experts by
     all-to-all (mini3d.cost.moe.a2a_bytes). Does not change the world size"""
+    expert_tp: bool = False
+    """split every routed and shared expert's FFN over the tp ranks like the dense MLP (Megatron-Core's
+    expert-tp = tp; mini3d.tp.experts); off: the experts stay whole on every tp rank"""
     compile: str = "none"
     """torch.compile each transformer block (mini3d.run.compile): 'none', or the backend
     ('inductor'; 'aot_eager' traces and partitions the same graphs without generating code, for
@@ -96,6 +99,7 @@ class Plan:
                        f"{self.world_size} (choose degrees whose product is {world_size})")
         out += self._cp_problems()
         out += self._ep_problems(model)
+        out += self._expert_tp_problems(model)
         out += self._choice_problems()
         out += self._split_problems(model)
         out += self._batch_problems(model)
@@ -120,6 +124,20 @@ class Plan:
                        f"{self.dp * self.cp} (the ep ranks are carved out of dp x cp; choose ep in "
                        f"{divisors(self.dp * self.cp)})")
         return out
+
+    def _expert_tp_problems(self, model: ModelConfig) -> list[str]:
+        """`expert_tp`: tp > 1, a MoE model, and tp dividing one expert's FFN width."""
+        if not self.expert_tp:
+            return []
+        if not model.n_experts or self.tp == 1:
+            return [f"expert_tp needs tp > 1 and a mixture-of-experts model (tp={self.tp}, "
+                    f"n_experts={model.n_experts}; give --tp N and --experts E, or leave out "
+                    f"--expert-tp)"]
+        if model.moe_width % self.tp:
+            return [f"expert_tp: tp={self.tp} does not divide the expert FFN width "
+                    f"moe_width={model.moe_width} (choose tp in {divisors(model.moe_width)[:12]}, "
+                    f"or --moe-ffn a multiple of {self.tp})"]
+        return []
 
     def _choice_problems(self) -> list[str]:
         """The named choices (ZeRO stage, schedule, recompute, dtypes, attention) and their pairs."""

@@ -81,8 +81,25 @@ def run_moe_cases(cases: list[dict], steps: int, seed: int) -> list[dict]:
                   for n, b in chunk.named_buffers() if n.endswith("expert_bias")}
         mine = {"name": case["name"], "rank": rank, "biases": biases, "params": held,
                 "stage": topo.pp.index}
+        state = _state_round_trip(trainer, topo) if case.get("state") else None
         if topo.tp.index == 0 and topo.dp.index == 0 and topo.cp.index == 0:
             mine.update(losses=losses, loads=loads, grads=grads, norms=norms)
+            if state is not None:
+                mine["state"] = state
         out.append(mine)
         comm.barrier(topo.axes["world"])
     return out
+
+
+def _state_round_trip(trainer, topo) -> dict:
+    """The checkpoint's full state of this rank's stages (mini3d.checkpoint.state: weights and
+    AdamW moments by reference name, full shapes), and whether restoring it into the trainer and
+    gathering again gives it back bit for bit (collective)."""
+    from mini3d.checkpoint.state import gather_full_state, restore_full_state
+
+    weights, moments, step = gather_full_state(trainer.chunks, trainer.optimizer, topo)
+    restore_full_state(trainer.chunks, trainer.optimizer, topo, weights, moments, step)
+    again, again_m, _ = gather_full_state(trainer.chunks, trainer.optimizer, topo)
+    same = all(torch.equal(again[n], w) for n, w in weights.items()) and all(
+        torch.equal(again_m[n][k], m) for n, ms in moments.items() for k, m in ms.items())
+    return {"weights": weights, "moments": moments, "round_trip": same}

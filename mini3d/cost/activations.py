@@ -39,6 +39,10 @@ e = element bytes (2 for bf16, 4 for float32), f = d_ff and tp = t:
   as many rows as its own tokens send out); dropless, one rank can receive up to
   ep * n * min(top_k, E/ep) rows at worst (every token of the ep group routed to its experts),
   with a capacity factor at most (E/ep) * ceil(C * n * top_k / E) per source rank.
+  With expert-tp (mini3d.tp.experts) the experts' hidden values are F/tp wide, and under
+  sequence parallelism they and the permuted input are the tp group's rows (tp x r); the shared
+  experts' hidden values likewise (their input gathered along the sequence). Derived from the
+  layer's code, not measured against the ledger.
 
 * multi-head latent attention (the deepseek family, `mla_activation_bytes`) keeps its latents
   whole on every tp rank and the heads' expanded q, k, v split, in place of the qkv, projection
@@ -140,8 +144,11 @@ def moe_activation_bytes(cfg: ModelConfig, plan: Plan) -> float:
     rows = n * k * kept_fraction(cfg.capacity_factor)
     hidden = 4 if cfg.llama_like else 2  # SwiGLU: gate, up, silu(gate), product; gpt2: fc out, act out
     router = router_activation_bytes(cfg, n)
-    routed = 2 * 8 * rows + 3 * rows * cfg.d_model * e + rows * e + hidden * rows * cfg.moe_width * e
-    shared = hidden * n * cfg.moe_width * cfg.n_shared_experts * e
+    t = plan.tp if plan.expert_tp else 1  # the FFN width split (expert-tp), g: the rows it sees
+    g = t if plan.sequence_parallel else 1
+    routed = (2 * 8 * rows + (2 + g) * rows * cfg.d_model * e + rows * e
+              + hidden * g * rows * cfg.moe_width / t * e)
+    shared = hidden * g * n * cfg.moe_width * cfg.n_shared_experts / t * e
     return router + routed + shared
 
 

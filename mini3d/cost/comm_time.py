@@ -17,7 +17,7 @@ from mini3d.dp.zero import zero_stage
 from mini3d.tp.layout import comm_per_layer
 from mini3d.cost.activations import ELEMENT_BYTES, local_seq_len, moe_tokens, ring_block_bytes
 from mini3d.cost.params import expert_sharding_degree, head_rank, sharding_degree, stage_layers
-from mini3d.cost.moe import a2a_buffer_bytes, a2a_bytes_per_micro_batch, kept_fraction
+from mini3d.cost.moe import a2a_buffer_bytes, a2a_bytes_per_micro_batch, expert_tp_ops, kept_fraction
 
 
 def members_per_node(plan, hw) -> dict:
@@ -43,7 +43,8 @@ def members_per_node(plan, hw) -> dict:
 
 def tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, float]:
     """(forward seconds, backward seconds, wire bytes) of tp communication per micro-batch on
-    pipeline rank `stage` (the first holds the embedding, the last the head and the loss)."""
+    pipeline rank `stage` (the first holds the embedding, the last the head and the loss), with
+    `plan.expert_tp` each MoE layer's routed-row reduction too (`mini3d.cost.moe.expert_tp_ops`)."""
     t, sb = plan.tp, local_seq_len(plan) * plan.micro_batch_size
     node = members_per_node(plan, hw)["tp"]
     if t == 1:
@@ -64,6 +65,13 @@ def tp_time(cfg, plan, hw, layers, bw, stage: int = 0) -> tuple[float, float, fl
     bwd_s = layers * (seconds(c["backward"]) + redo * seconds(c["forward"])) + last * end_s
     wire = (layers * (c["forward_wire_bytes"] * (1 + redo) + c["backward_wire_bytes"])
             + (first + last) * end_wire + sum(ring_wire_bytes("all_reduce", t, n) for n in loss))
+    moe = moe_stage_layers(cfg, plan, stage) if plan.expert_tp else 0
+    if moe:  # forward ops, their mirror in backward (and the forward's again under full recompute)
+        rows = a2a_buffer_bytes(moe_tokens(plan), cfg.d_model, cfg.top_k, ELEMENT_BYTES[plan.dtype],
+                                kept_fraction(cfg.capacity_factor))
+        ops = expert_tp_ops(rows, t, plan.sequence_parallel)
+        fwd_s, bwd_s = fwd_s + moe * seconds(ops), bwd_s + moe * (1 + redo) * seconds(ops)
+        wire += moe * (2 + redo) * sum(o["count"] * o["wire_bytes"] for o in ops)
     return fwd_s, bwd_s, wire
 
 

@@ -21,8 +21,9 @@ s/cp tokens (`local_seq_len`), and ring attention keeps no s x s matrix (`layer_
 the K/V blocks travelling the ring are counted in `comm_buffer_bytes` (`ring_block_bytes`).
 
 Mixture of experts: each MoE layer's router and shared experts count as dense weights; its routed
-experts are held E / ep per rank (`mini3d.cost.moe.experts_per_rank`), whole on every tp rank
-(no expert-tp: `ModelConfig.moe_params`). Dense states shard (ZeRO) over the dp x cp ranks as
+experts are held E / ep per rank (`mini3d.cost.moe.experts_per_rank`), whole on every tp rank,
+or with `plan.expert_tp` their F/tp slices (and the shared experts split like the MLP:
+`ModelConfig.moe_params`), so expert states divide by tp too. Dense states shard (ZeRO) over the dp x cp ranks as
 above; expert states over the ranks that hold the same experts, the expert-data-parallel group
 of dp*cp / ep ranks (`expert_sharding_degree`). `detail["experts"]` gives the expert share of
 params, grads and optimizer. A MoE layer's activations (router, permuted rows, expert hidden
@@ -135,8 +136,9 @@ def largest_param_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     h, t, w = cfg.d_model, plan.tp, cfg.layer_weights()
     layers = stage_layers(cfg, plan, stage)
     sizes = [max(w["qkv"], w["proj"], h * cfg.d_ff) // t] if layers else []
-    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E/ep, F, d), whole
-        sizes += [experts_per_rank(cfg.n_experts, plan.ep) * cfg.moe_width * h]
+    if any(cfg.is_moe_layer(i) for i in layers):  # a stacked expert tensor (E/ep, F, d) (F/tp)
+        sizes += [experts_per_rank(cfg.n_experts, plan.ep) * cfg.moe_width * h
+                  // (t if plan.expert_tp else 1)]
     table = padded_size(cfg.vocab_size, t) * h // t
     if stage == 0:
         sizes += [table, cfg.position_params()]
@@ -150,7 +152,8 @@ def largest_unit_numel(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     embedding, each block, the head; a tied head joins the embedding's unit)."""
     h, t = cfg.d_model, plan.tp
     table = padded_size(cfg.vocab_size, t) * h // t
-    units = [layer_params(cfg, t, ep=plan.ep)] if stage_layers(cfg, plan, stage) else []
+    units = [layer_params(cfg, t, ep=plan.ep, expert_tp=plan.expert_tp)] \
+        if stage_layers(cfg, plan, stage) else []
     if stage == 0:
         units.append(table + cfg.position_params())
     if stage == head_rank(plan):
@@ -175,9 +178,10 @@ def gathered_block_numel(cfg: ModelConfig, plan: Plan) -> int:
     `expert_sharding_degree`) has one member: those pieces are kept whole (`mini3d.dp.zero3`) and
     counted in `params` already."""
     whole = cfg.n_experts and expert_sharding_degree(plan) == 1
-    experts = cfg.moe_params(plan.tp, ep=plan.ep)["experts"] if whole else 0
-    return max(layer_params(cfg, plan.tp, i, plan.ep) - experts * cfg.is_moe_layer(i)
-               for i in range(cfg.n_layers))
+    et = plan.expert_tp
+    experts = cfg.moe_params(plan.tp, ep=plan.ep, expert_tp=et)["experts"] if whole else 0
+    return max(cfg.layer_param_count(plan.tp, i, ep=plan.ep, expert_tp=et)
+               - experts * (i is not None) for i in cfg.block_kinds())
 
 
 def comm_buffer_bytes(cfg: ModelConfig, plan: Plan, stage: int = 0) -> dict:

@@ -18,11 +18,19 @@ Node-limited routing (DeepSeek-V3: a token uses at most route_topk_groups groups
 each) bounds the nodes a token reaches: `nodes_reached` counts them by running the real router,
 `internode_bytes` turns them into the bytes that cross between nodes.
 
+Expert tensor parallelism (`--expert-tp`, mini3d.tp.experts) adds, per MoE layer and
+micro-batch, the tp reduction of the routed rows' partial outputs (`expert_tp_ops`): without
+sequence parallelism one all-reduce of the rank's rows forward (`g`) and one of their gradients
+backward (`f`); with it the tp group's rows all-gathered and the partials reduce-scattered
+forward, the mirror backward.
+
 The estimator, the time model, the dry run, the course's figures and the grader call these
 functions; none keeps a copy of the formula.
 """
 
 from __future__ import annotations
+
+from mini3d.comm import ring_wire_bytes
 
 A2A_PER_LAYER = 4  # dispatch and combine, forward and backward, per MoE layer per micro-batch
 
@@ -102,3 +110,20 @@ def internode_bytes(tokens: int, d_model: int, element_bytes: int, rows_per_toke
     dispatch sends a token once per node, top_k * (nodes - 1) / nodes when it sends every
     token-slot on its own (`a2a_bytes`'s count with ep = nodes)."""
     return tokens * rows_per_token * d_model * element_bytes
+
+
+def expert_tp_ops(rows_bytes: float, tp: int, sequence_parallel: bool) -> list[dict]:
+    """The collectives one MoE layer's routed experts issue under expert-tp in ONE direction
+    (forward; the backward issues the mirror image: the same ops, gather and scatter swapped), for
+    a rank whose routed rows hold `rows_bytes` (`a2a_buffer_bytes` of its tokens). Each op as
+    `mini3d.tp.layout.comm_per_layer` lists them: {"op", "count", "bytes" (the payload as
+    mini3d.comm logs it), "wire_bytes" (per rank)}. Under sequence parallelism the gathered
+    payload is the tp group's rows, tp x `rows_bytes` (balanced routing)."""
+    if tp <= 1:
+        return []
+    if sequence_parallel:
+        full = rows_bytes * tp
+        return [{"op": op, "count": 1, "bytes": full, "wire_bytes": ring_wire_bytes(op, tp, full)}
+                for op in ("all_gather", "reduce_scatter")]
+    return [{"op": "all_reduce", "count": 1, "bytes": rows_bytes,
+             "wire_bytes": ring_wire_bytes("all_reduce", tp, rows_bytes)}]

@@ -15,8 +15,8 @@ split the pipeline builds); chunk c lives on pipeline rank c % pp, or in a V for
 `mini3d.tp.layers.padded_size`: the functions the engine itself runs.
 
 Mixture of experts: a MoE layer's router and shared experts count as dense weights; its routed
-experts are held E / ep per rank (`mini3d.cost.moe.experts_per_rank`), whole on every tp rank
-(`ModelConfig.moe_params`). Dense parameters are shared (ZeRO) over the dp x cp ranks
+experts are held E / ep per rank (`mini3d.cost.moe.experts_per_rank`), whole on every tp rank,
+or split over tp with the shared experts under `plan.expert_tp` (`ModelConfig.moe_params`). Dense parameters are shared (ZeRO) over the dp x cp ranks
 (`sharding_degree`), experts over the expert-data-parallel group of dp*cp / ep ranks
 (`expert_sharding_degree`).
 """
@@ -58,24 +58,28 @@ def head_rank(plan: Plan) -> int:
 
 
 @functools.lru_cache(maxsize=65536)  # ModelConfig is frozen: the planner's layouts share its blocks
-def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None, ep: int = 1) -> int:
+def layer_params(cfg: ModelConfig, tp: int, layer: int | None = None, ep: int = 1,
+                 expert_tp: bool = False) -> int:
     """Parameters of one transformer block on one tp rank (`ModelConfig.layer_param_count`; a MoE
-    `layer` counts the E / ep experts of one ep rank, or its largest block when `layer` is None
-    for a MoE model)."""
+    `layer` counts the E / ep experts of one ep rank, split over tp with `expert_tp`, or its
+    largest block when `layer` is None for a MoE model)."""
     if layer is None and cfg.n_experts:
-        return max(cfg.layer_param_count(tp, i, ep=ep) for i in range(cfg.n_layers))
-    return cfg.layer_param_count(tp, layer, ep=ep)
+        return max(cfg.layer_param_count(tp, i, ep=ep, expert_tp=expert_tp)
+                   for i in cfg.block_kinds())
+    return cfg.layer_param_count(tp, layer, ep=ep, expert_tp=expert_tp)
 
 
 @functools.lru_cache(maxsize=4096)
-def _sum_layer_params(cfg: ModelConfig, tp: int, ep: int, layers: tuple) -> int:
-    return sum(layer_params(cfg, tp, i, ep) for i in layers)
+def _sum_layer_params(cfg: ModelConfig, tp: int, ep: int, expert_tp: bool, layers: tuple) -> int:
+    return sum(layer_params(cfg, tp, i, ep, expert_tp) for i in layers)
 
 
 def stage_expert_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     """Routed-expert parameters one rank of pipeline stage `stage` holds (part of
-    `stage_param_count`): experts_per_rank(E, ep) whole experts in each of its MoE layers."""
-    per_layer = cfg.moe_params(plan.tp, ep=plan.ep)["experts"] if cfg.n_experts else 0
+    `stage_param_count`): experts_per_rank(E, ep) experts in each of its MoE layers, whole or
+    (`plan.expert_tp`) their F/tp slices."""
+    per_layer = cfg.moe_params(plan.tp, ep=plan.ep, expert_tp=plan.expert_tp)["experts"] \
+        if cfg.n_experts else 0
     return per_layer * sum(cfg.is_moe_layer(i) for i in stage_layers(cfg, plan, stage))
 
 
@@ -86,7 +90,8 @@ def stage_param_count(cfg: ModelConfig, plan: Plan, stage: int) -> int:
     pp > 1 the last stage keeps a copy."""
     chunks = stage_chunks(cfg, plan, stage)
     first, last = any(c.first for c in chunks), any(c.last for c in chunks)
-    n = _sum_layer_params(cfg, plan.tp, plan.ep, tuple(i for c in chunks for i in c.layers))
+    n = _sum_layer_params(cfg, plan.tp, plan.ep, plan.expert_tp,
+                          tuple(i for c in chunks for i in c.layers))
     table = padded_size(cfg.vocab_size, plan.tp) * cfg.d_model // plan.tp
     if first:
         n += table + cfg.position_params()

@@ -43,6 +43,7 @@ def describe(plan: Plan) -> str:
     return (f"tp{plan.tp}{cp} pp{plan.pp} dp{plan.dp} | {plan.micro_batches} x mb{plan.micro_batch_size}"
             f" | {sched} | zero{plan.zero} | recompute {plan.recompute}"
             + (" | sp" if plan.sequence_parallel else "")
+            + (" | expert-tp" if plan.expert_tp else "")
             + (f" | {plan.attention}" if plan.attention != "explicit" else ""))
 
 

@@ -43,9 +43,10 @@ def apply_ep(module: nn.Module, topo) -> None:
             if p is None:
                 continue
             new = nn.Parameter(p.detach()[rows].clone(), p.requires_grad)
+            new.__dict__.update(p.__dict__)  # an expert-tp slice keeps its tp marks (mini3d.tp.experts)
             new.ep_expert = True
             m.experts._parameters[key] = new
-        m.dispatch = ExpertDispatch(m.experts, ep)
+        m.dispatch = ExpertDispatch(m.dispatch or m.experts, ep)  # expert-tp: its TPExperts
 
 
 def gather_experts(p, value: torch.Tensor, topo) -> torch.Tensor:

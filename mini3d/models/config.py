@@ -210,27 +210,32 @@ class ModelConfig:
         """One expert's MLP width (moe_ffn, else d_ff)."""
         return self.moe_ffn or self.d_ff
 
-    def moe_params(self, tp: int = 1, active: bool = False, ep: int = 1) -> dict:
+    def moe_params(self, tp: int = 1, active: bool = False, ep: int = 1,
+                   expert_tp: bool = False) -> dict:
         """Parameters of one MoE layer's parts on one rank: the router (E x d, replicated), the
         routed experts (the E / ep one ep rank holds, or the top_k a token uses when `active`) and
-        the shared-expert MLP. The engine keeps a MoE layer whole on every tp rank (routed and
-        shared experts and the router replicated over tp, as Megatron-Core's expert-tp 1;
-        mini3d.tp.parallelize), so `tp` divides none of them."""
+        the shared-expert MLP. By default the engine keeps a MoE layer whole on every tp rank
+        (routed and shared experts and the router replicated over tp, as Megatron-Core's
+        expert-tp 1; mini3d.tp.parallelize), so `tp` divides none of them; `expert_tp`
+        (mini3d.tp.experts) splits the routed experts' FFN width over tp, and the shared experts
+        like a dense MLP (weights and the up-projection's bias split, the down-projection's bias
+        replicated). The router stays replicated."""
         h, f = self.d_model, self.moe_width
+        t = tp if expert_tp else 1
         n = self.top_k if active else self.n_experts // ep
-        per_expert = (3 if self.llama_like else 2) * h * f
+        per_expert = (3 if self.llama_like else 2) * h * f // t
         fs = f * self.n_shared_experts
-        shared = (3 if self.llama_like else 2) * h * fs
-        shared += ((fs + h) if self.biases else 0) if fs else 0
+        shared = (3 if self.llama_like else 2) * h * fs // t
+        shared += ((fs // t + h) if self.biases else 0) if fs else 0
         return {"router": self.n_experts * h, "experts": n * per_expert, "shared": shared}
 
     def layer_param_count(self, tp: int = 1, layer: int | None = None, active: bool = False,
-                          ep: int = 1) -> int:
+                          ep: int = 1, expert_tp: bool = False) -> int:
         """Parameters of one block on one of `tp` ranks: column-parallel matrices (qkv, MLP up and
         gate) split with their biases, row-parallel ones (attention / MLP out-projections) split
         with their biases replicated, the two norms (and qk_norm's two head-wide ones) replicated.
         A MoE `layer` (`is_moe_layer`) holds `moe_params` in place of the dense MLP (`active`: the
-        experts one token uses; `ep`: the E / ep experts of one ep rank)."""
+        experts one token uses; `ep`: the E / ep experts of one ep rank; `expert_tp`: split over tp)."""
         h, f, w = self.d_model, self.d_ff, self.layer_weights()
         qkv_bias = (self.q_dim + 2 * self.kv_dim) if self.biases or self.qkv_bias else 0
         col_bias = qkv_bias + (f if self.biases else 0)
@@ -244,7 +249,7 @@ class ModelConfig:
         if layer is None or not self.is_moe_layer(layer):
             return dense
         mlp = (w["mlp"] + (f if self.biases else 0)) // tp + (h if self.biases else 0)
-        return dense - mlp + sum(self.moe_params(tp, active, ep).values())
+        return dense - mlp + sum(self.moe_params(tp, active, ep, expert_tp).values())
 
     def n_params(self) -> int:
         """Exact parameter count of `mini3d.models.transformer.GPT` for this shape (a tied head counted once)."""
@@ -263,12 +268,19 @@ class ModelConfig:
         first = -(-self.dense_layers // self.moe_every) * self.moe_every  # first MoE index
         return max(0, (self.n_layers - 1 - first) // self.moe_every + 1) if first < self.n_layers else 0
 
+    def block_kinds(self) -> list:
+        """One layer index per kind of block the model has: None for a dense block, the first MoE
+        layer's index for a MoE block (every MoE block counts the same; closed form, as
+        `moe_layer_count`)."""
+        n_moe = self.moe_layer_count()
+        return ([None] if n_moe < self.n_layers or not n_moe else []) + (
+            [self.dense_layers + (-self.dense_layers) % self.moe_every] if n_moe else [])
+
     def _count(self, active: bool) -> int:
         V, h = self.vocab_size, self.d_model
         head = 0 if self.tie_embeddings else V * h
         n_moe = self.moe_layer_count()
-        moe = self.layer_param_count(1, self.dense_layers + (-self.dense_layers) % self.moe_every,
-                                     active) if n_moe else 0
+        moe = self.layer_param_count(1, self.block_kinds()[-1], active) if n_moe else 0
         layers = (self.n_layers - n_moe) * self.layer_param_count(1, None, active) + n_moe * moe
         return V * h + self.position_params() + layers + self.norm_params() + head
 

@@ -121,7 +121,8 @@ class MoE(nn.Module):
         self.shared = mlp_class(dataclasses.replace(cfg, d_ff=width)) if width else None
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
         self.stats = None
-        self.dispatch = None  # expert parallelism: mini3d.ep's ExpertDispatch runs the experts
+        self.dispatch = None  # mini3d.ep's ExpertDispatch / mini3d.tp.experts' TPExperts run them
+        self.shared_by_sequence = False  # shared(x (B, T, d)), not shared(flat): mini3d.tp.experts
 
     def forward(self, x):
         B, T, d = x.shape
@@ -142,7 +143,8 @@ class MoE(nn.Module):
         out = (self.dispatch or self.experts)(flat[tok], counts) * w[:, None]
         y = flat.new_zeros(N, d).index_add(0, tok, out)
         if self.shared is not None:
-            y = y + self.shared(flat)
+            # a shared expert split over tp under sequence parallelism gathers the sequence dim
+            y = y + (self.shared(x).reshape(N, d) if self.shared_by_sequence else self.shared(flat))
         seqs = per_sequence(experts, probs, B) if self.cfg.seq_aux_loss_coef else None
         self.stats = {"logits": logits, "probs_sum": probs.sum(0), "selected": selected,
                       "counts": counts.detach(), "dropped": N * k - len(e), "tokens": N,

@@ -7,6 +7,7 @@
     parallelize.py    apply_tp(model, topo, plan), full_state_dict, full_grads,
                       boundary_shape, load_full_state_dict, gather_logits
     grads.py          sync_tp_grads, sum_replicated_grads, clip_grad_norm_ (the tp sums, the norm)
+    experts.py        apply_expert_tp, TPExperts: MoE experts split over tp (`--expert-tp`)
     layout.py         shard_map, comm_per_layer (what each rank holds and each layer sends, as data)
 """
 

@@ -65,21 +65,25 @@ def clip_grad_norm_(local_grads, topo, max_norm: float, sharded_over_dp: bool) -
     shard group, `topo.dp_cp` (cp x dp: the group the dp wrapper reduces every gradient over),
     replicas (ZeRO-0: equal on every cp x dp rank after its average) not; pipeline stages are summed
     over pp (a tied head's copy, `tied_copy`, is left out: the matrix counts once). Expert slices
-    (`ep_expert`, mini3d.ep: whole on every tp rank, a different E/ep of the experts on each ep
-    rank) are taken once over tp and summed over ep; under ZeRO >= 1 their edp shards and the ep
-    slices together tile dp x cp, so the one dp_cp sum counts them once too. Each piece's norm is
-    taken in float32 (as torch does; float64 in float64 runs), the squares are summed in float64."""
-    norms = ([], [], [])  # [replicated, tp-sharded, expert]: float32 norms per piece, summed below
+    (`ep_expert`, mini3d.ep: a different E/ep of the experts on each ep rank) are summed over ep,
+    and over tp taken once where whole on every tp rank, summed where split over tp
+    (`--expert-tp`, mini3d.tp.experts: a different F/tp of each expert on each tp rank); under
+    ZeRO >= 1 their edp shards and the ep slices together tile dp x cp, so the one dp_cp sum counts
+    them once too. Each piece's norm is taken in float32 (as torch does; float64 in float64 runs),
+    the squares are summed in float64."""
+    # [replicated, tp-sharded, expert whole over tp, expert split over tp]: norms per piece
+    norms = ([], [], [], [])
     for part, p in _local_parts(local_grads):
         wide = torch.promote_types(part.dtype, torch.float32)  # float64 runs: float64 norms
-        kind = 2 if getattr(p, "ep_expert", False) else int(is_tp_sharded(p))
+        kind = 2 * bool(getattr(p, "ep_expert", False)) + int(is_tp_sharded(p))
         norms[kind].append(torch.linalg.vector_norm(part, dtype=wide))
     dev = local_grads[0][1].device
     sq = torch.stack([torch.stack(n).double().square().sum() if n else
                       torch.zeros((), dtype=torch.float64, device=dev) for n in norms])
-    # one tp all-reduce of the sums; replicated and expert sums then count each element tp times
+    # one tp all-reduce of the sums; the whole-on-every-tp-rank sums then count each element tp times
     comm.all_reduce(sq, topo.tp)
-    dense, experts = (sq[0] / topo.tp.size + sq[1]).reshape(1), (sq[2] / topo.tp.size).reshape(1)
+    t = topo.tp.size
+    dense, experts = (sq[0] / t + sq[1]).reshape(1), (sq[2] / t + sq[3]).reshape(1)
     if sharded_over_dp:
         total = dense + experts
         comm.all_reduce(total, topo.dp_cp)  # ZeRO shards over cp x dp (the dp axis when cp=1)

@@ -17,15 +17,16 @@ What each module becomes (Megatron-LM's layout; `f`/`g` are in mappings.py):
 
 Norms, position embeddings and row-parallel biases stay replicated, and so does a MoE layer
 (mini3d.models.moe: router, routed experts and shared experts whole on every tp rank, Megatron's
-expert-tp = 1). Without sequence parallelism its input, the norm's output, is the same on every
-tp rank, so each rank computes the same output, input gradient and parameter gradients: no f/g
-operator and no reduction (an f before it would sum tp equal input gradients, tp times too
-many). The shared experts could be split like a dense MLP (Megatron does); they stay whole so that
-the layer has one rule: under sequence parallelism the layer runs on the rank's T/tp tokens with
-no collective inside (a split shared expert would add an all-gather and a reduce-scatter per
-layer beside routed experts that need none), and its gradients are partial sums over those
-tokens, summed over tp with the norms' (`sum_replicated_grads`); its router losses pool their
-statistics over tp first (`mini3d.models.balance.pool_router_stats_over`). A tied head shares the
+expert-tp = 1) unless `plan.expert_tp` splits its experts like the MLP (mini3d.tp.experts). Kept
+whole, without sequence parallelism its input, the norm's output, is the same on every tp rank,
+so each rank computes the same output, input gradient and parameter gradients: no f/g operator
+and no reduction (an f before it would sum tp equal input gradients, tp times too many). The
+shared experts then stay whole too, so that the layer has one rule: under sequence parallelism
+the layer runs on the rank's T/tp tokens with no collective inside (a split shared expert would
+add an all-gather and a reduce-scatter per layer beside routed experts that need none), and its
+gradients are partial sums over those tokens, summed over tp with the norms'
+(`sum_replicated_grads`); its router losses pool their statistics over tp first
+(`mini3d.models.balance.pool_router_stats_over`). A tied head shares the
 embedding's shard when one module holds both.
 
 With `plan.sequence_parallel` the activations between the parallel regions are (B, T/tp, C) shards:
@@ -47,6 +48,7 @@ import torch.nn as nn
 from mini3d import comm
 from mini3d.models.transformer import tie_weights
 from mini3d.tp.cross_entropy import VocabParallelLoss
+from mini3d.tp.experts import apply_expert_tp
 from mini3d.tp.mappings import copy_to_tp, gather_from_sequence
 from mini3d.tp.layers import (ColumnParallelLinear, HeadNormTP, RowParallelLinear, VocabParallelEmbedding,
                               head_index)
@@ -105,9 +107,13 @@ def _parallelize_mla(attn, axis, cfg, sp: bool):
     attn.n_local_heads = attn.n_local_kv_heads = cfg.n_heads // tp
 
 
-def _parallelize_block(block, axis, cfg, sp: bool):
+def _parallelize_block(block, axis, cfg, sp: bool, expert_tp: bool = False):
     tp = axis.size
     attn, mlp = block.attn, block.mlp
+    if not hasattr(mlp, "fc"):  # a MoE layer: whole (see the module docstring), or expert-tp
+        if expert_tp:
+            apply_expert_tp(mlp, axis, sp, _parallelize_mlp)
+        mlp = None
     if cfg.mla:
         _parallelize_mla(attn, axis, cfg, sp)
         return _parallelize_mlp(mlp, axis, sp)
@@ -121,7 +127,7 @@ def _parallelize_block(block, axis, cfg, sp: bool):
 
 
 def _parallelize_mlp(mlp, axis, sp: bool):
-    if not hasattr(mlp, "fc"):  # a MoE layer stays whole (see the module docstring)
+    if mlp is None:  # a MoE layer (_parallelize_block)
         return
     mlp.fc = ColumnParallelLinear(mlp.fc, axis, sequence_parallel=sp)
     if mlp.gate is not None:  # SwiGLU: the gate splits like fc, so silu(gate) * fc stays local
@@ -135,7 +141,7 @@ def apply_tp(model, topo, plan):
     Build the optimizer AFTER this call (the sharded parameters are new tensors). tp=1 runs the
     very same code (every collective on a one-member axis is the identity)."""
     axis, cfg = topo.tp, model.cfg
-    problems = [p for p in plan.problems(cfg) if p.startswith(("tp=", "sequence"))]
+    problems = [p for p in plan.problems(cfg) if p.startswith(("tp=", "sequence", "expert_tp"))]
     if plan.tp != axis.size:
         problems.append(f"plan.tp={plan.tp} != size of the tp axis {axis.size}")
     if problems:
@@ -144,7 +150,7 @@ def apply_tp(model, topo, plan):
     if model.embed is not None:
         model.embed = ParallelEmbedding(model.embed, axis, sp)
     for block in model.blocks.values():
-        _parallelize_block(block, axis, cfg, sp)
+        _parallelize_block(block, axis, cfg, sp, bool(getattr(plan, "expert_tp", False)))
     if model.head is not None:
         out = ColumnParallelLinear(model.head.out, axis, sequence_parallel=sp)
         model.head.out = out
