@@ -13,10 +13,14 @@ from mini3d.diagnose.history import self_divergence
 from mini3d.diagnose.run_dir import Run
 
 AXIS = SimpleNamespace(name="dp", ranks=(0, 1))
+EP = SimpleNamespace(name="ep", ranks=(0, 1))
 
 
-def _step(log, step, skip_first=False, wide=False):
+def _step(log, step, skip_first=False, wide=False, routed=0):
     log.context = {"step": step, "mb": 0}
+    if routed:  # an expert-parallel dispatch first: its rows follow the routing, step by step
+        eid, ev = log.begin(EP, "all_to_all", torch.zeros(routed + step, 3), 12 * (routed + step), 0)
+        log.end(eid, ev)
     for n in (4, 6):
         eid, ev = log.begin(AXIS, "all_reduce", torch.zeros(n + (1 if wide and n == 4 else 0)), 4 * n, 0)
         if skip_first and n == 4:
@@ -27,12 +31,12 @@ def _step(log, step, skip_first=False, wide=False):
     log.end(eid, ev)
 
 
-def _run(tmp_path, steps=3, partial=False, **faults):
+def _run(tmp_path, steps=3, partial=False, routed=0, **faults):
     """`steps` steps, the last with `faults`; `partial`: one more step, only its first op."""
     log = CommLog(rank=1)
     log.on_issue = BlackBox(str(tmp_path), 1)
     for step in range(steps):
-        _step(log, step, **(faults if step == steps - 1 else {}))
+        _step(log, step, routed=routed, **(faults if step == steps - 1 else {}))
     if partial:
         log.context = {"step": steps, "mb": 0}
         log.begin(AXIS, "all_reduce", torch.zeros(4), 16, 0)
@@ -54,6 +58,15 @@ def test_a_retracted_op_is_a_skip_seen_from_the_box_alone(tmp_path):
 def test_a_changed_shape_is_seen(tmp_path):
     kind, text = self_divergence(_run(tmp_path, wide=True), 1)
     assert kind == "shape" and "(5,)" in text and "(4,)" in text
+
+
+def test_an_all_to_all_changing_rows_between_steps_is_no_shape_fault(tmp_path):
+    """Expert parallelism's dispatch sends as many rows as the router chose, another count each
+    step: not a divergence (a campaign run blamed the victim for it); the wrong all_reduce is."""
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert self_divergence(_run(tmp_path / "a", routed=7), 1) is None
+    kind, text = self_divergence(_run(tmp_path / "b", routed=7, wide=True), 1)
+    assert kind == "shape" and "all_reduce" in text and "(5,)" in text
 
 
 def test_a_skip_at_the_end_of_a_complete_step_is_seen(tmp_path):

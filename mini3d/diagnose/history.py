@@ -39,8 +39,14 @@ def _step_ops(events: list[dict], step: int) -> dict[tuple, list]:
         ctx = dict(e.get("context") or {})
         if ctx.pop("step", None) != step:
             continue
-        out.setdefault((e["axis"], e["op"], e.get("peer")), []).append((tuple(e["shape"]), ctx))
+        out.setdefault((e["axis"], e["op"], e.get("peer")), []).append((_shape(e), ctx))
     return out
+
+
+def _shape(e: dict):
+    """An op's shape as the step-to-step comparison sees it: none for an all-to-all, whose row
+    counts follow the routing and change every step by design."""
+    return None if e["op"] == "all_to_all" else tuple(e["shape"])
 
 
 def self_divergence(run, r: int) -> tuple[str, str] | None:
@@ -94,7 +100,7 @@ def _flat(events: list[dict], step: int) -> list[tuple]:
     for e in events:
         ctx = dict(e.get("context") or {})
         if ctx.pop("step", None) == step:
-            out.append((e["axis"], e["op"], e.get("peer"), tuple(e["shape"]), tuple(ctx.items())))
+            out.append((e["axis"], e["op"], e.get("peer"), _shape(e), tuple(ctx.items())))
     return out
 
 
