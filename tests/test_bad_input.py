@@ -24,6 +24,7 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--global-batch 1000000000000", "GiB of activations over the job's ranks, more than this host"),
     # campaign: tracebacks after the workers started
     ("--lr nan", "--lr nan must be a finite number"),
+    ("--weight-decay nan", "weight_decay=nan must be a finite number >= 0"),
     ("--lr -1", "--lr -1.0 must be > 0"),
     ("--bucket-mb nan", "--bucket-mb nan must be a finite number"),
     ("--save {file}", "is an existing file, not a directory"),

@@ -105,8 +105,8 @@ class RunConfig:
             out.append(f"steps={self.steps} must be >= 1")
         if self.lr <= 0:
             out.append(f"lr={self.lr} must be > 0")
-        if self.weight_decay < 0:
-            out.append(f"weight_decay={self.weight_decay} must be >= 0")
+        if not 0 <= self.weight_decay < float("inf"):  # (nan too: every comparison is False)
+            out.append(f"weight_decay={self.weight_decay} must be a finite number >= 0")
         if self.grad_clip < 0:
             out.append(f"grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
         if self.save_every < 0:
