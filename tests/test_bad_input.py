@@ -22,6 +22,7 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--family llama --rope-base nan", "rope_base=nan must be a finite number > 0"),
     ("--norm-eps -1", "norm_eps=-1.0 must be a finite number > 0"),
     ("--global-batch 1000000000000", "GiB of activations over the job's ranks, more than this host"),
+    ("--layers 1000000000000", "needs at least"),  # counted in closed form, not layer by layer
     # campaign: tracebacks after the workers started
     ("--lr nan", "--lr nan must be a finite number"),
     ("--weight-decay nan", "weight_decay=nan must be a finite number >= 0"),
