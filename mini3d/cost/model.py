@@ -223,7 +223,7 @@ def optimizer_params(plan: Plan, terms: dict) -> float:
 
 # The breakdown's step-time terms, in the charts' order: they add up to step_time_s (+ host_sharing)
 TIME_TERMS = ("compute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_exposed", "optimizer")
-BREAKDOWN_DETAILS = ("attention_scores", "dp_total", "cp_total", "efficiency", "host_sharing")  # of them
+BREAKDOWN_DETAILS = ("attention_scores", "elementwise", "dp_total", "cp_total", "efficiency", "host_sharing")  # of them
 
 
 def estimate_cost(cfg: ModelConfig, plan: Plan, hw: Hardware, n_gpus: int | None = None,
