@@ -201,17 +201,12 @@ def test_deepseek_moe_block_equals_the_ledger(routing):
     the softmax one (4nE + 8nk, before their terms) missed the grouped router by 5.6%. The whole
     block is the MLA terms (exact, with `small_terms`) plus that."""
     from mini3d.cost.activations import moe_activation_bytes
-    from mini3d.models.transformer import GPT
-    from mini3d.recompute import measure_activations
+    from tests.test_cost_moe import measured_ledger
 
     cfg = dataclasses.replace(MLA, max_seq_len=64, n_experts=8, top_k=2, moe_ffn=16, dense_layers=1,
                               n_shared_experts=1, **routing)
     plan = Plan(global_batch=2, seq_len=64)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    x = torch.randint(0, cfg.vocab_size, (2, 64))
-    with measure_activations(model) as led:
-        model(x, x)
+    led = measured_ledger(cfg)
     measured = led.by_category["layer1.mlp"]
     assert abs(moe_activation_bytes(cfg, plan) + 2 * 64 * cfg.d_model * 4 - measured) < 0.01 * measured
     est = layer_activation_bytes(cfg, plan, moe=True)["stored"] + small_terms(cfg, "none", "explicit", 64, 2)

@@ -98,6 +98,20 @@ def test_estimate_json_reports_the_experts_category_shrinking_by_ep(capsys):
 
 # ----------------------------------------------------------------------------- activations
 
+def measured_ledger(cfg):
+    """The saved-tensor ledger (`mini3d.recompute.measure_activations`) of one forward of a GPT of
+    `cfg` over two sequences of 64 tokens (seed 0)."""
+    from mini3d.models.transformer import GPT
+    from mini3d.recompute import measure_activations
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    with measure_activations(model) as led:
+        model(x, x)
+    return led
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("family,capacity,shared", [("llama", 0.0, 0), ("llama", 0.5, 0),
                                                     ("gpt2", 0.0, 1), ("gpt2", 0.5, 0)])
@@ -108,17 +122,10 @@ def test_moe_activations_equal_the_saved_tensor_ledger(family, capacity, shared)
     expert and the capacity rule's mask and kept indices: 48 and ~2.3 KB here). Counting each
     token once instead of top_k times, or the capacity factor not at all, misses by 25-50%.
     And the whole MoE block is the dense block's estimate with the MLP's terms swapped."""
-    from mini3d.models.transformer import GPT
-    from mini3d.recompute import measure_activations
-
     cfg = dataclasses.replace(TINY_MOE, family=family, capacity_factor=capacity,
                               n_shared_experts=shared)
     plan = Plan(global_batch=2, seq_len=64)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    x = torch.randint(0, cfg.vocab_size, (2, 64))
-    with measure_activations(model) as led:
-        model(x, x)
+    led = measured_ledger(cfg)
     measured = led.by_category["layer1.mlp"]
     block_input = 2 * 64 * cfg.d_model * 4
     assert abs(moe_activation_bytes(cfg, plan) + block_input - measured) < 0.01 * measured
