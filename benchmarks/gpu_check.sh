@@ -7,7 +7,8 @@
 # minutes on an A100/H100/H200. Needs only torch (+ numpy, tqdm): mini3d is taken from this checkout, so it runs on a machine where nothing can be installed.
 # 3. (benchmarks/gpu_llama.py) llama-3.2-1b (1.24B) in bf16 with sdpa and --compile: tokens/s, MFU,
 # the compile warm-up, peak memory vs the estimator, and the ratio to a plain loop whose blocks are
-# compiled the same way; its own RESULTS.md section. GPU_CHECK_CPU=1 runs all three sections'
+# compiled the same way; its own RESULTS.md section. 4. (benchmarks/gpu_extras.py) host syncs per
+# step and the fused ring-attention kernel (issue #34). GPU_CHECK_CPU=1 runs all three sections'
 # logic on this machine's CPU with tiny shapes (no GPU needed; the report goes to
 # $GPU_CHECK_RESULTS, default a copy in /tmp, never into benchmarks/RESULTS.md).
 # The report goes to stdout and into benchmarks/RESULTS.md's GPU section; the numbers to
@@ -23,12 +24,13 @@ if [ "${GPU_CHECK_CPU:-0}" = 1 ]; then  # the logic on a CPU, tiny shapes
     DEV=cpu RESULTS="${GPU_CHECK_RESULTS:-/tmp/mini3d_gpu_check_cpu_RESULTS.md}"
     cp benchmarks/RESULTS.md "$RESULTS"
     STRICT_MODEL=(--model tiny --seq-len 64) GPT2=(--tiny --peak-tflops 0.1) LLAMA=(--tiny --peak-tflops 0.1)
+    EXTRAS=(--tiny)
 else
     "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_check.sh: no CUDA GPU visible")'
     DEV=cuda RESULTS="${GPU_CHECK_RESULTS:-benchmarks/RESULTS.md}"
     STRICT_MODEL=(--model small --seq-len 256)
     GPT2=(--model gpt2-small --seq-len 1024 --global-batch 8 --steps 12 --warmup 3 --profile-steps 8)
-    LLAMA=()
+    LLAMA=() EXTRAS=()
 fi
 # 1. Strict-device mode on CUDA (MINI3D_STRICT_DEVICE=1: torch's default device is `meta`, so any
 # tensor created without an explicit device fails at once), bf16 with ZeRO-1 at dp=1, through the
@@ -50,5 +52,11 @@ timeout 100 "$PY" -m benchmarks.gpu_check --device "$DEV" --attention sdpa ${GPT
 LLAMA_RC=0
 timeout 150 "$PY" -m benchmarks.gpu_llama --device "$DEV" ${LLAMA[@]+"${LLAMA[@]}"} --timeout 110 \
     --results "$RESULTS" --json "${GPU_LLAMA_JSON:-/tmp/mini3d_gpu_llama.json}" || LLAMA_RC=$?
-echo "gpu_check.sh: llama-3.2-1b compiled check: exit $LLAMA_RC; $((SECONDS - START)) s in all; report in $RESULTS"
-exit $(( RC ? RC : (STRICT_RC ? STRICT_RC : LLAMA_RC) ))
+echo "gpu_check.sh: llama-3.2-1b compiled check: exit $LLAMA_RC"
+# 4. Issue #34's checks (benchmarks/gpu_extras.py, about 30 s): host syncs per step (the program's
+# count and CUDA's sync debug mode) and the fused ring-attention block against the explicit math.
+EXTRAS_RC=0
+timeout 120 "$PY" -m benchmarks.gpu_extras --device "$DEV" ${EXTRAS[@]+"${EXTRAS[@]}"} \
+    --json "${GPU_EXTRAS_JSON:-/tmp/mini3d_gpu_extras.json}" || EXTRAS_RC=$?
+echo "gpu_check.sh: syncs and fused ring check: exit $EXTRAS_RC; $((SECONDS - START)) s in all; report in $RESULTS"
+exit $(( RC ? RC : (STRICT_RC ? STRICT_RC : (LLAMA_RC ? LLAMA_RC : EXTRAS_RC)) ))

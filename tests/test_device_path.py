@@ -222,3 +222,18 @@ def test_gpu_llama_shape_and_report():
     for piece in ("1.24B params", "40,960 tokens/s", "compile warm-up 50.0 s", "MFU: 40.0%",
                   "estimator 16.00 GiB", "mini3d / this loop = 1.050"):
         assert piece in text, (piece, text)
+
+
+@pytest.mark.timeout(240)
+def test_gpu_extras_logic_on_cpu(tmp_path):
+    """benchmarks/gpu_extras.py --device cpu --tiny (gpu_check.sh's fourth section): one sync a
+    step after the first, and the fused CPU ring kernel agreeing with the explicit math."""
+    import json
+
+    from benchmarks import gpu_extras
+
+    out = tmp_path / "extras.json"
+    assert gpu_extras.main(["--device", "cpu", "--tiny", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["syncs"]["program_syncs"] == [1, 1, 1] and report["syncs"]["cuda_syncs"] is None
+    assert report["ring"]["kernel"] in ("cpu-flash", "explicit") and report["ring"]["ok"]

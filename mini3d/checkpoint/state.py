@@ -85,7 +85,9 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
             flat = torch.zeros(group.padded, dtype=master.dtype, device=master.device)
             for p, view in group.views(flat):
                 full = source[names[p]] if key is None else source[names[p]][key]
-                view.copy_(shard_like(p, slice_experts(p, full, topo).to(master.device), topo))
+                # sliced where the full tensor lies (host memory, often a memory map), then moved:
+                # only this rank's share crosses to its device, never the whole tensor
+                view.copy_(shard_like(p, slice_experts(p, full, topo), topo).to(master.device))
             return flat[group.lo:group.hi] if sharded else flat
 
         master.copy_(local_flat(weights))

@@ -9,6 +9,7 @@ other module calls torch.cuda (tests/test_device_path.py holds it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -124,6 +125,26 @@ def enter_strict_device():
         torch.set_default_device("meta")
 
 
+@contextlib.contextmanager
+def cuda_sync_warnings(device):
+    """Inside: torch's CUDA sync debug mode at "warn" (a warning for every call that makes the host
+    wait for the GPU); yields the list the warnings are collected in. A no-op list on other devices."""
+    import warnings
+
+    got: list = []
+    if torch.device(device).type != "cuda":
+        yield got
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+
+
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor (a micro-batch) on `device`. Onto a GPU it is pinned first and copied without
     blocking: a pageable copy makes the host wait until the GPU has it, a stall per micro-batch."""
@@ -137,4 +158,4 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 __all__ = ["DEVICE_ENV", "STRICT_ENV", "LaunchError", "visible_gpus", "device_index", "choose_device",
            "current_device", "pg_device_id", "device_memory", "device_name", "dump_memory_snapshot",
-           "strict_device", "enter_strict_device", "to_device"]
+           "strict_device", "enter_strict_device", "to_device", "cuda_sync_warnings"]

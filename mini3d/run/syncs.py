@@ -55,14 +55,16 @@ class SyncCounter(TorchDispatchMode):
             self.where.append(where)
 
 
-def count_syncs(specs) -> list[list[dict]]:
+def count_syncs(specs, device="cpu") -> list[list[dict]]:
     """For each spec: per loop iteration (optimizer step; the last one runs on to the loop's
-    end), {"syncs", "constants", "where"}."""
+    end), {"syncs", "constants", "where"}, and on CUDA "cuda_syncs": the synchronizing calls
+    torch's own sync debug mode reported (`launch.devices.cuda_sync_warnings`)."""
     import mini3d.run.train as train
+    from mini3d.launch.devices import cuda_sync_warnings
 
     out = []
     for spec in specs:
-        counter, marks = SyncCounter(), []
+        counter, marks, cuda = SyncCounter(), [], []
         real_step, real_tolist = train._train_step, torch.Tensor.tolist
 
         def step(run, st, i, extra):
@@ -70,7 +72,7 @@ def count_syncs(specs) -> list[list[dict]]:
             inner = getattr(opt, "inner", opt)
             counter.host_scalars = {id(s["step"]) for s in getattr(inner, "state", {}).values()
                                     if isinstance(s, dict) and "step" in s}
-            marks.append((counter.syncs, counter.constants, len(counter.where)))
+            marks.append((counter.syncs, counter.constants, len(counter.where), len(cuda)))
             return real_step(run, st, i, extra)
 
         def tolist(t):  # once per call: under a torch-function mode (strict devices) it re-enters
@@ -85,13 +87,13 @@ def count_syncs(specs) -> list[list[dict]]:
 
         train._train_step, torch.Tensor.tolist = step, tolist
         try:
-            with counter:
+            with cuda_sync_warnings(device) as cuda, counter:
                 train.train_worker(spec)
         finally:
             train._train_step, torch.Tensor.tolist = real_step, real_tolist
-        marks.append((counter.syncs, counter.constants, len(counter.where)))
-        out.append([{"syncs": b[0] - a[0], "constants": b[1] - a[1], "where": counter.where[a[2]:b[2]]}
-                    for a, b in zip(marks, marks[1:])])
+        marks.append((counter.syncs, counter.constants, len(counter.where), len(cuda)))
+        out.append([{"syncs": b[0] - a[0], "constants": b[1] - a[1], "where": counter.where[a[2]:b[2]],
+                     "cuda_syncs": b[3] - a[3]} for a, b in zip(marks, marks[1:])])
     return out
 
 
