@@ -221,9 +221,14 @@ def _train_step(run: RunConfig, st: dict, step: int, extra: dict) -> dict:
                      topo.rank, topo.coords, run.model, plan)
     # The step's one host sync: the loss (averaged over dp x cp), the gradient norm and the stop
     # flag, all still on the device, read back together once the step's work is queued.
+    loss = trainer.mean_loss_over_dp(loss)  # the step's last traced op
+    # every op of the step is issued: the black box marks it whole BEFORE the (untraced) stop
+    # agreement, so a rank that skipped an op and went on to wait there is seen to have finished
+    # its step (a skip), not as "running outside communication" (periodic validation and samples
+    # come after the mark)
+    st["diag"].step_end(step)
     flag = stop.agree_tensor(topo.device) if run.stop_on_signal else None
-    loss, norm, signum = read_back(trainer.mean_loss_over_dp(loss), trainer.last_grad_norm_tensor,
-                                   flag)
+    loss, norm, signum = read_back(loss, trainer.last_grad_norm_tensor, flag)
     extra["stop_signal"] = signum
     check_finite(loss, step, topo)
     dt = time.perf_counter() - t0
@@ -251,7 +256,6 @@ def train_worker(run: RunConfig) -> dict:
         report.step(rec)
         saved = bool(run.save) and (done == run.steps or bool(run.save_every and
                                                                done % run.save_every == 0))
-        st["diag"].step_end(step)  # the step's ops are issued: the black box marks it whole
         signum = extra.pop("stop_signal", 0)  # agreed in the step's read-back (stop.agree_tensor)
         if saved or (signum and run.save):  # a stop saves first (at this boundary, on every rank)
             save_checkpoint(trainer, run, done, st["schedule"], st["tok"], st["diag"])
