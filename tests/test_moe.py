@@ -273,3 +273,17 @@ def test_recompute_keeps_loss_and_gradients(recompute):
     torch.testing.assert_close(out[0][0], out[1][0], rtol=0, atol=0)
     for a, b in zip(out[0][1], out[1][1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_expert_loop_without_rows_stays_in_the_graph():
+    """A rank whose experts got no rows (the loop path: float64, or no grouped kernel) must still
+    run their backward, or under ep it skips the combine's backward all-to-all that its peers
+    enter: the combination matrix's tp2 pp2 dp2 ep2 full-recompute float64 case hung so."""
+    from mini3d.models.moe import expert_matmul
+
+    x = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    y = expert_matmul(x, w, torch.zeros(3, dtype=torch.long), grouped=False)
+    assert y.shape == (0, 5) and y.grad_fn is not None
+    y.sum().backward()
+    assert x.grad.shape == (0, 4) and torch.equal(w.grad, torch.zeros_like(w))

@@ -81,7 +81,11 @@ def expert_matmul(x, w, counts, grouped: bool):
         return _contiguous_grad(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
     parts = [x[s:s + n] @ w[e].T for e, (s, n) in enumerate(zip(
         (torch.cumsum(counts, 0) - counts).tolist(), counts.tolist())) if n]
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
+    # no rows at all: an empty product that stays in the graph (x[:0] @ w[0]^T), so the backward
+    # still runs through this rank's experts and reaches the all-to-alls around them, as on the
+    # ranks that did get rows (a tensor made of nothing would cut the graph, and under expert
+    # parallelism this rank would skip the combine's backward exchange: a deadlock)
+    return torch.cat(parts) if parts else x[:0] @ w[0].T
 
 
 class Experts(nn.Module):
