@@ -12,7 +12,9 @@ CI budget: 3-5 minutes on 2 CPU cores. History, measured on the shared 2-core ma
 (4 xfailed) 150-241 s at load average 15-35 from other jobs, about 160 CPU seconds; with the MoE
 dimension and the qwen families 50 cases, 353 s at load 20-35. With ep and deepseek (58 valid
 cases, total cost 358 against 312 before (`pairwise.cost`), 17 exit-2 cases): 317 s for the
-module at load ~8-9 from four other jobs; the array takes 9 s to build. The valid cases run in
+module at load ~8-9 from four other jobs; the array takes 9 s to build. Once ep x ZeRO-3 and MLA
+with sequence parallelism were built their rules went: 55 valid cases, 14 exit-2 cases (about
+212 s in the clean-clone CI run, one case then hanging 60 s: the expert loop without rows, fixed). The valid cases run in
 one launch per world size (1, 2, 4, 8 ranks: each launch runs its cases in sequence) plus one
 1-rank launch for the deduplicated references; the cases expected to fail (XFAIL: bugs being fixed
 elsewhere) run alone, so that their failure cannot hide the others. `python -m tests.matrix`
