@@ -42,8 +42,6 @@ def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl",
     set a minute later so that the mini3d dump (in plan terms) comes first and NCCL's own second;
     a run that saves checkpoints of `save_bytes` gets a process-group timeout past the save's bound
     too (diagnose/save_clock.py), so that a slow save's barriers do not time out."""
-    import torch
-
     from mini3d.launch.launcher import PG_TIMEOUT_ENV
 
     buffer, _ = _names()

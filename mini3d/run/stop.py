@@ -3,8 +3,8 @@
 A signal sets a flag in the rank that gets it (Ctrl-C reaches every local rank; `mini3d train`
 forwards a SIGTERM it receives to its ranks as SIGUSR1, keeping SIGTERM as the launcher's way to end
 a rank; under torchrun the agent forwards SIGTERM/SIGINT itself). At each step boundary the ranks
-take the maximum of their flags (`agree`, one one-element all-reduce over the world), so they all
-see the stop at the same step, save a checkpoint there when --save is given, and return normally.
+take the maximum of their flags (`agree_tensor`, one one-element all-reduce over the world, read
+back with the step's loss), so they all see the stop at the same step, save a checkpoint there when --save is given, and return normally.
 The exit code is 128 + the signal: 130 for SIGINT, 143 for SIGTERM.
 """
 
@@ -37,7 +37,7 @@ def requested() -> int:
 
 
 def agree_tensor(device):
-    """`agree` without reading the result back: the all-reduced flag as a one-element int32 tensor
+    """The all-reduced stop flag, not read back here: as a one-element int32 tensor
     on `device` (the trainer reads it with the step's loss, in its one host sync)."""
     import torch
     import torch.distributed as dist
@@ -45,12 +45,6 @@ def agree_tensor(device):
     flag = torch.full((1,), requested(), dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag
-
-
-def agree(device) -> int:
-    """Collective over the world: the signal any rank was asked to stop for (0: go on). Plain
-    torch.distributed (not mini3d.comm), so the traced communication volume stays the model's."""
-    return int(agree_tensor(device).item())
 
 
 @contextlib.contextmanager
@@ -88,4 +82,4 @@ def name(signum: int) -> str:
         return f"signal {signum}"
 
 
-__all__ = ["install", "requested", "agree", "agree_tensor", "exit_code", "name"]
+__all__ = ["install", "requested", "agree_tensor", "exit_code", "name"]
