@@ -4,7 +4,8 @@ A signal sets a flag in the rank that gets it (Ctrl-C reaches every local rank; 
 forwards a SIGTERM it receives to its ranks as SIGUSR1, keeping SIGTERM as the launcher's way to end
 a rank; under torchrun the agent forwards SIGTERM/SIGINT itself). At each step boundary the ranks
 take the maximum of their flags (`agree_tensor`, one one-element all-reduce over the world, read
-back with the step's loss), so they all see the stop at the same step, save a checkpoint there when --save is given, and return normally.
+back with the step's loss), so they all see the stop at the same step, save a checkpoint there
+when --save is given, and return normally.
 The exit code is 128 + the signal: 130 for SIGINT, 143 for SIGTERM.
 """
 
