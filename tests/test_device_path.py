@@ -227,7 +227,8 @@ def test_gpu_llama_shape_and_report():
 @pytest.mark.timeout(240)
 def test_gpu_extras_logic_on_cpu(tmp_path):
     """benchmarks/gpu_extras.py --device cpu --tiny (gpu_check.sh's fourth section): one sync a
-    step after the first, and the fused CPU ring kernel agreeing with the explicit math."""
+    step after the first, the fused CPU ring kernel agreeing with the explicit math, and the
+    step's timeline (perf_counter on CPU) inside the step."""
     import json
 
     from benchmarks import gpu_extras
@@ -237,3 +238,6 @@ def test_gpu_extras_logic_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["syncs"]["program_syncs"] == [1, 1, 1] and report["syncs"]["cuda_syncs"] is None
     assert report["ring"]["kernel"] in ("cpu-flash", "explicit") and report["ring"]["ok"]
+    t = report["timeline"]
+    assert t["ok"] and t["clock"] == "perf_counter" and t["actions"] == 4, t
+    assert 0 < t["compute_s"] <= t["span_s"] <= t["step_s"] + 1e-3, t
