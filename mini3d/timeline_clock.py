@@ -7,10 +7,10 @@ CPU (any device but CUDA): `HostClock`, `time.perf_counter()` seconds, as ever: 
 what the device ran, and one clock serves all local processes.
 
 CUDA: the host only queues the work, so a host stamp around an action is its launch time, not its
-GPU time. `CudaClock.mark()` records a CUDA timing event (`launch.devices.timing_event`) on the
+GPU time. `CudaClock.mark()` records a CUDA timing event (`_event`) on the
 current stream instead, and nothing waits inside the step. The step's read-back
 (`mini3d.run.train.read_back`, or `PipelineRuntime.step` when it reads the loss itself) calls
-`resolve()` once a step: one device synchronize (`launch.devices.synchronize`; the read-back has
+`resolve()` once a step: one device synchronize (`_synchronize`; the read-back has
 just waited for the step's work, so it waits for little more), then every timeline span recorded
 since becomes float seconds in place. A collective's end (`mark_done`): on NCCL, a mark on the
 clock's own side stream made to wait for the op's Work at issue (`work.wait()` orders the
@@ -35,7 +35,24 @@ import time
 
 import torch
 
-from mini3d.launch import devices
+
+def _event():
+    """A CUDA event that records a time stamp. (This module and mini3d/launch/devices.py are the
+    only ones that call torch.cuda, tests/test_device_path.py; not devices.py, which the comm log
+    cannot import: mini3d.launch's launcher imports the comm log.)"""
+    return torch.cuda.Event(enable_timing=True)
+
+
+def _side_stream():
+    return torch.cuda.Stream()  # a stream of the current device that runs nothing but waits
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream)  # context: `stream` is the current stream inside
+
+
+def _synchronize():
+    torch.cuda.synchronize()  # wait for all the GPU's queued work, every stream's
 
 
 class HostClock:
@@ -76,14 +93,14 @@ class CudaClock:
 
     def _anchor(self):
         if self.anchor is None:  # on the current (compute) stream, never on the side stream
-            a = devices.timing_event()
+            a = _event()
             a.record()
             self.anchor = (a, time.perf_counter())
         return self.anchor
 
     def mark(self) -> Mark:
         anchor = self._anchor()
-        ev = devices.timing_event()
+        ev = _event()
         ev.record()  # the current stream: the work queued before this point precedes it
         return Mark(ev, anchor, self.epoch, self)
 
@@ -98,9 +115,9 @@ class CudaClock:
         if not nccl:
             return None
         if self._side is None:
-            self._side = devices.side_stream()
+            self._side = _side_stream()
         self._anchor()
-        with devices.on_stream(self._side):
+        with _on_stream(self._side):
             for w in works:
                 w.wait()
             return self.mark()
@@ -116,7 +133,7 @@ class CudaClock:
         """The step's one wait, then its timelines' marks as seconds (in place)."""
         if self.anchor is None:
             return  # nothing marked since the last resolve
-        devices.synchronize()
+        _synchronize()
         self.epoch, self.anchor = self.epoch + 1, None
         for tl in self.timelines:
             tl[:] = [(seconds_of(s), seconds_of(e), a) for s, e, a in tl]

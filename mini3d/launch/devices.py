@@ -1,12 +1,11 @@
 """Backend and device, chosen here and nowhere else: NCCL + CUDA when every local process has a
 GPU, gloo + CPU when there is none (`choose_device`), which visible GPU a process takes
 (`device_index`: LOCAL_RANK when it sees the node's GPUs, 0 when it sees exactly one), the
-CUDA allocator's statistics and snapshots, the timing events and the side stream of measured
-timelines (`timing_event`, `side_stream`, `on_stream`, `synchronize`; `mini3d.timeline_clock`
-uses them), and the strict-device mode (MINI3D_STRICT_DEVICE=1:
+CUDA allocator's statistics and snapshots, and the strict-device mode (MINI3D_STRICT_DEVICE=1:
 torch's default device is `meta` while a worker computes, so a tensor created without an explicit
 device fails on CPU as it would under NCCL). `mini3d.launch.launcher` and torchrun's path call these; no
-other module calls torch.cuda (tests/test_device_path.py holds it).
+other module calls torch.cuda but the timeline clock's timing events (`mini3d.timeline_clock`;
+tests/test_device_path.py holds it).
 """
 
 from __future__ import annotations
@@ -147,26 +146,6 @@ def cuda_sync_warnings(device):
             torch.cuda.set_sync_debug_mode(before)
 
 
-def timing_event():
-    """A CUDA event that records a time stamp (`mini3d.timeline_clock`)."""
-    return torch.cuda.Event(enable_timing=True)
-
-
-def side_stream():
-    """A CUDA stream of the current device with no work of its own (the clock's: it only waits)."""
-    return torch.cuda.Stream()
-
-
-def on_stream(stream):
-    """Context: `stream` is the current CUDA stream inside."""
-    return torch.cuda.stream(stream)
-
-
-def synchronize():
-    """Wait until all the GPU's queued work, every stream's, is done (a host sync)."""
-    torch.cuda.synchronize()
-
-
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A host tensor (a micro-batch) on `device`. Onto a GPU it is pinned first and copied without
     blocking: a pageable copy makes the host wait until the GPU has it, a stall per micro-batch."""
@@ -180,5 +159,4 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 __all__ = ["DEVICE_ENV", "STRICT_ENV", "LaunchError", "visible_gpus", "device_index", "choose_device",
            "current_device", "pg_device_id", "device_memory", "device_name", "dump_memory_snapshot",
-           "strict_device", "enter_strict_device", "to_device", "cuda_sync_warnings",
-           "timing_event", "side_stream", "on_stream", "synchronize"]
+           "strict_device", "enter_strict_device", "to_device", "cuda_sync_warnings"]
