@@ -196,3 +196,22 @@ def test_the_cpu_clock_is_perf_counter_and_resolves_nothing():
     log.end(eid, ev)
     assert ev.gpu_start is None and set(log.snapshot()[-1]) == set(ev.__slots__) - {"gpu_start",
                                                                                   "gpu_end"}
+
+
+@pytest.mark.timeout(60)
+def test_what_a_run_collects_is_resolved_first(monkeypatch):
+    """`collected` (the end of train_worker) resolves marks made after the last read-back (a
+    validation pass's collectives): what it returns holds seconds, which pickle to the launcher."""
+    from mini3d.run.records import collected
+
+    gpu = fake_cuda(monkeypatch)
+    log = CommLog(0)
+    eid, ev = log.begin(types.SimpleNamespace(name="dp", ranks=(0, 1)), "all_reduce",
+                        torch.ones(2), 8, 8)
+    log.end(eid, ev)
+    trainer = types.SimpleNamespace(topo=types.SimpleNamespace(device="cuda", log=log),
+                                    last_result=None, last_timeline=[])
+    timed(trainer.last_timeline, "F0", lambda: None, "cuda")
+    got = collected(trainer, {"events", "timeline"})
+    assert gpu.syncs == 1 and all(isinstance(x, float) for s, e, _ in got["timeline"] for x in (s, e))
+    assert got["events"][-1]["start"] == ev.start  # no GPU end (not issued through comm): host's

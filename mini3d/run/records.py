@@ -62,7 +62,10 @@ def collected(trainer, what: set) -> dict:
     """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
-    micro-batch by module, measured during the first step; one model chunk only)."""
+    micro-batch by module, measured during the first step; one model chunk only). Times are
+    seconds: what ran after the last step's read-back (a validation pass) is resolved first."""
+    if what:
+        resolve_timelines(trainer.topo.device)  # CUDA: a final wait, once a run; nothing on CPU
     out = {}
     if "events" in what:
         out["events"] = trainer.topo.log.snapshot()
