@@ -1,9 +1,10 @@
 """Traced communication: every collective and point-to-point op mini3d issues goes through here.
 
 Each call records an `Event` (rank, axis, op, per-axis sequence number, shape, dtype, bytes, start and
-end time: the host's, and on CUDA the GPU's too, see `mini3d.comm_log`) in a bounded per-process ring buffer (`CommLog`), and adds to per-axis byte counters. The log
-feeds three things: the hang watchdog and `explain-hang` (which op, on which group, is pending), the
-measured communication volume per axis, and measured timelines.
+end time: the host's, on CUDA the GPU's too, see `mini3d.comm_log`) in a bounded per-process ring
+buffer (`CommLog`), and adds to per-axis byte counters. The log feeds three things: the hang
+watchdog and `explain-hang` (which op, on which group, is pending), the measured communication
+volume per axis, and measured timelines.
 
 Two byte counts are kept per event:
 
@@ -24,8 +25,7 @@ rank's device) and of one dtype (the one the caller expects, when it says). NCCL
 and gloo a meta one, but only deep inside the library and only when the op runs on that backend;
 the check fails on any backend, before anything is issued, with a message naming the op, the axis
 and the devices, so a CPU run under MINI3D_STRICT_DEVICE=1 catches what a GPU run would.
-The wrappers are thin on purpose; the cost is one small object and two clock reads per op (and two
-CUDA timing events on a GPU).
+The wrappers are thin on purpose; the cost is one small object and two clock reads per op (on a GPU two CUDA events more).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ wait grow while the GPU is stuck, which no unresolved event can tell.
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -90,6 +91,8 @@ class CudaClock:
         self.epoch = 0  # resolves so far: a mark of an earlier epoch has completed
         self.timelines: list[list] = []  # timelines holding marks, converted by resolve()
         self._side = None  # the side stream collectives' ends are marked on (made on first use)
+        # NCCL's blocking-wait mode makes every wait block the host: no early wait then
+        self.blocking_wait = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", "0") not in ("0", "")
 
     def _anchor(self):
         if self.anchor is None:  # on the current (compute) stream, never on the side stream
@@ -111,8 +114,9 @@ class CudaClock:
 
     def mark_done(self, works, nccl: bool) -> Mark | None:
         """A mark the GPU passes when every Work in `works` has completed (NCCL: on the side
-        stream, which waits for them); None on another backend (its wait may block the host)."""
-        if not nccl:
+        stream, which waits for them); None on another backend or under NCCL's blocking wait
+        (there a wait blocks the host): the op then keeps its host times."""
+        if not nccl or self.blocking_wait:
             return None
         if self._side is None:
             self._side = _side_stream()
