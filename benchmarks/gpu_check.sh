@@ -8,7 +8,7 @@
 # 3. (benchmarks/gpu_llama.py) llama-3.2-1b (1.24B) in bf16 with sdpa and --compile: tokens/s, MFU,
 # the compile warm-up, peak memory vs the estimator, and the ratio to a plain loop whose blocks are
 # compiled the same way; its own RESULTS.md section. 4. (benchmarks/gpu_extras.py) host syncs per
-# step and the fused ring-attention kernel (issue #34). GPU_CHECK_CPU=1 runs all three sections'
+# step, the fused ring-attention kernel and the step's timeline on CUDA events (issue #34). GPU_CHECK_CPU=1 runs all three sections'
 # logic on this machine's CPU with tiny shapes (no GPU needed; the report goes to
 # $GPU_CHECK_RESULTS, default a copy in /tmp, never into benchmarks/RESULTS.md).
 # The report goes to stdout and into benchmarks/RESULTS.md's GPU section; the numbers to
@@ -53,10 +53,11 @@ LLAMA_RC=0
 timeout 150 "$PY" -m benchmarks.gpu_llama --device "$DEV" ${LLAMA[@]+"${LLAMA[@]}"} --timeout 110 \
     --results "$RESULTS" --json "${GPU_LLAMA_JSON:-/tmp/mini3d_gpu_llama.json}" || LLAMA_RC=$?
 echo "gpu_check.sh: llama-3.2-1b compiled check: exit $LLAMA_RC"
-# 4. Issue #34's checks (benchmarks/gpu_extras.py, about 30 s): host syncs per step (the program's
-# count and CUDA's sync debug mode) and the fused ring-attention block against the explicit math.
+# 4. Issue #34's checks (benchmarks/gpu_extras.py, about 40 s): host syncs per step (the program's
+# count and CUDA's sync debug mode), the fused ring-attention block against the explicit math, and
+# the measured timeline on the GPU's clock (CUDA events: the actions' GPU times, not launch times).
 EXTRAS_RC=0
 timeout 120 "$PY" -m benchmarks.gpu_extras --device "$DEV" ${EXTRAS[@]+"${EXTRAS[@]}"} \
     --json "${GPU_EXTRAS_JSON:-/tmp/mini3d_gpu_extras.json}" || EXTRAS_RC=$?
-echo "gpu_check.sh: syncs and fused ring check: exit $EXTRAS_RC; $((SECONDS - START)) s in all; report in $RESULTS"
+echo "gpu_check.sh: syncs, fused ring and timeline check: exit $EXTRAS_RC; $((SECONDS - START)) s in all; report in $RESULTS"
 exit $(( RC ? RC : (STRICT_RC ? STRICT_RC : (LLAMA_RC ? LLAMA_RC : EXTRAS_RC)) ))

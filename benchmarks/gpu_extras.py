@@ -9,7 +9,13 @@
    CUDA, "cpu-flash" on CPU): queries against two key blocks, merged, forward and backward from the
    final out and lse, against the explicit math on the same inputs; the largest error relative to
    the explicit result's largest value, and the milliseconds of each (median of 5).
-3. Overlap (dp gradient sync behind the backward) needs two GPUs: not checked here.
+3. The measured timeline on the device's clock (`mini3d.timeline_clock`: on CUDA timing events
+   resolved at the step's read-back, the GPU's times; perf_counter on CPU): the last step's
+   forwards and backwards of a world-size-1 run (`collect=["timeline"]`), their seconds against
+   the step's (host, start to read-back). Launch times would make a GPU step's actions a sliver of
+   it; the GPU's fill most of it and never run past it. The overlap of the dp gradient sync
+   behind the backward needs two GPUs (dp >= 2): not measured here; its analysis reads the same
+   clock (`mini3d.diagnose.overlap`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,28 @@ def syncs_per_step(device: str, tiny: bool) -> dict:
             "cuda_syncs": [s["cuda_syncs"] for s in steady] if device == "cuda" else None,
             "where": sorted({w for s in steady for w in s["where"]}),
             "ok": all(s["syncs"] <= 1 and (device != "cuda" or s["cuda_syncs"] <= 1) for s in steady)}
+
+
+def timeline_check(device: str, tiny: bool) -> dict:
+    """Section 3 (module docstring): {"clock", "actions", "compute_s", "span_s", "step_s",
+    "fraction" (compute / step), "ok"}."""
+    from mini3d.launch.launcher import launch
+    from mini3d.run.train import make_spec, train_worker
+    from mini3d.timeline_clock import clock_for
+
+    cfg = (ModelConfig(2, 32, 4, 256, 16, name="extras-tiny") if tiny else
+           ModelConfig(12, 768, 12, 256, 256, name="extras-gpt2-shape"))
+    plan = Plan(global_batch=4, seq_len=cfg.max_seq_len, micro_batches=2, dtype="bf16")
+    r = launch(train_worker, 1, make_spec(cfg, plan, steps=3, collect=("timeline",)), device=device,
+               timeout=600)[0]
+    tl, step = r["timeline"], r["records"][-1]["step_time_s"]
+    span = max(e for _, e, _ in tl) - min(s for s, _, _ in tl) if tl else 0.0
+    compute = sum(e - s for s, e, _ in tl)
+    ok = (len(tl) == 2 * plan.micro_batches and all(isinstance(s, float) and e >= s for s, e, _ in tl)
+          and 0 < span <= step + 1e-3)  # 1 ms: the anchor's host/GPU offset (timeline_clock)
+    return {"clock": "cuda events" if clock_for(device).gpu else "perf_counter", "actions": len(tl),
+            "compute_s": compute, "span_s": span, "step_s": step,
+            "fraction": compute / step if step else 0.0, "ok": ok}
 
 
 def _sync(device: str):
@@ -88,18 +116,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     report = {"syncs": syncs_per_step(a.device, a.tiny), "ring": ring_block(a.device, a.tiny),
-              "overlap": "needs dp >= 2: two GPUs"}
-    s, r = report["syncs"], report["ring"]
+              "timeline": timeline_check(a.device, a.tiny), "overlap": "needs dp >= 2: two GPUs"}
+    s, r, t = report["syncs"], report["ring"], report["timeline"]
     print(f"gpu_extras ({a.device}): syncs per step after the first {s['program_syncs']} (program)"
           + (f", {s['cuda_syncs']} (CUDA sync debug)" if s["cuda_syncs"] is not None else "")
           + f" at {', '.join(s['where']) or '-'}: {'ok' if s['ok'] else 'MORE THAN ONE'}")
     print(f"gpu_extras ({a.device}): ring block kernel {r['kernel']} on {r['shape']}: relative error "
           f"{r['rel_err']:.1e} against the explicit math, {r['fused_ms']:.2f} ms vs "
           f"{r['explicit_ms']:.2f} ms: {'ok' if r['ok'] else 'OFF'}")
+    print(f"gpu_extras ({a.device}): timeline on {t['clock']}: {t['actions']} actions, "
+          f"{t['compute_s'] * 1e3:.2f} ms of compute over {t['span_s'] * 1e3:.2f} ms in a "
+          f"{t['step_s'] * 1e3:.2f} ms step ({t['fraction']:.0%}): {'ok' if t['ok'] else 'OFF'}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
-    return 0 if s["ok"] and r["ok"] else 1
+    return 0 if s["ok"] and r["ok"] and t["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ while the rank was computing, per layout, next to what the cost model assumes.
 Each layout of `cost_local.LAYOUTS` that has dp or pp traffic trains the tiny model with
 collect=["events", "timeline"]; `mini3d.diagnose.overlap.run_overlap` intersects every dp sync
 and p2p op's [issue, completion] interval (event log) with the rank's F / B / W actions (timeline)
-in the last step, and sums over the ranks: hidden fraction = hidden seconds / in-flight seconds
+in the last step (on CPU host perf_counter times; on CUDA the GPU's, from timing events: see
+`mini3d.timeline_clock`), and sums over the ranks: hidden fraction = hidden seconds / in-flight seconds
 (the docstring there defines it exactly). The cost model's assumption
 (`mini3d.diagnose.overlap.model_overlap`, with this run's calibrated CPU hardware): the dp sync
 hides behind the last backward except its exposed part (`dp_exposed` / `dp_total`), p2p not at all.

@@ -1,9 +1,10 @@
 """Traced communication: every collective and point-to-point op mini3d issues goes through here.
 
 Each call records an `Event` (rank, axis, op, per-axis sequence number, shape, dtype, bytes, start and
-end time) in a bounded per-process ring buffer (`CommLog`), and adds to per-axis byte counters. The log
-feeds three things: the hang watchdog and `explain-hang` (which op, on which group, is pending), the
-measured communication volume per axis, and measured timelines.
+end time: the host's, on CUDA the GPU's too, see `mini3d.comm_log`) in a bounded per-process ring
+buffer (`CommLog`), and adds to per-axis byte counters. The log feeds three things: the hang
+watchdog and `explain-hang` (which op, on which group, is pending), the measured communication
+volume per axis, and measured timelines.
 
 Two byte counts are kept per event:
 
@@ -24,7 +25,7 @@ rank's device) and of one dtype (the one the caller expects, when it says). NCCL
 and gloo a meta one, but only deep inside the library and only when the op runs on that backend;
 the check fails on any backend, before anything is issued, with a message naming the op, the axis
 and the devices, so a CPU run under MINI3D_STRICT_DEVICE=1 catches what a GPU run would.
-The wrappers are thin on purpose; the cost is one small object and two clock reads per op.
+The wrappers are thin on purpose; the cost is one small object and two clock reads per op (on a GPU two CUDA events more).
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def _run(axis, op, tensor, nbytes, wire, fn, async_op, peer=None, seq_key=None, 
             return DONE if async_op else None
         ev.shape = tuple(tensor.shape)  # a fault may have changed it (an all-to-all's splits too)
     work = fn(tensor) if splits is None else fn(tensor, ev.splits)
+    log.issued([ev], [work], axis.group)  # CUDA: the op's GPU completion (timeline_clock)
     blocking = tensor.device.type != "cuda"  # gloo's wait() returns once the op is done
     if async_op:
         return TracedWork(work, log, eid, ev, after, blocking)
@@ -283,6 +285,7 @@ def batch_p2p(ops: list[tuple], axis, async_op: bool = False, dtype: torch.dtype
     if not p2p:
         return DONE if async_op else None
     works = dist.batch_isend_irecv(p2p)
+    log.issued([ev for _, ev in events], works, axis.group)
     work = TracedBatch(works, log, events, blocking=p2p[0].tensor.device.type != "cuda")
     if async_op:
         return work

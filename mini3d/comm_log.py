@@ -18,6 +18,15 @@ in `CommLog.pending` (with its Work in `CommLog.works`) until `CommLog.reap()` (
 calls it every poll, `begin` too) sees it completed, so the watchdog times a hang the same way on
 both backends. MINI3D_DEFERRED_WAIT=1 is a test mode that makes gloo behave like NCCL here: mini3d's
 waits return before the op completes and the host blocks right afterwards, outside mini3d's wait.
+
+Clocks: `Event.start` / `end` are the host's (time.perf_counter at issue and at completion as above),
+on every device: the hang watchdog reads them while the op is pending. On CUDA tensors the event also
+gets the GPU's (`mini3d.timeline_clock`): `gpu_start`, a timing event on the compute stream before
+the issue (NCCL's stream waits for that stream's earlier work), and `gpu_end`, on NCCL a mark on the
+clock's side stream made to wait for the op's Work at issue (the op's completion on the GPU, nothing
+held), both resolved to seconds at the step's read-back. `as_dict` (the snapshot the overlap
+analysis, the course figures and the benchmarks read) gives those as `start` / `end` once resolved,
+the host's then under `host_start` / `host_end`; on CPU it is the host's fields alone, as ever.
 """
 
 from __future__ import annotations
@@ -30,6 +39,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+
+from mini3d.timeline_clock import clock_for, seconds_of
 
 DEFERRED_WAIT_ENV = "MINI3D_DEFERRED_WAIT"  # test mode: waits return before completion (NCCL-like)
 CHECK_P2P_ENV = "MINI3D_CHECK_P2P"  # "1": launch workers record their p2p program (checked at exit)
@@ -71,15 +83,24 @@ class Event:
     dtype: str
     bytes: int  # payload bytes (full tensor)
     wire_bytes: int  # ring-algorithm bytes this rank sends
-    start: float  # time.perf_counter() at issue
-    end: float | None = None  # completion (None while pending)
+    start: float  # time.perf_counter() at issue (the host's, on every device: the watchdog's)
+    end: float | None = None  # the host's completion (None while pending)
     peer: int | None = None  # p2p partner (world rank)
     context: dict = field(default_factory=dict)  # e.g. {"step": 3, "action": "F1", "mb": 2}
     batch: int | None = None  # p2p ops issued as one batch_isend_irecv group share it
     splits: tuple | None = None  # all_to_all: (input split sizes, output split sizes), by member
+    gpu_start: object = None  # CUDA: timeline_clock mark before the issue (None on CPU)
+    gpu_end: object = None  # CUDA + NCCL: mark of the op's completion on the GPU
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+        """The fields; `start` / `end` the GPU's once resolved, the host's then as `host_start` /
+        `host_end` (module docstring); on CPU, and until then, the host's."""
+        d = {k: getattr(self, k) for k in self.__slots__ if k not in ("gpu_start", "gpu_end")}
+        if self.gpu_start is not None and self.gpu_end is not None:
+            s, e = seconds_of(self.gpu_start), seconds_of(self.gpu_end)
+            if s is not None and e is not None:
+                d.update(host_start=self.start, host_end=self.end, start=s, end=e)
+        return d
 
 
 class CommLog:
@@ -114,11 +135,14 @@ class CommLog:
         key = (axis.name, seq_key or op)
         if self.works:
             self.reap()
+        clock = clock_for(tensor.device)
+        gpu_start = clock.mark() if clock.gpu else None  # before the issue (module docstring)
         with self.lock:  # the watchdog thread reads the counters (seq_counts) while we issue
             self._seq[key] += 1
             ev = Event(self.rank, axis.name, op, self._seq[key], axis.ranks, tuple(tensor.shape),
                        str(tensor.dtype).replace("torch.", ""), nbytes, wire, time.perf_counter(),
-                       peer=peer, context=dict(self.context), batch=batch, splits=splits)
+                       peer=peer, context=dict(self.context), batch=batch, splits=splits,
+                       gpu_start=gpu_start)
             self.bytes_by_axis[axis.name] += nbytes
             self.wire_bytes_by_axis[axis.name] += wire
             self.count_by_axis_op[(axis.name, op)] += 1
@@ -129,6 +153,14 @@ class CommLog:
         if self.on_issue is not None:
             self.on_issue(ev)
         return eid, ev
+
+    def issued(self, events, works, group):
+        """The ops of `events` were issued as `works`: on CUDA, mark their completion on the GPU
+        (`timeline_clock.CudaClock.mark_done`; NCCL only, whose wait does not block the host)."""
+        if events and events[0].gpu_start is not None:
+            done = events[0].gpu_start.clock.mark_done(works, dist.get_backend(group) == "nccl")
+            for ev in events:
+                ev.gpu_end = done
 
     def end(self, eid: int, ev: Event):
         ev.end = time.perf_counter()

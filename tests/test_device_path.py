@@ -155,7 +155,8 @@ def test_gpu_check_reports_a_failed_mini3d_run(tmp_path, monkeypatch):
 
 
 def test_torch_cuda_only_in_launch_and_peak_memory():
-    """Device handling lives in one place: torch.cuda.* only in mini3d/launch/devices.py."""
+    """Device handling lives in one place: torch.cuda.* only in mini3d/launch/devices.py (and the
+    timeline clock's timing events, mini3d/timeline_clock.py)."""
     offenders = []
     for root, _, files in os.walk(os.path.join(REPO, "mini3d")):
         for name in files:
@@ -169,7 +170,8 @@ def test_torch_cuda_only_in_launch_and_peak_memory():
                 if m:
                     func = m.group(1)
                 if re.search(r"torch\.cuda\b|\.cuda\(", line):
-                    if rel == os.path.join("mini3d", "launch", "devices.py"):
+                    if rel in (os.path.join("mini3d", "launch", "devices.py"),
+                               os.path.join("mini3d", "timeline_clock.py")):
                         continue
                     if rel == os.path.join("mini3d", "run", "records.py") and func == "peak_memory_bytes":
                         continue
@@ -227,7 +229,8 @@ def test_gpu_llama_shape_and_report():
 @pytest.mark.timeout(240)
 def test_gpu_extras_logic_on_cpu(tmp_path):
     """benchmarks/gpu_extras.py --device cpu --tiny (gpu_check.sh's fourth section): one sync a
-    step after the first, and the fused CPU ring kernel agreeing with the explicit math."""
+    step after the first, the fused CPU ring kernel agreeing with the explicit math, and the
+    step's timeline (perf_counter on CPU) inside the step."""
     import json
 
     from benchmarks import gpu_extras
@@ -237,3 +240,6 @@ def test_gpu_extras_logic_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert report["syncs"]["program_syncs"] == [1, 1, 1] and report["syncs"]["cuda_syncs"] is None
     assert report["ring"]["kernel"] in ("cpu-flash", "explicit") and report["ring"]["ok"]
+    t = report["timeline"]
+    assert t["ok"] and t["clock"] == "perf_counter" and t["actions"] == 4, t
+    assert 0 < t["compute_s"] <= t["span_s"] <= t["step_s"] + 1e-3, t

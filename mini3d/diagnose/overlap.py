@@ -4,14 +4,19 @@ Definitions (one rank, one optimizer step):
 
 * compute intervals: the rank's forward, backward and weight-gradient actions, as its timeline
   records them (`StepResult.timeline` of the pipeline runtime; `Trainer.last_timeline` when
-  pp = 1), merged where they touch. They include the tp collectives issued inside a layer: a rank
-  blocked in one of those is inside its action, so tp time counts as compute here;
-* an op's in-flight interval: [issue, completion] from the event log (`comm.Event.start` /
-  `end`). For an asynchronous op the log records the completion when the host first learns of it
-  (the wait, or the next op's check of pending Works), so the interval can run past the moment
-  the transfer really finished, into the rank's next compute or wait: the exposed part below is
-  exact (the rank was not computing and the op was not known to be done), the hidden part an
-  upper bound by at most the time between completion and that check;
+  pp = 1), merged where they touch. The clock (`mini3d.timeline_clock`): perf_counter seconds on
+  CPU; on CUDA the GPU's times (timing events, resolved at the step's read-back, on the host's
+  seconds scale), not the host's launch times. They include the tp collectives issued inside a
+  layer: a rank blocked in one of those is inside its action, so tp time counts as compute here;
+* an op's in-flight interval: [issue, completion] from the event log's snapshot (`start` / `end`
+  of `comm_log.Event.as_dict`). On CPU the host's perf_counter: for an asynchronous op the log
+  records the completion when the host first learns of it (the wait, or the next op's check of
+  pending Works), so the interval can run past the moment the transfer really finished, into the
+  rank's next compute or wait: the exposed part below is exact (the rank was not computing and
+  the op was not known to be done), the hidden part an upper bound by at most the time between
+  completion and that check. On CUDA with NCCL the GPU's: from a timing event on the compute
+  stream before the issue to the op's completion on the GPU (a mark on a side stream that waits
+  for it), on the timeline's scale, so both bounds are the GPU's;
 * hidden seconds of an op = |in-flight interval ∩ compute intervals|; exposed = in-flight - hidden;
 * hidden fraction of a set of ops = their hidden seconds summed / their in-flight seconds summed
   (0 when they were never in flight).

@@ -44,7 +44,6 @@ backward before `finish_grad_sync` is an error). A stage that reduces every micr
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.nn as nn
@@ -53,6 +52,7 @@ from mini3d import comm
 from mini3d.dp.buckets import FlatGroup, InFlight, param_names, runs_by_axis, split_into_buckets
 from mini3d.dp.ledger import GradMeter
 from mini3d.dp.stage import ZeroStage
+from mini3d.timeline_clock import clock_for, seconds_of
 
 
 class GradSyncWrapper(nn.Module):
@@ -165,8 +165,15 @@ class DataParallel(GradSyncWrapper):
         self._attach_grad_views()
         self._next = 0  # index of the next bucket to launch
         self.in_flight = InFlight()  # the launched collectives, in launch order
-        self.last_hook_time = None  # perf_counter() of the latest gradient arrival (overlap checks)
+        self._clock = clock_for(device)  # the timeline clock (overlap checks): see last_hook_time
+        self._last_hook = None  # its mark of the latest gradient arrival
         self._dirty = False  # a gradient arrived since the last finish_grad_sync
+
+    @property
+    def last_hook_time(self) -> float | None:
+        """When the latest gradient arrived, in timeline seconds (`mini3d.timeline_clock`:
+        perf_counter on CPU; on CUDA the GPU's time, once the step's read-back resolved it)."""
+        return seconds_of(self._last_hook)
 
     def _attach_grad_views(self):
         if self._views:
@@ -184,7 +191,7 @@ class DataParallel(GradSyncWrapper):
 
     # ---- the hook and the launches -------------------------------------------------------
     def _on_grad(self, p: torch.Tensor):
-        self.last_hook_time = time.perf_counter()
+        self._last_hook = self._clock.mark()
         b = self._bucket_of[p]
         every = self.strategy.reduces_every_micro_batch
         sync = self.require_sync or every

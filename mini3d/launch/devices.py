@@ -4,7 +4,8 @@ GPU, gloo + CPU when there is none (`choose_device`), which visible GPU a proces
 CUDA allocator's statistics and snapshots, and the strict-device mode (MINI3D_STRICT_DEVICE=1:
 torch's default device is `meta` while a worker computes, so a tensor created without an explicit
 device fails on CPU as it would under NCCL). `mini3d.launch.launcher` and torchrun's path call these; no
-other module calls torch.cuda (tests/test_device_path.py holds it).
+other module calls torch.cuda but the timeline clock's timing events (`mini3d.timeline_clock`;
+tests/test_device_path.py holds it).
 """
 
 from __future__ import annotations

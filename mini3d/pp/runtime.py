@@ -20,9 +20,13 @@
   their values to the step's loss: with router losses the loss is summed over pp (all-reduce:
   the last stage's mean loss, each other rank's stages' mean carried losses) instead of
   broadcast (`pp_total_loss`);
-* each action's start and end (time.perf_counter, one clock for all local processes) is recorded
-  (`StepResult.timeline`), and `topo.log.context` is set to {step, action, stage, mb} before each
-  action so every logged transfer says which action issued it.
+* each action's start and end is recorded (`StepResult.timeline`) on the device's timeline clock
+  (`mini3d.timeline_clock`): time.perf_counter seconds on CPU (one clock for all local
+  processes); on CUDA, timing events on the compute stream, the GPU's times on the host's seconds
+  scale once resolved: by `step` when it reads the loss back, else by the next read-back on the
+  rank (the trainer's, `loss_on_device`; until then the timeline holds unresolved marks); and
+  `topo.log.context` is set to {step, action, stage, mb} before each action so every logged
+  transfer says which action issued it.
 
 Transfers: receives block; sends are non-blocking by default (`async_send=True`, see
 `p2p.SendQueue`) and all complete before `step` returns. The schedule's order is proven safe even
@@ -43,7 +47,6 @@ all-reduces gradients as they are produced does so once, during that last backwa
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -51,6 +54,7 @@ import torch
 
 from mini3d import comm
 from mini3d.models.balance import has_router_loss
+from mini3d.timeline_clock import clock_for
 from mini3d.wgrad import WeightGradStore, deferring
 
 from mini3d.pp.p2p import PipeP2P, SendQueue
@@ -63,7 +67,7 @@ class StepResult:
 
     loss: float | None  # mean micro-batch loss (every pp rank if broadcast_loss, else last only;
     #                     a 0-dim tensor with step(..., loss_on_device=True))
-    timeline: list = field(default_factory=list)  # [(start, end, action string)], perf_counter s
+    timeline: list = field(default_factory=list)  # [(start, end, action string)], s (timeline_clock)
     peak_in_flight: dict = field(default_factory=dict)  # {stage: max micro-batches alive}
     pp_rank: int = 0
     peak_chunks: int = 0  # max chunk activations alive on this rank, all its stages together
@@ -99,6 +103,7 @@ class PipelineRuntime:
             device = param.device if param is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.p2p = PipeP2P(topo.pp, act_shape, dtype, self.device)
+        self.clock = clock_for(self.device)
 
     def step(self, micro_batches, step: int = 0, dp=None, broadcast_loss: bool = True,
              loss_on_device: bool = False) -> StepResult:
@@ -116,9 +121,9 @@ class PipelineRuntime:
             if log is not None:
                 log.context = {"step": step, "action": str(a), "stage": a.stage, "mb": a.mb}
             st.await_inputs(a)  # posted receives this action needs (async_recv)
-            t0 = time.perf_counter()
+            t0 = self.clock.mark()
             st.run(a)
-            st.timeline.append((t0, time.perf_counter(), str(a)))
+            self.clock.span(st.timeline, t0, str(a))
         st.sends.wait_all()
         if log is not None:
             log.context = {"step": step}
@@ -128,7 +133,8 @@ class PipelineRuntime:
         if broadcast_loss and sched.p > 1:
             loss = pp_total_loss(self, loss, st.carried, sched.m)
         if loss is not None and not loss_on_device:
-            loss = float(loss)
+            loss = float(loss)  # the step's read-back, then its timeline's CUDA marks as seconds
+            self.clock.resolve()
         return StepResult(loss, st.timeline,
                           dict(st.peak), self.pp_rank, st.peak_chunks)
 
@@ -209,9 +215,9 @@ class _StepState:
         if got is None:
             return
         work, recv = got
-        t0 = time.perf_counter()
+        t0 = self.rt.clock.mark()
         work.wait()
-        self.timeline.append((t0, time.perf_counter(), str(recv)))
+        self.rt.clock.span(self.timeline, t0, str(recv))
         if a.op == "F":
             self.inputs[(a.stage, a.mb)].requires_grad_()
 

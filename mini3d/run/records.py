@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import resource
-import time
 
 import torch
 
@@ -15,6 +14,7 @@ from mini3d.config import Plan
 from mini3d.launch.devices import device_memory
 from mini3d.dp import model_state_ledger
 from mini3d.exits import EXIT_NONFINITE, Mini3dError
+from mini3d.timeline_clock import clock_for
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -62,7 +62,10 @@ def collected(trainer, what: set) -> dict:
     """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
-    micro-batch by module, measured during the first step; one model chunk only)."""
+    micro-batch by module, measured during the first step; one model chunk only). Times are
+    seconds: what ran after the last step's read-back (a validation pass) is resolved first."""
+    if what:
+        resolve_timelines(trainer.topo.device)  # CUDA: a final wait, once a run; nothing on CPU
     out = {}
     if "events" in what:
         out["events"] = trainer.topo.log.snapshot()
@@ -74,13 +77,21 @@ def collected(trainer, what: set) -> dict:
     return out
 
 
-def timed(timeline: list, action: str, fn):
-    """Run `fn()`, append (start, end, action) to `timeline` (perf_counter seconds, as the
-    pipeline runtime records its actions) and return what `fn` returned."""
-    t0 = time.perf_counter()
+def timed(timeline: list, action: str, fn, device="cpu"):
+    """Run `fn()`, append (start, end, action) to `timeline` on `device`'s timeline clock, as the
+    pipeline runtime records its actions (`mini3d.timeline_clock`: perf_counter seconds on CPU; on
+    CUDA events, seconds once the step's read-back resolved them) and return what `fn` returned."""
+    clock = clock_for(device)
+    t0 = clock.mark()
     out = fn()
-    timeline.append((t0, time.perf_counter(), action))
+    clock.span(timeline, t0, action)
     return out
+
+
+def resolve_timelines(device) -> None:
+    """After the step's read-back: its timeline marks on `device` as seconds (a no-op on CPU; on
+    CUDA the one `synchronize` that `mini3d.timeline_clock.CudaClock.resolve` makes a step)."""
+    clock_for(device).resolve()
 
 
 def describe_plan(plan: Plan) -> str:
@@ -118,4 +129,4 @@ def reporter_records(results: list[dict]) -> list[dict]:
 
 
 __all__ = ["peak_memory_bytes", "NonFiniteLoss", "check_finite", "peak_activation_bytes", "memory_by_category", "collected",
-           "describe_plan", "summary_line", "reporter_records", "timed"]
+           "describe_plan", "summary_line", "reporter_records", "timed", "resolve_timelines"]

@@ -41,7 +41,7 @@ from mini3d.pp.tied import tie_across_stages
 from mini3d.recompute import measure_activations
 from mini3d.run.records import (check_finite, collected, describe_plan, memory_by_category,
                                 peak_activation_bytes, peak_memory_bytes, reporter_records, summary_line,
-                                timed)
+                                timed, resolve_timelines)
 from mini3d.run.report import RunReport, model_flops_utilisation, peak_flops_per_rank
 from mini3d.run.config import RunConfig, make_spec
 from mini3d.data.tokenizer import get_tokenizer
@@ -125,8 +125,8 @@ class Trainer:
             self.topo.log.context = {**self.topo.log.context, "mb": i}
             sync = i == m - 1  # the last backward all-reduces buckets as they fill
             with contextlib.nullcontext() if sync else self.net.no_sync():
-                loss = timed(self.last_timeline, f"F{i}", lambda: self.net(x, y))
-                timed(self.last_timeline, f"B{i}", lambda: (loss / m).backward())  # mean over mbs
+                loss = timed(self.last_timeline, f"F{i}", lambda: self.net(x, y), self.topo.device)
+                timed(self.last_timeline, f"B{i}", lambda: (loss / m).backward(), self.topo.device)  # mean over mbs
             total = total + loss.detach() / m
         return total
 
@@ -277,6 +277,7 @@ def read_back(loss: torch.Tensor, norm: torch.Tensor | None, flag: torch.Tensor 
     read: on CUDA the host waits here once a step, not once per value (tests/test_host_syncs.py)."""
     parts = [loss.reshape(1).double()] + [t.reshape(1).double() for t in (norm, flag) if t is not None]
     got = torch.cat(parts).tolist()
+    resolve_timelines(loss.device)  # done: the step's CUDA timeline events as seconds, no wait more
     it = iter(got[1:])
     return got[0], next(it) if norm is not None else None, int(next(it)) if flag is not None else 0
 

@@ -6,7 +6,9 @@ all-reduce of the loss over dp (`Trainer.mean_loss_over_dp`), so the end of that
 of a step, and the previous one's end the start of the next: step k's window runs between them (the
 first step has no start marker and is skipped). Inside a window, every other dp all-reduce is a
 gradient bucket: issued (`start`) by the backward hook the moment its last gradient arrived, and
-completed (`end`) when the optimizer step waited for it. `dp_overlap_figure` draws that.
+completed (`end`) when the optimizer step waited for it. Times as the event log's snapshot gives
+them (`comm_log.Event.as_dict`): the host's perf_counter on CPU; on CUDA the GPU's (issue on the
+compute stream, the op's completion on the GPU, so `end` is when it finished, not the wait). `dp_overlap_figure` draws that.
 
 `dp_scaling_rows` asks the analytic cost model (`mini3d.cost.model.estimate_cost`) what N GPUs of
 pure data parallelism are worth at a fixed global batch, for `scaling_efficiency_figure`.

@@ -1,10 +1,12 @@
 """Chapter 05 (pipeline parallelism): a live run's measured timeline next to the simulated one.
 
 `train_worker(..., collect=["timeline"])` returns, on every rank of a pp > 1 run, the last step's
-actions as [(start, end, action string)] in `time.perf_counter` seconds (one clock for all local
-processes). These helpers turn that into the Gantt's per-pipeline-rank timeline (ms from the first
-action), measure the mean cost of each stage's forward and backward, and simulate the same schedule
-with those costs, so the two pictures can be compared bar by bar.
+actions as [(start, end, action string)] in seconds of the timeline clock (`mini3d.timeline_clock`):
+`time.perf_counter` on CPU (one clock for all local processes); on CUDA the GPU's times from timing
+events, on the host's seconds scale (not the launch times). These helpers turn that into the
+Gantt's per-pipeline-rank timeline (ms from the first action), measure the mean cost of each
+stage's forward and backward, and simulate the same schedule with those costs, so the two
+pictures can be compared bar by bar.
 """
 
 from __future__ import annotations
