@@ -1,5 +1,6 @@
 """`train --init-from-hf`: each rank reads only its share of the Hugging Face directory (its
-pipeline stage's tensors, its tp slices, its experts), seen through safetensors itself
+pipeline stage's tensors, its tp slices under pp2 x tp2, its experts under dp2 x ep2), seen
+through safetensors itself
 (tests/hf_workers.py patches `safe_open`, which safetensors' own `load_file` uses too, so reading
 whole files again fails here), and the run still starts from transformers' loss. `HFState`'s
 slices (transposed, concatenated, stacked and fused experts) equal the same rows of a whole read."""
@@ -103,3 +104,32 @@ def test_a_share_is_the_same_rows_of_the_whole_read_and_reads_only_them(kind, tm
                 assert 0 < read < whole[name].numel() * 4, (name, read)
     finally:
         undo()
+
+
+@pytest.mark.timeout(300)
+def test_a_dp2_ep2_rank_reads_only_its_experts(tmp_path):
+    """Mixtral on disk one tensor per expert: an ep rank reads its 2 of the 4 experts of every
+    layer and nothing of the others; the attention, norms, routers, embedding and head whole."""
+    from mini3d.config import Plan
+    from mini3d.launch.launcher import launch
+    from mini3d.run.train import make_spec
+    from tests.hf_workers import init_from_hf_and_watch_reads
+
+    from safetensors.torch import load_file
+
+    saved(moe_config("mixtral", vocab_size=256), tmp_path / "hf")
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))  # (the names on disk)
+    on_disk = [n for n in state if ".experts." in n]
+    assert len(on_disk) == 2 * 4 * 3  # 2 layers, 4 experts, w1 w2 w3
+    spec = make_spec(hf_config(str(tmp_path / "hf")), Plan(dp=2, ep=2, global_batch=4, seq_len=16),
+                     steps=1, init_from_hf=str(tmp_path / "hf"))
+    results = launch(init_from_hf_and_watch_reads, 2, spec, device="cpu", timeout=250)
+    assert sorted(r["coords"]["ep"] for r in results) == [0, 1]
+    for r in results:
+        reads, e = dict(r["reads"]), r["coords"]["ep"]
+        assert len(reads) == len(r["reads"]), r  # nothing read twice
+        mine = {n for n in state if ".experts." not in n
+                or int(n.split(".experts.")[1].split(".")[0]) // 2 == e}
+        assert set(reads) == mine, (e, sorted(set(reads) ^ mine))
+        assert all(reads[n] == state[n].numel() * state[n].element_size() for n in reads), e
+        assert len([n for n in reads if n in on_disk]) == len(on_disk) // 2
