@@ -9,7 +9,9 @@
 An HF directory is `config.json` plus `model.safetensors`, or several shards listed by
 `model.safetensors.index.json`. Nothing is downloaded. config.json <-> ModelConfig is
 mini3d.checkpoint.hf_config; the tensor names, one table per family, mini3d.checkpoint.hf_names
-(mini3d's parameter name <-> HF's, transposed or split).
+(mini3d's parameter name <-> HF's, transposed or split); the reading, tensor by tensor and with
+`--init-from-hf` only the bytes of a rank's share (its stage, its experts, its tp slices),
+mini3d.checkpoint.hf_read.
 
 The mini3d checkpoint is written with `mini3d.checkpoint.store.CheckpointWriter` in its usual layout
 (full tensors keyed by reference name, no optimizer state), so `train --resume` reads it into any
@@ -29,22 +31,14 @@ from mini3d.config import ModelConfig, Plan, model_from_dict
 
 
 def read_hf_dir(path: str) -> tuple[ModelConfig, dict]:
-    """(config, mini3d full named state) of a local HF directory, sharded or not."""
-    from safetensors.torch import load_file
+    """(config, mini3d full named state) of a local HF directory, sharded or not: every tensor,
+    read one at a time (mini3d.checkpoint.hf_read)."""
+    from mini3d.checkpoint.hf_read import HFSource, HFState
 
     cfg = hf_config(path)
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise HFError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
-    hf = {}
-    for name in files:
-        hf.update(load_file(os.path.join(path, name)))
-    return cfg, from_hf_state(hf, cfg)
+    with HFSource(path) as source:
+        state = HFState(source, cfg)
+        return cfg, {n: state[n] for n in state}
 
 
 def hf_config(path: str) -> ModelConfig:
@@ -107,11 +101,15 @@ def export_hf(ckpt: str, out_dir: str) -> ModelConfig:
 
 
 def init_from_hf(trainer, hf_dir: str) -> None:
-    """Give a freshly built Trainer (any layout) the HF weights: each rank slices its share."""
+    """Give a freshly built Trainer (any layout) the HF weights: each rank reads only its share
+    (its stage's tensors, and in them its experts and tp slices: hf_read.rank_share) and
+    `restore_full_state` slices that share, one parameter at a time."""
+    from mini3d.checkpoint.hf_read import HFSource, HFState, rank_share
     from mini3d.checkpoint.store import restore_full_state
 
-    _, weights = read_hf_dir(hf_dir)
-    restore_full_state(trainer.chunks, trainer.optimizer, trainer.topo, weights, {}, 0)
+    with HFSource(hf_dir) as source:
+        weights = HFState(source, hf_config(hf_dir), rank_share(trainer.chunks, trainer.topo))
+        restore_full_state(trainer.chunks, trainer.optimizer, trainer.topo, weights, {}, 0)
 
 
 # ------------------------------------------------------------------------------ command line

@@ -29,11 +29,14 @@ def _buffers(chunks) -> dict:
             for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set}
 
 
-def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict, dict, int]:
+def gather_full_state(chunks, optimizer, topo, keep: bool = True, *,
+                      with_moments: bool = True) -> tuple[dict, dict, int]:
     """(weights, moments, optimizer step) of this rank's chunks at full shape, keyed by reference
     name. Weights come from the fp32 master copies (so bf16 runs resume exactly). Collective over
     the dp and tp axes: every rank must call it, but only a rank with `keep` (a writer) builds the
-    full host copies; the others take part in each gather and drop its result at once."""
+    full host copies; the others take part in each gather and drop its result at once.
+    `with_moments=False` gathers the weights alone (a sample needs no AdamW moments): every rank must
+    pass the same value, and the moments come back empty."""
     from mini3d import comm
     from mini3d.ep import gather_experts
     from mini3d.tp import unshard_like
@@ -46,7 +49,7 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True) -> tuple[dict,
         if "step" in state:
             step = int(state["step"])
         tensors = {"weight": master.detach()}
-        tensors.update({k: state[k] for k in MOMENTS if k in state})
+        tensors.update({k: state[k] for k in MOMENTS if k in state and with_moments})
         for key, shard in tensors.items():
             full = shard
             if sharded:

@@ -164,13 +164,17 @@ def cmd_sample(args) -> int:
 
 
 def sample_during_training(trainer, tok, seed: int, n_tokens: int = 48) -> str:
-    """A short sample of the model being trained (pp = 1): the full weights are gathered over tp
-    and cp x dp (collective: every rank calls this), the reporting rank (tp, dp and cp rank 0)
-    generates, others return ""."""
-    from mini3d.checkpoint.store import gather_full_state
+    """A short sample of the model being trained (pp = 1): the full weights, and only they (no
+    AdamW moments), are gathered over tp, ep and cp x dp (collective: every rank calls this); the
+    reporting rank (tp, dp and cp rank 0) keeps the host copy and generates, the others take part
+    in each gather, drop its result and return ""."""
+    from mini3d.checkpoint.state import gather_full_state
 
-    weights, _, _ = gather_full_state(trainer.chunks, trainer.optimizer, trainer.topo)
-    if trainer.topo.tp.index or trainer.topo.dp.index or trainer.topo.cp.index:
+    topo = trainer.topo
+    reporter = not (topo.tp.index or topo.dp.index or topo.cp.index)
+    weights, _, _ = gather_full_state(trainer.chunks, trainer.optimizer, topo, keep=reporter,
+                                      with_moments=False)
+    if not reporter:
         return ""
     model = model_from_weights(trainer.cfg, weights).eval()
     prompt = tok.encode("\n") or [0]
