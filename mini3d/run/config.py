@@ -74,6 +74,8 @@ class RunConfig:
     """checkpoint root directory (saved at the end and every save_every)"""
     save_every: int = 0
     """also save every N steps (0: only at the end)"""
+    async_save: bool = False
+    """write checkpoints in the background while training goes on (committed when done)"""
     resume: str | None = None
     """a checkpoint directory to continue from (any layout)"""
     init_from_hf: str | None = None
