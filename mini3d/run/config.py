@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mini3d.config import ModelConfig, Plan, PlanError
 
-COLLECTABLE = ("events", "timeline", "ledger", "activations")
+COLLECTABLE = ("events", "timeline", "ledger", "activations", "save")
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class RunConfig:
     init_from_hf: str | None = None
     """a local Hugging Face checkpoint directory to start from"""
     collect: tuple = ()
-    """extra measurements to return: events, timeline, ledger, activations"""
+    """extra measurements to return: events, timeline, ledger, activations, save"""
     run_dir: str | None = None
     """where ranks dump diagnostics (hangs, faults)"""
     hang_timeout: float = 300.0

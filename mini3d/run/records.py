@@ -62,7 +62,8 @@ def collected(trainer, what: set) -> dict:
     """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
-    micro-batch by module, measured during the first step; one model chunk only)."""
+    micro-batch by module, measured during the first step; one model chunk only), "save" (the last
+    checkpoint save's host bytes: mini3d.checkpoint.sharded.ShareStats)."""
     out = {}
     if "events" in what:
         out["events"] = trainer.topo.log.snapshot()
@@ -71,6 +72,10 @@ def collected(trainer, what: set) -> dict:
         out["timeline"] = [(s, e, a) for s, e, a in tl]
     if "ledger" in what:
         out["ledger"] = model_state_ledger(trainer.net, trainer.optimizer)
+    if "save" in what and getattr(trainer, "last_save_stats", None) is not None:
+        import dataclasses
+
+        out["save_stats"] = dataclasses.asdict(trainer.last_save_stats)
     return out
 
 

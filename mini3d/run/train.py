@@ -17,7 +17,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from mini3d import comm
 from mini3d.run import stop
 from mini3d.config import ModelConfig, Plan
 from mini3d.cp import chunk_micro_batches, set_positions
