@@ -243,13 +243,17 @@ def _tmpfs(path: str, size: str) -> bool:
 
 
 @pytest.mark.timeout(200)
-def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, capfd, monkeypatch):
-    """A real full disk (a 1.4 MB tmpfs: one ~0.9 MB checkpoint fits, the second does not) when the
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async-save"])
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, capfd, monkeypatch,
+                                                                background):
+    """A real full disk (a 1.4 MB tmpfs: one ~1.2 MB checkpoint fits, the second does not) when the
     test may mount one, else the checkpoint writer's own simulation (MINI3D_TEST_DISK_FULL_AFTER)
-    on a resumed job."""
+    on a resumed job. With --async-save the write that fails runs in the background: the failure
+    surfaces at the commit (the end of the run), and the previous checkpoint stays latest."""
     root = str(tmp_path / "disk")
     mounted = _tmpfs(root, "1400k")
-    run = ["train", *FLAGS, "--pp", "2", "--micro-batches", "2", "--save", root]
+    run = ["train", *FLAGS, "--pp", "2", "--micro-batches", "2", "--save", root,
+           *(["--async-save"] if background else [])]
     try:
         if mounted:
             code = cli.main([*run, "--steps", "2", "--save-every", "1"])

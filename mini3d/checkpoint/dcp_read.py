@@ -140,12 +140,17 @@ class Prefixed:
         return sum(k.startswith(self.p) for k in self.s.sizes)
 
 
+def _meta(ckpt: str) -> dict:
+    import json  # (store.read_meta's read: store imports this module)
+
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        return json.load(f)
+
+
 def rng_key(ckpt: str, names) -> str | None:
     """The `rng.stage{k}` key a rank holding `names` restores: that of the lowest stage whose files
     hold one of them (as the first stage file read did), else stage 0's."""
-    from mini3d.checkpoint.store import read_meta
-
-    files = (read_meta(ckpt).get("files") or {}).values()
+    files = (_meta(ckpt).get("files") or {}).values()
     names = None if names is None else set(names)
     stages = [f["stage"] for f in files if isinstance(f, dict) and "stage" in f
               and (names is None or names & set(f.get("tensors", ())))]
@@ -166,8 +171,6 @@ def split_key(key: str):
 
 def read_full(ckpt: str, names=None) -> dict:
     """`store.read_states` of a DCP checkpoint: the full tensors of `names` (all by default)."""
-    from mini3d.checkpoint.store import read_meta
-
     states = LazyStates(ckpt)
     want = None if names is None else set(names)
     keys = [k for k in states.sizes if (split_key(k) or (0, None))[1] is not None
@@ -181,7 +184,7 @@ def read_full(ckpt: str, names=None) -> dict:
             model[name] = got[k]
         else:
             optim.setdefault(name, {})[moment] = got[k]
-    return {"model": model, "optim": optim, "optim_step": int(read_meta(ckpt).get("optim_step", 0)),
+    return {"model": model, "optim": optim, "optim_step": int(_meta(ckpt).get("optim_step", 0)),
             "rng": got.get(rng)}
 
 

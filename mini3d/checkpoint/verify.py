@@ -8,12 +8,12 @@ a garbage or edited meta.json or another model's checkpoint is exit 2 naming the
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
 
 from mini3d.checkpoint.store import META_SHA, meta_digest, read_meta, stage_files
+from mini3d.checkpoint.verify_dcp import check_file, is_dcp, verify_dcp
 
 
 def shape_mismatch(meta: dict, cfg_dict: dict) -> list[str]:
@@ -25,14 +25,6 @@ def shape_mismatch(meta: dict, cfg_dict: dict) -> list[str]:
     return [f"{k}: checkpoint has {saved.get(k)}, the flags ask for {cfg_dict.get(k)}"
             for k in fields + family
             if (k in fields or k in saved) and saved.get(k) != cfg_dict.get(k)]
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def reference_shapes(cfg) -> dict:
@@ -56,21 +48,9 @@ def _read_meta(ckpt: str) -> tuple[dict | None, list[str]]:
     return meta, []
 
 
-def _check_file(path: str, want) -> str | None:
-    """Why the file at `path` is not the one meta.json recorded (missing, size, sha256), or None."""
-    if not os.path.isfile(path):
-        return f"{path} is missing (meta.json lists it)"
-    if want and os.path.getsize(path) != want.get("bytes"):
-        return (f"{path} holds {os.path.getsize(path)} bytes, meta.json records "
-                f"{want.get('bytes')} (truncated or replaced)")
-    if want and _sha256(path) != want.get("sha256"):
-        return f"{path}: sha256 differs from meta.json's (the file was changed or corrupted)"
-    return None
-
-
 def _load_file(path: str, want) -> tuple[dict | None, str | None]:
     """(the loaded stage file, None) or (None, why not): size and checksum first, then the load."""
-    why = _check_file(path, want)
+    why = check_file(path, want)
     if why:
         return None, why
     try:
@@ -138,8 +118,6 @@ def verify_checkpoint(ckpt: str, cfg=None) -> list[str]:
     Reads every byte (for the checksums) but loads tensors memory-mapped. A sharded (DCP)
     checkpoint is checked the same way by `verify_dcp` (mini3d/checkpoint/verify_dcp.py)."""
     import dataclasses
-
-    from mini3d.checkpoint.verify_dcp import is_dcp, verify_dcp
 
     meta, out = _read_meta(ckpt)
     if meta is None:

@@ -2,14 +2,35 @@
 against the sha256 and size meta.json records, DCP's `.metadata` index (a pickle: opened only once
 its checksum matched, and then through the restricted unpickler of dcp_read.safe_metadata), the
 tensor index meta.json records per rank file against that index, and each stage's saved step
-against meta.json's.
+against meta.json's. `check_file` (a file against its recorded size and sha256) serves both formats.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 from mini3d.checkpoint.dcp_read import METADATA, LazyStates, dcp_files, is_dcp, safe_metadata, split_key
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_file(path: str, want) -> str | None:
+    """Why the file at `path` is not the one meta.json recorded (missing, size, sha256), or None."""
+    if not os.path.isfile(path):
+        return f"{path} is missing (meta.json lists it)"
+    if want and os.path.getsize(path) != want.get("bytes"):
+        return (f"{path} holds {os.path.getsize(path)} bytes, meta.json records "
+                f"{want.get('bytes')} (truncated or replaced)")
+    if want and _sha256(path) != want.get("sha256"):
+        return f"{path}: sha256 differs from meta.json's (the file was changed or corrupted)"
+    return None
 
 
 def _index_problems(ckpt: str, files: dict, shapes: dict) -> list[str]:
@@ -42,9 +63,7 @@ def verify_dcp(ckpt: str, meta: dict) -> tuple[list[str], dict, dict]:
         elif not os.path.isfile(path):
             out.append(f"{path} is missing (meta.json lists it)")
         else:
-            from mini3d.checkpoint.verify import _check_file
-
-            why = _check_file(path, files[name])
+            why = check_file(path, files[name])
             if why:
                 out.append(why)
     if out:  # the pickled index is opened only once its checksum matched meta.json's
@@ -66,4 +85,4 @@ def verify_dcp(ckpt: str, meta: dict) -> tuple[list[str], dict, dict]:
     return out, shapes, where
 
 
-__all__ = ["verify_dcp", "is_dcp"]
+__all__ = ["verify_dcp", "is_dcp", "check_file"]
