@@ -42,12 +42,15 @@ def test_the_bound_grows_with_the_bytes_and_the_process_group_waits_past_it(monk
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_save_longer_than_the_hang_timeout_completes(tmp_path, monkeypatch):
-    # rank 1 waits 12 s in the save's barrier for rank 0's file: 3x --hang-timeout, not a hang
+@pytest.mark.parametrize("extra", [[], ["--async-save", "--save-every", "1"]], ids=["sync", "async"])
+def test_a_save_longer_than_the_hang_timeout_completes(tmp_path, monkeypatch, extra):
+    # each save takes 12 s after its files: 3x --hang-timeout, not a hang. With --async-save the
+    # step-1 write sleeps in the background while step 2 trains (no op of it is watched), and
+    # the waits for it (at the step-2 save, at the end) run on the save's clock
     monkeypatch.setenv("MINI3D_TEST_PAUSE_IN_SAVE", "12")
     monkeypatch.delenv(sc.BOUND_ENV, raising=False)
     t0 = time.monotonic()
-    rc = main([*JOB, "--save", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "run")])
+    rc = main([*JOB, "--save", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "run"), *extra])
     assert rc == 0
     assert time.monotonic() - t0 > 12  # the save really took that long
     ckpt = latest_dir(str(tmp_path / "ck"))

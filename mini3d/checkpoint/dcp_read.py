@@ -2,7 +2,7 @@
 
 `LazyStates` hands `restore_full_state` full tensors on demand, read with `dcp.load(no_dist=True)` in
 batches of at most MINI3D_CKPT_READ_BYTES (default 256 MiB) in the order the restore asks for them:
-a rank reads only the chunks overlapping the tensors it holds, never its whole stage at once.
+a rank reads only the tensors its parameters need, never its whole stage at once.
 `read_full` is `store.read_states` for this format (full named tensors, for sampling, export, tests).
 DCP's `.metadata` is a pickle: `safe_metadata` rebuilds it only from DCP's own classes, and callers
 check its sha256 against meta.json first (verify.py); tensor data is read by DCP's FileSystemReader

@@ -13,7 +13,8 @@ Each share is declared to DCP as a chunk of the global tensor (`Share`: global s
 `__create_write_items__` is DCP's hook, planner_helpers._create_write_items, and `_SharePlanner`
 resolves the chunk's data; a DTensor would need a device mesh matching mini3d's own process
 groups). `dcp.save` then writes one file per rank, `__{rank}_0.distcp`, and the coordinator the
-`.metadata` index, so any DCP tool (`dcp.load`, `format_utils.dcp_to_torch_save`) reads back full
+`.metadata` index (all through one gloo group of the checkpoint's own, mini3d/run/saving.py), so
+any DCP tool (`dcp.load`, `format_utils.dcp_to_torch_save`) reads back full
 tensors under the reference names, nested as a stage file was: `model.<name>`,
 `optim.<name>.exp_avg` / `.exp_avg_sq` (and buffers under `model.`), plus `rng.stage{k}` /
 `step.stage{k}` from the first rank of each stage. A tensor two stages hold (a tied head is saved
@@ -23,12 +24,14 @@ The files travel through `_HashingFS`: each stream is hashed as DCP writes it (n
 full disk surfaces as ENOSPC (and MINI3D_TEST_DISK_FULL_AFTER=N simulates one per file), and each
 rank leaves a `.sum.json` sidecar that the leader merges into meta.json (store.CheckpointWriter).
 
-Loading. `LazyStates` hands `restore_full_state` full tensors on demand, read with `dcp.load
-(no_dist=True)` in batches of at most MINI3D_CKPT_READ_BYTES (256 MiB) in the order the restore
-asks for them: a rank reads only the chunks overlapping the tensors it holds, never its whole
-stage at once, and slices them as before. The pickled `.metadata` is opened only after its
-sha256 matched meta.json's (verify.py), and then through `safe_metadata`'s restricted unpickler;
-tensor data is read by DCP's FileSystemReader with `torch.load(weights_only=True)`.
+Loading (mini3d/checkpoint/dcp_read.py). `LazyStates` hands `restore_full_state` full tensors on
+demand, read with `dcp.load(no_dist=True)` in batches of at most MINI3D_CKPT_READ_BYTES (256 MiB) in
+the order the restore asks for them: a rank reads only the tensors its own parameters need (every
+chunk of them, whichever rank wrote it), never its whole stage at once, and slices them as before
+(reading only the slice itself would need restore_full_state to name the region: not done). The
+pickled `.metadata` is opened only after its sha256 matched meta.json's (verify.py), and then
+through `safe_metadata`'s restricted unpickler; tensor data is read by DCP's FileSystemReader with
+`torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
