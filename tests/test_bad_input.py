@@ -47,6 +47,7 @@ CASES = [  # (flags, a piece of the message that names the value)
     ("--world-size 0", "--world-size 0 must be >= 1"),
     ("--timeout nan", "--timeout nan must be a finite number"),
     ("--save-every 2", "--save-every 2 needs --save DIR"),
+    ("--async-save", "--async-save needs --save DIR"),
     ("--sequence-parallel", "--sequence-parallel needs --tp > 1"),
     # already clean in the campaign: they must stay so
     ("--tp 3", "tp=3 does not divide n_heads=4"),

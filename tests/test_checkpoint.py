@@ -1,10 +1,12 @@
 """Checkpoints through the trainer: identical continuation, resharded resume, crash-safe saves,
 refusal of a checkpoint of another model shape, and weights_only loading.
 
-Two launches carry the multi-process part (a module fixture): 8 ranks (the 8-rank launch this
+Three launches carry the multi-process part (a module fixture): 8 ranks (the 8-rank launch this
 module shares with the 3d files: tests/conftest.py eight_rank_job) train tp2 x pp2 x dp2 for 4
-steps saving at steps 2 and 4, then (same processes) resume the step-2 checkpoint in the same layout
-up to step 4; 4 ranks resume the step-2 checkpoint as tp1 x pp1 x dp4 and as tp4 x pp1 x dp1.
+steps saving at steps 2 and 4 with --async-save (the write in the background, committed at the
+next save and at the end), then (same processes) resume the step-2 checkpoint in the same layout
+up to step 4; 4 ranks resume the step-2 checkpoint as tp1 x pp1 x dp4 and as tp4 x pp1 x dp1, and
+one process resumes it alone. The checkpoints are sharded (DCP: one `__{rank}_0.distcp` per rank).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def eight_rank_specs(tmp_dir: str) -> list[dict]:
     x dp2 ZeRO-1 saves at steps 2 and 4 under tmp_dir/run, then resumes step 2 in the same layout."""
     root = os.path.join(tmp_dir, "run")
     p3d = Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, **RUN)
-    return [spec(p3d, 4, save=root, save_every=2),
+    return [spec(p3d, 4, save=root, save_every=2, async_save=True, collect=("save",)),
             spec(p3d, 4, resume=os.path.join(root, "step-000002"))]
 
 
@@ -65,9 +67,12 @@ def runs(eight_rank_job):
     resharded = launch(run_specs, 4, [spec(Plan(dp=4, micro_batches=2, **RUN), 4, resume=step2),
                                       spec(Plan(tp=4, zero=0, **RUN), 4, resume=step2)],
                        device="cpu", timeout=200)
+    alone = launch(run_specs, 1, [spec(Plan(micro_batches=2, **RUN), 4, resume=step2)], device="cpu",
+                   timeout=100)
     losses = lambda results, i: [r["loss"] for r in reporter_records([x[i] for x in results])]
     return {"root": root, "full": losses(first, 0), "same": losses(first, 1),
-            "dp4": losses(resharded, 0), "tp4": losses(resharded, 1)}
+            "dp4": losses(resharded, 0), "tp4": losses(resharded, 1), "one": losses(alone, 0),
+            "save_stats": [(x[0]["coords"], x[0]["save_stats"]) for x in first]}
 
 
 @pytest.mark.timeout(RUNS_TIMEOUT)
@@ -83,7 +88,7 @@ def test_resume_in_the_same_layout_continues_bit_identically(runs):
 def test_resharded_resume_gives_the_same_next_losses(runs):
     # Another layout sums in another order (tp all-reduces, dp averaging): float32 rounding, ~1e-7
     # relative per op, so the next losses agree to 1e-5 (measured ~1e-6), not bitwise.
-    for layout in ("dp4", "tp4"):
+    for layout in ("dp4", "tp4", "one"):
         assert len(runs[layout]) == 2
         assert runs[layout] == pytest.approx(runs["full"][2:], abs=1e-5), layout
     # and the comparison is not blind: the loss changes by far more than 1e-5 per step
@@ -95,15 +100,64 @@ def test_checkpoint_layout_on_disk(runs):
     root = runs["root"]
     assert pathlib.Path(root, "latest").read_text().strip() == "step-000004"
     assert sorted(n for n in os.listdir(root) if n.startswith("step-")) == ["step-000002", "step-000004"]
-    assert sorted(os.listdir(latest_dir(root))) == ["meta.json", "stage0.pt", "stage1.pt"]
-    meta = read_meta(latest_dir(root))
+    ckpt = latest_dir(root)
+    ranks = [f"__{r}_0.distcp" for r in range(8)]
+    assert sorted(os.listdir(ckpt)) == sorted([".metadata", "meta.json", *ranks])
+    meta = read_meta(ckpt)
     assert meta["step"] == 4 and meta["model"]["d_model"] == 32
-    model = read_states(latest_dir(root))["model"]
+    model = read_states(ckpt)["model"]
     from mini3d.models.transformer import GPT
 
     ref = dict(GPT(CFG, SEED).named_parameters())
     assert sorted(model) == sorted(ref)  # full, unsharded tensors under the reference names
     assert all(model[n].shape == ref[n].shape for n in ref)
+    # every rank wrote its own share: each of a stage's 4 files holds ~1/4 of the stage's bytes
+    for stage in (0, 1):
+        sizes = [meta["files"][f]["bytes"] for f in ranks if meta["files"][f]["stage"] == stage]
+        assert len(sizes) == 4 and max(sizes) < 1.3 * min(sizes), sizes
+        assert sum(os.path.getsize(os.path.join(ckpt, f)) for f in ranks) == sum(
+            meta["files"][f]["bytes"] for f in ranks)
+
+
+@pytest.mark.timeout(RUNS_TIMEOUT)
+def test_no_rank_holds_its_stages_full_state_on_the_host(runs):
+    # (ShareStats, counted as the writer keeps each share: a rank holds its 1/4 of the stage plus
+    # one full tensor in flight, never the stage's weights and moments whole)
+    by_stage = {}
+    for coords, stats in runs["save_stats"]:
+        by_stage.setdefault(coords["pp"], []).append(stats)
+        assert stats["kept_bytes"] <= stats["full_bytes"] / 4 + stats["largest_full_bytes"], stats
+        assert stats["peak_host_bytes"] <= stats["kept_bytes"] + stats["largest_full_bytes"], stats
+        assert stats["peak_host_bytes"] < stats["full_bytes"] / 2, stats
+    for stage, stats in by_stage.items():  # and the shares add up to the stage's full state
+        assert len(stats) == 4 and sum(s["kept_bytes"] for s in stats) <= stats[0]["full_bytes"]
+        assert sum(s["kept_bytes"] for s in stats) > 0.9 * stats[0]["full_bytes"], (stage, stats)
+
+
+@pytest.mark.timeout(RUNS_TIMEOUT)
+def test_dcp_tools_read_a_mini3d_checkpoint_as_the_one_process_model(runs, tmp_path):
+    # torch's own DCP converter gives the full tensors under the reference names, and the one-process
+    # model built from them computes the loss the 8-rank run reported at the step after the save
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from mini3d.data.corpus import Batches, load_tokens
+    from mini3d.models.transformer import GPT
+
+    out = str(tmp_path / "full.pt")
+    dcp_to_torch_save(os.path.join(runs["root"], "step-000002"), out)
+    full = torch.load(out, weights_only=True)
+    states = read_states(os.path.join(runs["root"], "step-000002"))
+    assert sorted(full["model"]) == sorted(states["model"])
+    assert all(torch.equal(full["model"][n], states["model"][n]) for n in states["model"])
+    assert all(torch.equal(full["optim"][n][m], states["optim"][n][m]) for n in states["optim"]
+               for m in ("exp_avg", "exp_avg_sq"))
+    model = GPT(CFG, SEED)
+    model.load_state_dict(full["model"], strict=False)
+    assert set(dict(model.named_parameters())) <= set(full["model"])
+    x, y = Batches(load_tokens(), 16, 16, SEED).global_batch_at(2)  # the batch of step 3
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    assert loss == pytest.approx(runs["full"][2], abs=1e-5)
 
 
 def _train_cmd(*args):
@@ -116,7 +170,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(runs, tmp_path):
     root = str(tmp_path / "run")
     shutil.copytree(runs["root"], root)  # latest -> step-000004
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", MINI3D_TEST_PAUSE_IN_SAVE="60")
-    # pp=2: two stage files are written by two ranks, each pausing 60 s after its file
+    # pp=2: two rank files are written by two ranks, each pausing 60 s after its file
     proc = subprocess.Popen(_train_cmd("--pp", "2", "--micro-batches", "2", "--steps", "5",
                                        "--resume", root, "--save", root),
                             env=env, cwd=REPO, start_new_session=True,
@@ -124,7 +178,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(runs, tmp_path):
     tmp = os.path.join(root, ".tmp-step-000005")
     try:
         deadline = time.monotonic() + 120
-        while not (os.path.isdir(tmp) and any(n.endswith(".pt") for n in os.listdir(tmp))):
+        while not (os.path.isdir(tmp) and any(n.endswith(".distcp") for n in os.listdir(tmp))):
             assert proc.poll() is None, proc.stdout.read().decode()
             assert time.monotonic() < deadline, "the save never started"
             time.sleep(0.1)
@@ -172,21 +226,37 @@ class NotATensor:
 
 @pytest.mark.timeout(RUNS_TIMEOUT)
 def test_loading_uses_weights_only(runs, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     ckpt = str(tmp_path / "ck")
     shutil.copytree(os.path.join(runs["root"], "step-000004"), ckpt)
-    part = torch.load(os.path.join(ckpt, "stage1.pt"), weights_only=True)
-    part["payload"] = NotATensor()
-    torch.save(part, os.path.join(ckpt, "stage1.pt"))
-    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only"):
+    # DCP's index is a pickle: a foreign class in it is refused (the tensor data DCP reads with
+    # torch.load(weights_only=True))
+    with open(os.path.join(ckpt, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
+        pickle.dump((md, NotATensor()), f)
+    with pytest.raises(pickle.UnpicklingError, match="refused to load"):
         read_states(ckpt)
+    # an older checkpoint of stage files (as `mini3d import-hf` writes) loads weights_only too
+    old = str(tmp_path / "old")
+    os.makedirs(old)
+    dcp_to_torch_save(os.path.join(runs["root"], "step-000004"), os.path.join(old, "stage0.pt"))
+    shutil.copy(os.path.join(runs["root"], "step-000004", "meta.json"), old)
+    assert sorted(read_states(old)["model"]) == sorted(read_states(latest_dir(runs["root"]))["model"])
+    part = torch.load(os.path.join(old, "stage0.pt"), weights_only=True)
+    part["payload"] = NotATensor()
+    torch.save(part, os.path.join(old, "stage0.pt"))
+    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only"):
+        read_states(old)
     # every torch.load in the checkpoint code is weights_only (Trainer.load goes through read_states)
     import inspect
     import re
 
-    from mini3d.checkpoint import store as checkpoint
-    from mini3d.run import train
+    from mini3d.checkpoint import dcp_read, sharded, store as checkpoint
+    from mini3d.run import saving, train
 
-    for mod in (checkpoint, train):
+    for mod in (checkpoint, train, saving, sharded, dcp_read):
         calls = re.findall(r"torch\.load\(.*", inspect.getsource(mod))
         assert all("weights_only=True" in c for c in calls), (mod.__name__, calls)
-        assert calls or mod is train, mod.__name__
+        assert calls or mod is not checkpoint, mod.__name__

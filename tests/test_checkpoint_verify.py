@@ -1,7 +1,9 @@
 """Checkpoints that cannot lie: per-file checksums and shapes verified before any worker starts
 (exit 2 naming the file), a complete checkpoint after a kill at any moment of a save, a full disk
-reported as such with the partial directory removed, and loads that read only the files a rank
-needs, once, memory-mapped, with the RNG state put back.
+reported as such with the partial directory removed (also when the write runs in the background,
+--async-save), and loads that read only the files a rank needs, in bounded batches, with the RNG
+state put back. The checkpoints are sharded (DCP: a `__{rank}_0.distcp` file per rank and the
+`.metadata` index).
 
 One 2-rank job (pp=2) writes the checkpoints every test starts from; the corruption table runs
 the CLI's checks in-process (no process may start: `launch_train` is replaced by a tripwire)."""
@@ -49,22 +51,22 @@ def _no_launch(monkeypatch):
 
 
 def _flip_byte(ckpt):
-    path = os.path.join(ckpt, "stage1.pt")
+    path = os.path.join(ckpt, "__1_0.distcp")
     data = bytearray(Path(path).read_bytes())
-    data[len(data) // 2] ^= 0x01  # inside the tensor data (the zip's middle), not its directory
+    data[len(data) // 2] ^= 0x01  # inside the tensor data
     Path(path).write_bytes(bytes(data))
-    return "stage1.pt: sha256 differs"
+    return "__1_0.distcp: sha256 differs"
 
 
 def _truncate(ckpt):
-    path = os.path.join(ckpt, "stage0.pt")
+    path = os.path.join(ckpt, "__0_0.distcp")
     os.truncate(path, os.path.getsize(path) // 2)
-    return "stage0.pt holds"
+    return "__0_0.distcp holds"
 
 
 def _missing(ckpt):
-    os.remove(os.path.join(ckpt, "stage1.pt"))
-    return "stage1.pt is missing"
+    os.remove(os.path.join(ckpt, "__1_0.distcp"))
+    return "__1_0.distcp is missing"
 
 
 def _garbage_meta(ckpt):
@@ -79,20 +81,6 @@ def _meta_without_step(ckpt):
     return "meta.json lacks the step"
 
 
-def _rewrite(ckpt, name, part):
-    """Replace a stage file and record its new checksum in meta.json, as a tool (or an attacker)
-    that knows the format would: only the shape check / weights_only can refuse it."""
-    import hashlib
-
-    path = os.path.join(ckpt, name)
-    torch.save(part, path)
-    meta = json.loads(Path(ckpt, "meta.json").read_text())
-    meta["files"][name].update(sha256=hashlib.sha256(Path(path).read_bytes()).hexdigest(),
-                               bytes=os.path.getsize(path),
-                               tensors={k: list(v.shape) for k, v in part["model"].items()})
-    Path(ckpt, "meta.json").write_text(json.dumps(seal_meta(meta)))
-
-
 def _edit_meta(ckpt, edit, reseal=False):
     """Edit meta.json in place; with `reseal`, record its new digest too (a tool that knows it)."""
     meta = json.loads(Path(ckpt, "meta.json").read_text())
@@ -100,8 +88,25 @@ def _edit_meta(ckpt, edit, reseal=False):
     Path(ckpt, "meta.json").write_text(json.dumps(seal_meta(meta) if reseal else meta))
 
 
+def _rewrite_index(ckpt, edit):
+    """Rewrite DCP's `.metadata` with `edit(metadata)` applied and record its new checksum in
+    meta.json, as a tool (or an attacker) that knows the format would: only the shape check /
+    the restricted unpickler can refuse it."""
+    import hashlib
+    import pickle
+
+    from mini3d.checkpoint.dcp_read import safe_metadata
+
+    md = edit(safe_metadata(ckpt))
+    path = os.path.join(ckpt, ".metadata")
+    Path(path).write_bytes(pickle.dumps(md))
+    _edit_meta(ckpt, lambda meta: meta["files"][".metadata"].update(
+        sha256=hashlib.sha256(Path(path).read_bytes()).hexdigest(), bytes=os.path.getsize(path)),
+        reseal=True)
+
+
 def _first_2d(meta):
-    tensors = meta["files"]["stage0.pt"]["tensors"]
+    tensors = meta["files"]["__0_0.distcp"]["tensors"]
     return tensors, next(n for n in sorted(tensors) if len(tensors[n]) == 2)
 
 
@@ -111,7 +116,7 @@ def _meta_shape(ckpt, reseal=False):
         tensors[name][0] -= 1
     _edit_meta(ckpt, edit, reseal)
     tensors, name = _first_2d(json.loads(Path(ckpt, "meta.json").read_text()))
-    return f"meta.json records shape {tensors[name]} for {name} in stage0.pt"
+    return f"meta.json records shape {tensors[name]} for {name} in __0_0.distcp"
 
 
 def _meta_shape_resealed(ckpt):
@@ -120,7 +125,7 @@ def _meta_shape_resealed(ckpt):
 
 def _meta_step(ckpt, reseal=False):
     _edit_meta(ckpt, lambda meta: meta.update(step=1), reseal)
-    return "meta.json records step 1, but stage0.pt was saved at step 2"
+    return "meta.json records step 1, but stage0 was saved at step 2"
 
 
 def _meta_step_resealed(ckpt):
@@ -128,8 +133,8 @@ def _meta_step_resealed(ckpt):
 
 
 def _meta_index_emptied(ckpt):
-    _edit_meta(ckpt, lambda meta: meta["files"]["stage1.pt"].update(tensors={}), reseal=True)
-    return "meta.json's index of stage1.pt lacks tensor"
+    _edit_meta(ckpt, lambda meta: meta["files"]["__1_0.distcp"].update(tensors={}), reseal=True)
+    return "meta.json's index lacks tensor"
 
 
 def _meta_other_field(ckpt):
@@ -137,12 +142,28 @@ def _meta_other_field(ckpt):
     return "meta.json differs from its own digest (meta_sha256)"
 
 
+def _foreign_file(ckpt):
+    Path(ckpt, "__7_0.distcp").write_bytes(b"not ours")
+    return "__7_0.distcp is not listed in meta.json"
+
+
 def _mis_shaped(ckpt):
-    part = torch.load(os.path.join(ckpt, "stage0.pt"), weights_only=True)
-    name = next(n for n in part["model"] if part["model"][n].dim() == 2)
-    part["model"][name] = part["model"][name][:-1]
-    _rewrite(ckpt, "stage0.pt", part)
-    return f"stage0.pt: {name} has shape"
+    """The index (and meta.json's, resealed) of another model: only the model check refuses it."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    meta = json.loads(Path(ckpt, "meta.json").read_text())
+    tensors, name = _first_2d(meta)
+
+    def edit(md):
+        t = md.state_dict_metadata[f"model.{name}"]
+        t.size = torch.Size([t.size[0] - 1, *t.size[1:]])
+        t.chunks = [ChunkStorageMetadata(c.offsets, torch.Size([min(c.sizes[0], t.size[0] - c.offsets[0]),
+                                                                *c.sizes[1:]])) for c in t.chunks]
+        return md
+    _rewrite_index(ckpt, edit)
+    _edit_meta(ckpt, lambda meta: meta["files"]["__0_0.distcp"]["tensors"][name].__setitem__(
+        0, tensors[name][0] - 1), reseal=True)
+    return f"__0_0.distcp: {name} has shape"
 
 
 class NotATensor:
@@ -150,18 +171,15 @@ class NotATensor:
 
 
 def _malicious(ckpt):
-    path = os.path.join(ckpt, "stage1.pt")
-    part = torch.load(path, weights_only=True)
-    part["payload"] = NotATensor()
-    _rewrite(ckpt, "stage1.pt", part)
-    return "stage1.pt is not a loadable checkpoint file (UnpicklingError"
+    _rewrite_index(ckpt, lambda md: (md, NotATensor()))
+    return ".metadata is not a loadable checkpoint index (UnpicklingError"
 
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("corrupt", [_flip_byte, _truncate, _missing, _garbage_meta,
                                      _meta_without_step, _mis_shaped, _malicious, _meta_shape,
                                      _meta_shape_resealed, _meta_step, _meta_step_resealed,
-                                     _meta_index_emptied, _meta_other_field])
+                                     _meta_index_emptied, _meta_other_field, _foreign_file])
 def test_a_damaged_checkpoint_is_refused_before_any_worker_starts(root, tmp_path, capsys,
                                                                   monkeypatch, corrupt):
     ckpt = str(tmp_path / "step-000002")
@@ -225,13 +243,17 @@ def _tmpfs(path: str, size: str) -> bool:
 
 
 @pytest.mark.timeout(200)
-def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, capfd, monkeypatch):
-    """A real full disk (a 1.4 MB tmpfs: one ~0.9 MB checkpoint fits, the second does not) when the
+@pytest.mark.parametrize("background", [False, True], ids=["sync", "async-save"])
+def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, capfd, monkeypatch,
+                                                                background):
+    """A real full disk (a 1.4 MB tmpfs: one ~1.2 MB checkpoint fits, the second does not) when the
     test may mount one, else the checkpoint writer's own simulation (MINI3D_TEST_DISK_FULL_AFTER)
-    on a resumed job."""
+    on a resumed job. With --async-save the write that fails runs in the background: the failure
+    surfaces at the commit (the end of the run), and the previous checkpoint stays latest."""
     root = str(tmp_path / "disk")
     mounted = _tmpfs(root, "1400k")
-    run = ["train", *FLAGS, "--pp", "2", "--micro-batches", "2", "--save", root]
+    run = ["train", *FLAGS, "--pp", "2", "--micro-batches", "2", "--save", root,
+           *(["--async-save"] if background else [])]
     try:
         if mounted:
             code = cli.main([*run, "--steps", "2", "--save-every", "1"])
@@ -254,9 +276,13 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, capfd,
 
 
 @pytest.mark.timeout(200)
-def test_a_rank_loads_only_its_stage_file_once_memory_mapped(root):
+def test_a_rank_reads_only_its_shares_in_bounded_batches(root, monkeypatch):
+    # batches of at most 20 kB: a rank reads its stage's tensors in many small dcp.loads
+    monkeypatch.setenv("MINI3D_CKPT_READ_BYTES", "20000")
     spec = make_spec(CFG, PLAN, steps=2, resume=os.path.join(root, "step-000001"))
     results = launch(resume_and_watch_loads, 2, spec, device="cpu", timeout=150)
-    for r in results:  # pp rank k holds stage k: it needs stage{k}.pt and nothing else
-        assert r["calls"] == [(f"stage{r['rank']}.pt", True, True)], r
+    for r in results:  # pp rank k holds stage k: it reads rank k's file, and the index once
+        assert set(r["opened"]) == {".metadata", f"__{r['rank']}_0.distcp"}, r
+        assert r["opened"].count(".metadata") == 1, r
+        assert r["batches"] > 5 and r["largest_batch"] <= 20000 + 16384, r  # (+ one tensor)
         assert r["rng_restored"] == [True], r

@@ -159,4 +159,6 @@ def test_cp_checkpoints_save_and_resume_in_any_layout(four_rank_runs):
     full, same, cp4 = losses
     assert len(full) == 4 and same == full[2:]
     assert cp4 == pytest.approx(full[2:], abs=1e-5) and abs(full[2] - full[3]) > 1e-3
-    assert sorted(os.listdir(step2)) == ["meta.json", "stage0.pt"]
+    # sharded: every rank wrote its share of the full state (and rank 0 the DCP index)
+    assert sorted(os.listdir(step2)) == sorted([".metadata", "meta.json",
+                                                *(f"__{r}_0.distcp" for r in range(4))])

@@ -237,6 +237,7 @@ def test_checkpoint_holds_the_full_experts_and_resumes_in_any_layout(tmp_path):
     import os
 
     from mini3d.run.train import make_spec, reporter_records
+    from mini3d.checkpoint.store import read_states
     from tests.threed_workers import run_specs
 
     cfg = dataclasses.replace(AUX, vocab_size=256)
@@ -249,7 +250,7 @@ def test_checkpoint_holds_the_full_experts_and_resumes_in_any_layout(tmp_path):
     whole, *resumed = (reporter_records([r[i] for r in first]) for i in range(3))
     for run in resumed:
         assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in whole[2:]], rel=1e-12)
-    saved = torch.load(os.path.join(step2, "stage0.pt"), weights_only=False)
+    saved = read_states(step2)  # (sharded: assembled from every rank's share)
     for layer in (1, 2):
         name = f"blocks.{layer}.mlp.experts.w_up"
         assert saved["model"][name].shape == (cfg.n_experts, cfg.moe_width, cfg.d_model)

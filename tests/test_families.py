@@ -211,7 +211,7 @@ def test_train_from_hf_and_resume_an_import_in_another_layout(tmp_path, capsys):
              "--ffn", "48", "--tie-embeddings"]
     assert main(["train", "--resume", str(tmp_path / "ckpt"), "--pp", "2", "--log-jsonl", str(log2),
                  "--save", str(tmp_path / "pp2")] + shape + flags) == 0
-    # export-hf of a two-stage checkpoint (each stage file holds the tied matrix): HF loads it
+    # export-hf of a two-stage checkpoint (the tied matrix saved once, by stage 0): HF loads it
     from mini3d.checkpoint.store import latest_dir, read_states
 
     assert main(["export-hf", str(tmp_path / "pp2"), str(tmp_path / "out")]) == 0

@@ -67,6 +67,7 @@ def test_expert_bias_is_saved_and_resumed(tmp_path):
     resumed from it continues bitwise (losses and final biases), as does `sample`'s model."""
     import os
 
+    from mini3d.checkpoint.store import read_states
     from mini3d.run.sample import load_model
     from mini3d.run.train import make_spec, reporter_records
     from tests.threed_workers import run_specs
@@ -83,11 +84,11 @@ def test_expert_bias_is_saved_and_resumed(tmp_path):
                    device="cpu", timeout=200)[0]
     whole, resumed = (reporter_records([r]) for r in first)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[2:]]
-    step2 = torch.load(os.path.join(full, "step-000002", "stage0.pt"), weights_only=False)["model"]
+    step2 = read_states(os.path.join(full, "step-000002"))["model"]
     bias = {n: t for n, t in step2.items() if n.endswith("expert_bias")}
     assert sorted(bias) == ["blocks.1.mlp.expert_bias", "blocks.2.mlp.expert_bias"]
     assert all(t.abs().sum() > 0 for t in bias.values())  # moved by two steps of updates
-    ends = [torch.load(os.path.join(d, "step-000004", "stage0.pt"), weights_only=False)["model"]
+    ends = [read_states(os.path.join(d, "step-000004"))["model"]
             for d in (full, str(tmp_path / "again"))]
     for n in bias:  # four updates in both: the resumed run started from the saved biases
         assert torch.equal(ends[0][n], ends[1][n]) and not torch.equal(ends[0][n], bias[n])

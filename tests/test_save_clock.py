@@ -1,10 +1,12 @@
 """A checkpoint save runs on its own clock, not the hang clock (mini3d.diagnose.save_clock): a save
 longer than --hang-timeout completes, and a save stuck past its bound is still ended (exit 3) with
-a report naming the saving rank. Each job is 2 ranks (dp=2: rank 0 writes, rank 1 waits for it in
-the save's barrier); the save is slowed down in the workers by MINI3D_TEST_PAUSE_IN_SAVE (seconds
-the writer sleeps after its file, mini3d.checkpoint.store.CheckpointWriter.write)."""
+a report naming the saving rank. Each job is 2 ranks (dp=2: each writes its share of the sharded
+checkpoint, then they meet in the save's barrier); the save is slowed down in the workers by
+MINI3D_TEST_PAUSE_IN_SAVE (seconds each writer sleeps after its file,
+mini3d.checkpoint.store.CheckpointWriter.write_shares)."""
 
 import os
+import re
 import time
 
 import pytest
@@ -40,12 +42,15 @@ def test_the_bound_grows_with_the_bytes_and_the_process_group_waits_past_it(monk
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_save_longer_than_the_hang_timeout_completes(tmp_path, monkeypatch):
-    # rank 1 waits 12 s in the save's barrier for rank 0's file: 3x --hang-timeout, not a hang
+@pytest.mark.parametrize("extra", [[], ["--async-save", "--save-every", "1"]], ids=["sync", "async"])
+def test_a_save_longer_than_the_hang_timeout_completes(tmp_path, monkeypatch, extra):
+    # each save takes 12 s after its files: 3x --hang-timeout, not a hang. With --async-save the
+    # step-1 write sleeps in the background while step 2 trains (no op of it is watched), and
+    # the waits for it (at the step-2 save, at the end) run on the save's clock
     monkeypatch.setenv("MINI3D_TEST_PAUSE_IN_SAVE", "12")
     monkeypatch.delenv(sc.BOUND_ENV, raising=False)
     t0 = time.monotonic()
-    rc = main([*JOB, "--save", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "run")])
+    rc = main([*JOB, "--save", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "run"), *extra])
     assert rc == 0
     assert time.monotonic() - t0 > 12  # the save really took that long
     ckpt = latest_dir(str(tmp_path / "ck"))
@@ -65,11 +70,14 @@ def test_a_save_stuck_past_its_bound_is_reported_naming_the_saving_rank(tmp_path
     err = capfd.readouterr().err
     assert rc == 3
     assert time.monotonic() - t0 < 90  # ended by the save's bound, not by the 120 s pause
-    assert err.splitlines()[0].startswith(
-        "mini3d train: rank 0 (tp=0, pp=0, dp=0) was stuck in its checkpoint save"), err
+    # every rank writes its share (sharded saves) and pauses after it: whichever rank's watchdog
+    # fires first is named, as the rank stuck in its own save (not as a rank waiting for another)
+    first = re.match(r"mini3d train: rank ([01]) \(tp=0, pp=0, dp=([01])\) was stuck in its "
+                     r"checkpoint save", err.splitlines()[0])
+    assert first and first.group(1) == first.group(2), err
     assert latest_dir(str(tmp_path / "ck")) is None  # no checkpoint was committed
     ex = explain(str(tmp_path / "run"))
-    assert (ex.culprit, ex.kind) == (0, "save"), ex.text
-    assert "rank 0's checkpoint save of step 2 has run" in ex.text, ex.text
+    assert (ex.culprit, ex.kind) == (int(first.group(1)), "save"), ex.text
+    assert f"rank {ex.culprit}'s checkpoint save of step 2 has run" in ex.text, ex.text
     assert _children() == []
     assert not os.path.exists(tmp_path / "ck" / "step-000002")

@@ -2,8 +2,11 @@
 
 `gather_full_state` turns this rank's (tp-sliced, ep-sliced, ZeRO-sharded) fp32 masters and AdamW moments
 into full tensors keyed by reference parameter name (only writer ranks keep the host copies);
-`restore_full_state` slices full, named tensors back into any layout. The file format, the atomic
-commit and the verification are in `mini3d/checkpoint/store.py`.
+`restore_full_state` slices full, named tensors back into any layout (from plain dicts, or from the
+lazy batched reader of a sharded checkpoint, mini3d/checkpoint/dcp_read.py). Checkpoint saves use
+`sharded.gather_shares`, the same gathers keeping only each rank's share; `gather_full_state` serves
+whoever needs the whole state at once (sampling during training, tests). The file format, the
+atomic commit and the verification are in `mini3d/checkpoint/store.py`.
 """
 
 from __future__ import annotations

@@ -1,32 +1,36 @@
-"""Checkpoints: written atomically, loaded with `weights_only=True`, resumable into another layout.
+"""Checkpoints: sharded (every rank writes its share), atomic, verified, resumable into another layout.
 
-Format. A checkpoint directory `ROOT/step-000123/` holds one file per pipeline stage
-(`stage{k}.pt`: full, unsharded tensors keyed by the reference model's parameter names: weights and
-AdamW moments) and `meta.json` (step, model config, plan, RNG state, data position). Because every
-tensor is stored at its full shape under its reference name, loading into a *different* tp x pp x dp
-layout is the same operation as starting from the reference model: each rank slices what it holds.
+Format. A checkpoint directory `ROOT/step-000123/` is a torch.distributed.checkpoint (DCP) checkpoint:
+one `__{rank}_0.distcp` file per rank holding that rank's share (a range of dim-0 rows) of every full,
+unsharded tensor of its pipeline stage, keyed by the reference model's names (`model.<name>`,
+`optim.<name>.exp_avg` / `.exp_avg_sq`), DCP's `.metadata` index, and `meta.json` (step, model config,
+plan, RNG state, data position). How the shares are cut, written and read back is in
+`mini3d/checkpoint/sharded.py`. Because every tensor is stored at its full (global) shape under its
+reference name, loading into a *different* tp x pp x dp x ep layout, or into one process, is the
+same operation as starting from the reference model: each rank reads and slices what it holds,
+and any DCP tool (`dcp.load`, `format_utils.dcp_to_torch_save`) reads the full tensors back.
+Older checkpoints (one `stage{k}.pt` file per stage, full tensors; `mini3d import-hf` still writes
+that form) keep loading, verifying and sampling as before: every reader here takes both.
 
-Atomicity. Files are first written into `ROOT/.tmp-step-000123/` (each through a `.part` file and
-`os.replace`), then the leader renames that directory to `step-000123` and finally replaces the one-line
-`ROOT/latest` file with `os.replace`. A crash at any moment leaves `latest` naming the previous complete
-checkpoint; half-written temporary directories are ignored and cleaned by the next save. A checkpoint
-of the same step already in place is first renamed aside (`.old-step-000123`) and removed only after
-the new one has its name, so a crash between the two renames still leaves one (`latest_dir` finds it).
+Atomicity. Files are first written into `ROOT/.tmp-step-000123/` (DCP's own files, and each stage
+file through a `.part` file and `os.replace`), then the leader renames that directory to
+`step-000123` and finally replaces the one-line `ROOT/latest` file with `os.replace`. A crash at any
+moment leaves `latest` naming the previous complete checkpoint; half-written temporary directories
+are ignored and cleaned by the next save. A checkpoint of the same step already in place is first
+renamed aside (`.old-step-000123`) and removed only after the new one has its name, so a crash
+between the two renames still leaves one (`latest_dir` finds it). With `--async-save` the DCP write
+runs in the background and the commit waits for every rank's write (mini3d/run/saving.py).
 
-Verification. Each writer hashes its file as torch.save writes it (no read-back) and the leader stores
-every file's sha256, size and tensor shapes in `meta.json["files"]`, and meta.json its own digest
-(`meta_sha256`); each stage file also records the step. `verify_checkpoint` checks them all, the
-step and the tensor index against the files, and the shapes against the model asked for, before any
-worker starts. A full disk is `DiskFull`
-("no space left on ROOT while writing checkpoint step N"), and the partial directory is removed.
+Verification. Each rank hashes its file as it is written (no read-back) and the leader stores every
+file's sha256 and size (and each data file's stage and tensor shapes) in `meta.json["files"]`, and
+meta.json its own digest (`meta_sha256`). `verify_checkpoint` checks them all, the step and the
+tensor index against the files, and the shapes against the model asked for, before any worker
+starts. A full disk is `DiskFull` ("no space left on ROOT while writing checkpoint step N"), and the
+partial directory is removed.
 
-Loading. A rank opens only the stage files that hold its parameters, once, with `mmap=True,
-weights_only=True` (no pickled code runs; tensors page in as they are sliced).
-
-Why not `torch.distributed.checkpoint` (DCP)? DCP reshards DTensors; mini3d's shards are plain tensors
-whose layout (heads split inside a fused qkv, padded vocabulary, flat ZeRO shards) DCP cannot describe
-without DTensor, and for the model sizes mini3d targets a full-state file per stage is small and lets any
-layout load any checkpoint. DCP would be the choice for sharded saves of very large models.
+Loading. Tensor data is read with `weights_only=True` (DCP's FileSystemReader; stage files with
+`mmap=True, weights_only=True`): no pickled code runs. DCP's `.metadata` is a pickle: it is read only
+after its sha256 matched meta.json's, and then through a restricted unpickler (sharded.safe_metadata).
 """
 
 from __future__ import annotations
@@ -139,11 +143,22 @@ class CheckpointWriter:
             if getattr(cause, "errno", None) == errno.ENOSPC:
                 raise self._full(cause) from e
             raise
-        pause = os.environ.get("MINI3D_TEST_PAUSE_IN_SAVE")  # tests kill a save mid-way
-        if pause:
-            import time
+        _test_pause()
 
-            time.sleep(float(pause))
+    def write_shares(self, state: dict, group, pp_index: int):
+        """This rank's shares (sharded.gather_shares) as DCP files in the temporary directory,
+        with a `.sum.json` sidecar per file this rank wrote. Collective over `group`."""
+        from mini3d.checkpoint.sharded import write_shares
+
+        try:
+            sums = write_shares(self.tmp, state, group, pp_index)
+            for name, entry in sums.items():
+                _write_json(os.path.join(self.tmp, name + SUMS), entry)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise self._full(e) from e
+            raise
+        _test_pause()
 
     def commit(self, meta: dict):
         files = {}
@@ -174,6 +189,14 @@ class CheckpointWriter:
         _fsync_dir(self.root)
         if aside:
             shutil.rmtree(aside, ignore_errors=True)
+
+
+def _test_pause():
+    pause = os.environ.get("MINI3D_TEST_PAUSE_IN_SAVE")  # tests kill a save mid-way
+    if pause:
+        import time
+
+        time.sleep(float(pause))
 
 
 def _write_json(path: str, obj):
@@ -252,7 +275,12 @@ def read_parts(ckpt: str, names=None) -> list[dict]:
 
 def read_states(ckpt: str, names=None) -> dict:
     """Merge the stage files into one {name: tensor} model dict, one {name: {moment: tensor}}, the
-    optimizer step and the RNG state (of the first file read)."""
+    optimizer step and the RNG state (of the first file read). A DCP checkpoint is assembled into
+    the same full tensors (`dcp.load(no_dist=True)` of the keys for `names`, or of all)."""
+    from mini3d.checkpoint.dcp_read import is_dcp, read_full
+
+    if is_dcp(ckpt):
+        return read_full(ckpt, names)
     model, optim, step, rng = {}, {}, 0, None
     for part in read_parts(ckpt, names):
         model.update(part["model"])

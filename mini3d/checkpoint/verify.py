@@ -8,12 +8,12 @@ a garbage or edited meta.json or another model's checkpoint is exit 2 naming the
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
 
 from mini3d.checkpoint.store import META_SHA, meta_digest, read_meta, stage_files
+from mini3d.checkpoint.verify_dcp import check_file, is_dcp, verify_dcp
 
 
 def shape_mismatch(meta: dict, cfg_dict: dict) -> list[str]:
@@ -25,14 +25,6 @@ def shape_mismatch(meta: dict, cfg_dict: dict) -> list[str]:
     return [f"{k}: checkpoint has {saved.get(k)}, the flags ask for {cfg_dict.get(k)}"
             for k in fields + family
             if (k in fields or k in saved) and saved.get(k) != cfg_dict.get(k)]
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def reference_shapes(cfg) -> dict:
@@ -58,13 +50,9 @@ def _read_meta(ckpt: str) -> tuple[dict | None, list[str]]:
 
 def _load_file(path: str, want) -> tuple[dict | None, str | None]:
     """(the loaded stage file, None) or (None, why not): size and checksum first, then the load."""
-    if not os.path.isfile(path):
-        return None, f"{path} is missing (meta.json lists it)"
-    if want and os.path.getsize(path) != want.get("bytes"):
-        return None, (f"{path} holds {os.path.getsize(path)} bytes, meta.json records "
-                      f"{want.get('bytes')} (truncated or replaced)")
-    if want and _sha256(path) != want.get("sha256"):
-        return None, f"{path}: sha256 differs from meta.json's (the file was changed or corrupted)"
+    why = check_file(path, want)
+    if why:
+        return None, why
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True), None
     except Exception as e:  # a refused pickle, a broken zip, no "model": all the same to us
@@ -104,22 +92,12 @@ def _against_model(ckpt: str, cfg, shapes: dict, where: dict) -> list[str]:
     return out
 
 
-def verify_checkpoint(ckpt: str, cfg=None) -> list[str]:
-    """Every reason `ckpt` cannot be resumed, each naming the file: meta.json missing, not valid
-    JSON or not matching its own digest, a stage file missing, of another size or checksum than
-    meta.json records, not loadable, of another step or tensor index than meta.json says, or (with
-    `cfg`) holding tensors that are missing or of another shape than the model needs.
-    Reads every byte (for the checksums) but loads tensors memory-mapped."""
-    import dataclasses
-
-    meta, out = _read_meta(ckpt)
-    if meta is None:
-        return out
-    files = meta.get("files")
+def _stage_files(ckpt: str, meta: dict) -> tuple[list[str], dict, dict]:
+    """(problems, {name: shape}, {name: file}) of a checkpoint of stage files."""
+    files, out, shapes = meta.get("files"), [], {}
     names = sorted(set(files if isinstance(files, dict) else ()) | set(stage_files(ckpt)))
     if not names:
-        return [f"{ckpt} holds no stage*.pt file"]
-    shapes = {}
+        return [f"{ckpt} holds no stage*.pt file"], {}, {}
     for name in names:
         want = files.get(name) if isinstance(files, dict) else None
         part, why = _load_file(os.path.join(ckpt, name), want)
@@ -128,11 +106,27 @@ def verify_checkpoint(ckpt: str, cfg=None) -> list[str]:
             continue
         shapes.update({k: list(v.shape) for k, v in part["model"].items()})
         out += _against_meta(ckpt, meta, name, part, want)
+    where = {n: f for f in names for n in ((files or {}).get(f) or {}).get("tensors", ())}
+    return out, shapes, where
+
+
+def verify_checkpoint(ckpt: str, cfg=None) -> list[str]:
+    """Every reason `ckpt` cannot be resumed, each naming the file: meta.json missing, not valid
+    JSON or not matching its own digest, a stage file missing, of another size or checksum than
+    meta.json records, not loadable, of another step or tensor index than meta.json says, or (with
+    `cfg`) holding tensors that are missing or of another shape than the model needs.
+    Reads every byte (for the checksums) but loads tensors memory-mapped. A sharded (DCP)
+    checkpoint is checked the same way by `verify_dcp` (mini3d/checkpoint/verify_dcp.py)."""
+    import dataclasses
+
+    meta, out = _read_meta(ckpt)
+    if meta is None:
+        return out
+    out, shapes, where = (verify_dcp if is_dcp(ckpt) else _stage_files)(ckpt, meta)
     if META_SHA in meta and meta[META_SHA] != meta_digest(meta):
         out.append(f"{ckpt}/meta.json differs from its own digest ({META_SHA}): the metadata "
                    f"was edited or corrupted")
     if cfg is not None and not out and not shape_mismatch(meta, dataclasses.asdict(cfg)):
-        where = {n: f for f in names for n in ((files or {}).get(f) or {}).get("tensors", ())}
         out = _against_model(ckpt, cfg, shapes, where)  # (another config: shape_mismatch's, by field)
     return out[:5] + ([f"... and {len(out) - 5} more"] if len(out) > 5 else [])
 

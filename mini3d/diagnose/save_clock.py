@@ -1,17 +1,20 @@
 """A checkpoint save runs outside the hang clock, on a clock of its own.
 
-`Trainer.save` is collective: the stage writers gather the full state and `torch.save` it while the
-other ranks wait for them in barriers. On a slow disk that takes far longer than `--hang-timeout`,
-and it is not a hang. So while a rank is inside `Watchdog.saving(nbytes, step)` its watchdog does not
+`Trainer.save` is collective: every rank gathers its stage's tensors, keeps its share and writes it
+(a sharded DCP checkpoint, mini3d/checkpoint/sharded.py), the ranks meeting in DCP's plan exchange
+and mini3d's barriers. On a slow disk that takes far longer than `--hang-timeout`, and it is not a
+hang. With `--async-save` the write runs in a background thread that the watchdog does not watch
+(it issues no traced op; training's steps go on and keep the hang clock honest); the wait for it,
+at the next save or at the end, runs inside `saving` like a save. So while a rank is inside `Watchdog.saving(nbytes, step)` its watchdog does not
 apply the hang timeout to the ops the save issues; it applies the save's bound instead,
 
     bound = hang_timeout + SAVE_SLACK_S + nbytes / SAVE_RATE
 
-where `nbytes` is the whole checkpoint (every stage file: the writers share one file system), the
+where `nbytes` is the whole checkpoint (every rank's file: the writers share one file system), the
 rate is a slow network disk's and the slack covers the gathers, fsyncs and renames. A save that
 runs past its bound is still reported, as a stuck save:
 
-- a rank with no op pending is doing the save's own work (writing its stage file, committing): past
+- a rank with no op pending is doing the save's own work (writing its share, committing): past
   the bound its watchdog reports "stuck-save", naming itself, and stops the job (exit 3);
 - a rank waiting in one of the save's barriers waits for the writers: it reports (a hang, naming the
   writers) only `waiter_grace` later, so that a stuck writer's own report comes first.
@@ -33,7 +36,7 @@ BOUND_ENV = "MINI3D_SAVE_BOUND_S"  # seconds: replaces the computed bound
 
 
 def checkpoint_bytes(n_params: int) -> int:
-    """The bytes every stage file of a checkpoint holds together (full, unsharded tensors)."""
+    """The bytes every rank's file of a checkpoint holds together (the full tensors, once)."""
     return BYTES_PER_PARAM * int(n_params)
 
 
@@ -66,7 +69,7 @@ class SaveClock:
     bound: float
     nbytes: int
     step: int
-    writers: tuple[int, ...]  # the ranks that write a stage file (tp = cp = dp = 0)
+    writers: tuple[int, ...]  # the ranks that write a share of the checkpoint (every rank)
 
     def overdue(self, now: float, waiting: bool) -> bool:
         """Past the bound (a rank doing the save's work), or past it and the grace (a waiter)."""

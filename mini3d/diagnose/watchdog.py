@@ -110,7 +110,7 @@ class Watchdog:
         """While inside, the ops this rank issues run on the save's clock, not the hang clock
         (mini3d.diagnose.save_clock)."""
         grid = self.topo.grid
-        writers = tuple(grid.rank_of(pp=k) for k in range(grid.sizes["pp"]))
+        writers = tuple(range(grid.world_size))  # every rank writes its share (sharded DCP saves)
         self.save = SaveClock(time.perf_counter(), save_bound(nbytes, self.hang_timeout), nbytes,
                               step, writers)
         try:

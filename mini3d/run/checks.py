@@ -70,6 +70,8 @@ def run_problems(args, plan, cfg) -> list[str]:
         out.append(f"--save-every {args.save_every} must be >= 0 (0: only at the end)")
     elif args.save_every and not args.save:
         out.append(f"--save-every {args.save_every} needs --save DIR (where the checkpoints go)")
+    if getattr(args, "async_save", False) and not args.save:
+        out.append("--async-save needs --save DIR (where the checkpoints go)")
     if plan.sequence_parallel and plan.tp == 1:
         out.append("--sequence-parallel needs --tp > 1 (it shards the LayerNorm regions over tp)")
     out += host_memory_problem(args, cfg, plan)

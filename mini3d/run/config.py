@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mini3d.config import ModelConfig, Plan, PlanError
 
-COLLECTABLE = ("events", "timeline", "ledger", "activations")
+COLLECTABLE = ("events", "timeline", "ledger", "activations", "save")
 
 
 @dataclass(frozen=True)
@@ -74,12 +74,14 @@ class RunConfig:
     """checkpoint root directory (saved at the end and every save_every)"""
     save_every: int = 0
     """also save every N steps (0: only at the end)"""
+    async_save: bool = False
+    """write checkpoints in the background while training goes on (committed when done)"""
     resume: str | None = None
     """a checkpoint directory to continue from (any layout)"""
     init_from_hf: str | None = None
     """a local Hugging Face checkpoint directory to start from"""
     collect: tuple = ()
-    """extra measurements to return: events, timeline, ledger, activations"""
+    """extra measurements to return: events, timeline, ledger, activations, save"""
     run_dir: str | None = None
     """where ranks dump diagnostics (hangs, faults)"""
     hang_timeout: float = 300.0

@@ -1,7 +1,8 @@
 """What a run does besides its training steps: validation, samples, and what a checkpoint records.
 
 `periodic` runs every N steps inside `train_worker` (validation loss on every rank, a text sample);
-`save_checkpoint` saves at a step boundary, on the save's clock rather than the hang clock;
+`save_checkpoint` saves at a step boundary, on the save's clock rather than the hang clock (with
+--async-save the write goes on in the background and `finish_saves` commits the last one);
 `checkpoint_meta` is the meta.json of a checkpoint (with the tokenizer and the lr schedule), and
 `resumed_schedule` reads that schedule back, so a resumed run continues it exactly.
 """
@@ -37,7 +38,19 @@ def save_checkpoint(trainer, run: RunConfig, done: int, schedule, tok, diag):
     against the save's own bound, not --hang-timeout (mini3d.diagnose.save_clock): a slow disk
     is not a hang, a save stuck far past its bound still is."""
     with diag.saving(checkpoint_bytes(run.model.n_params()), done):
-        trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok), run.keep_last)
+        trainer.save(run.save, done, checkpoint_meta(run, done, schedule, tok), run.keep_last,
+                     background=run.async_save)
+
+
+def finish_saves(trainer, run: RunConfig, diag):
+    """--async-save: wait for the background write and commit it (end of training, or a stop on
+    a signal), on the save's clock too."""
+    from mini3d.run.saving import pending_step
+
+    step = pending_step(trainer)
+    if step is not None:
+        with diag.saving(checkpoint_bytes(run.model.n_params()), step):
+            trainer.finish_saves()
 
 
 def resumed_schedule(run: RunConfig):

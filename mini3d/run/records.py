@@ -62,8 +62,9 @@ def collected(trainer, what: set) -> dict:
     """Optional measurements a caller (tests, the course) asks for with `RunConfig.collect`:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
-    micro-batch by module, measured during the first step; one model chunk only). Times are
-    seconds: what ran after the last step's read-back (a validation pass) is resolved first."""
+    micro-batch by module, measured during the first step; one model chunk only), "save" (the last
+    checkpoint save's host bytes: mini3d.checkpoint.sharded.ShareStats). Times are seconds: what
+    ran after the last step's read-back (a validation pass) is resolved first."""
     if what:
         resolve_timelines(trainer.topo.device)  # CUDA: a final wait, once a run; nothing on CPU
     out = {}
@@ -74,6 +75,10 @@ def collected(trainer, what: set) -> dict:
         out["timeline"] = [(s, e, a) for s, e, a in tl]
     if "ledger" in what:
         out["ledger"] = model_state_ledger(trainer.net, trainer.optimizer)
+    if "save" in what and getattr(trainer, "last_save_stats", None) is not None:
+        import dataclasses
+
+        out["save_stats"] = dataclasses.asdict(trainer.last_save_stats)
     return out
 
 

@@ -17,10 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mini3d import comm
 from mini3d.run import stop
-from mini3d.checkpoint.store import (CheckpointWriter, gather_full_state, prune_checkpoints, read_meta,
-                                     read_states, restore_full_state, restore_rng)
 from mini3d.config import ModelConfig, Plan
 from mini3d.cp import chunk_micro_batches, set_positions
 from mini3d.data.corpus import Batches, open_tokens
@@ -34,7 +31,8 @@ from mini3d.launch.devices import to_device
 from mini3d.launch.launcher import current_device
 from mini3d.optim import WeightDecay, adamw, set_lr
 from mini3d.run.build import parallelize
-from mini3d.run.periodic import periodic, resumed_schedule, save_checkpoint
+from mini3d.run import saving
+from mini3d.run.periodic import finish_saves, periodic, resumed_schedule, save_checkpoint
 from mini3d.pp.runtime import PipelineRuntime
 from mini3d.pp.schedules import make_schedule
 from mini3d.pp.tied import tie_across_stages
@@ -136,37 +134,18 @@ class Trainer:
         return mean_over_replicas(loss, self.topo.dp_cp, self.topo.device)
 
     # ---- checkpoints -----------------------------------------------------------------------
-    def save(self, root: str, step: int, meta: dict, keep_last: int = 0):
-        """Collective: gather the full named state per pipeline stage and write it atomically (only
-        the stage's writer, tp = dp = cp = 0, keeps the full state); the leader then prunes."""
-        is_writer = self.topo.tp.index == 0 and self.topo.dp.index == 0 and self.topo.cp.index == 0
-        weights, moments, opt_step = gather_full_state(self.chunks, self.optimizer, self.topo,
-                                                       keep=is_writer)
-        world = self.topo.axes["world"]
-        writer = CheckpointWriter(root, step)
-        if self.topo.rank == 0:
-            writer.begin()
-        comm.barrier(world)
-        if is_writer:
-            part = {"model": weights, "optim": moments, "optim_step": opt_step, "step": step,
-                    "rng": torch.get_rng_state()}
-            writer.write(f"stage{self.topo.pp.index}.pt", part)
-        comm.barrier(world)
-        if self.topo.rank == 0:
-            writer.commit(meta)
-            if keep_last:
-                prune_checkpoints(root, keep_last)
-        comm.barrier(world)
+    def save(self, root: str, step: int, meta: dict, keep_last: int = 0, background: bool = False):
+        """Collective: every rank writes its share of its stage's full named state (DCP format),
+        in the background with `background` (committed by `finish_saves`); mini3d.run.saving."""
+        saving.save(self, root, step, meta, keep_last, background)
+
+    def finish_saves(self):
+        """Wait for a background save and commit it (collective; nothing if none is in flight)."""
+        saving.finish_pending(self)
 
     def load(self, ckpt: str) -> int:
         """Restore from a checkpoint written by any layout; returns the step to continue from."""
-        meta = read_meta(ckpt)
-        mine = [n for chunk in self.chunks for n, _ in chunk.named_parameters()]
-        states = read_states(ckpt, mine)  # only the files holding this rank's tensors, once, mmap
-        restore_full_state(self.chunks, self.optimizer, self.topo, states["model"], states["optim"],
-                           states["optim_step"])
-        restore_rng(states["rng"])
-        return int(meta["step"])
+        return saving.load(self, ckpt)
 
 
 def _setup(run: RunConfig) -> dict:
@@ -262,6 +241,7 @@ def train_worker(run: RunConfig) -> dict:
         if signum:
             interrupted = {"signal": signum, "step": done, "saved": bool(run.save)}
             break
+    finish_saves(trainer, run, st["diag"])  # --async-save: the last write committed before exit
     report.close()
     st["diag"].finish()  # mini3d.diagnose: "finished" dump, watchdog stopped
     return {"rank": topo.rank, "coords": topo.coords, "reporter": st["reporter"], "records": records,
