@@ -27,10 +27,8 @@ STEPS, SEED = 3, 7
 BASE = dict(global_batch=16, seq_len=16, bucket_mb=0.02)  # small buckets: several per stage
 F64_BASE = {**BASE, "dtype": "float64"}  # exact parity: float64 layouts, F64 bounds (see below)
 
-CASES = [  # every case uses the same 8 ranks
-    ("tp2-pp2-dp2-zero0-1f1b-sp", Plan(tp=2, pp=2, dp=2, zero=0, micro_batches=4,
-                                       sequence_parallel=True, **F64_BASE)),
-    ("tp2-pp2-dp2-zero1-1f1b", Plan(tp=2, pp=2, dp=2, zero=1, micro_batches=4, **F64_BASE)),
+CASES = [  # every case uses the same 8 ranks; tp2 pp2 dp2 (ZeRO-0 with sp, ZeRO-1) are CLIP_CASES':
+    # the same plans, their losses, norms before clipping and every clipped gradient checked there
     ("tp2-pp1-dp4-zero2-sp-selective", Plan(tp=2, dp=4, zero=2, micro_batches=2,
                                             sequence_parallel=True, recompute="selective", **F64_BASE)),
     ("tp1-pp2-dp4-interleaved-v2-full", Plan(pp=2, dp=4, schedule="interleaved", virtual_stages=2,
