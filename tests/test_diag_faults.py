@@ -21,21 +21,22 @@ SLACK = 30.0  # the brief: a faulty job ends within hang_timeout + 30 s (spawn t
 
 
 def _children() -> list[int]:
-    """Live (non-zombie) child processes of this test process, except multiprocessing's tracker."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    """Live (non-zombie) ranks of this test process: its children, and the children of the
+    forkserver the ranks are forked from (mini3d.launch.zygote: the server itself, like
+    multiprocessing's resource tracker, lives as long as this process and is not counted)."""
+    procs = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/cmdline") as f:
-                cmd = f.read()
+                procs[int(pid)] = (int(fields[1]), fields[0], f.read())
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z" and "resource_tracker" not in cmd:
-            out.append(int(pid))
-    return out
+    servers = {p for p, (ppid, _, cmd) in procs.items() if ppid == os.getpid() and "forkserver" in cmd}
+    return [p for p, (ppid, state, cmd) in procs.items()
+            if (ppid == os.getpid() or ppid in servers) and state != "Z" and p not in servers
+            and "resource_tracker" not in cmd]
 
 
 def _drill(tmp_path, fault, dp=2, pp=1, tp=1):

@@ -108,17 +108,20 @@ def test_a_non_finite_loss_stops_the_job_with_exit_5(tmp_path, capfd):
 
 
 def _ranks_started(pid: int) -> bool:
-    """Whether the launcher `pid` has spawned a rank (a child running multiprocessing's spawn_main)."""
+    """Whether the launcher `pid` has started a rank: a process forked by its forkserver (a child of
+    `pid` running multiprocessing's forkserver, mini3d.launch.zygote), or a spawned child."""
+    procs = {}
     for child in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{child}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                if ppid == pid and b"spawn_main" in f.read():
-                    return True
+                procs[int(child)] = (ppid, f.read())
         except (OSError, ValueError, IndexError):
             continue
-    return False
+    servers = {c for c, (ppid, cmd) in procs.items() if ppid == pid and b"forkserver" in cmd}
+    return any(ppid in servers or (ppid == pid and b"spawn_main" in cmd)
+               for ppid, cmd in procs.values())
 
 
 def _stop_while_starting(tmp_path, signum: int, delay: float) -> tuple[int, str]:

@@ -27,6 +27,7 @@ import torch
 from mini3d import comm
 from mini3d.cp.blocks import block_backward, block_forward, merge
 from mini3d.cp.layout import block_kind, zigzag_chunks
+from mini3d.graph_breaks import outside_graphs
 
 
 def _exchange(tensor: torch.Tensor, axis) -> tuple[torch.Tensor, list]:
@@ -120,7 +121,7 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-@torch.compiler.disable  # its p2p ring stays outside compiled graphs (see mini3d.run.compile)
+@outside_graphs  # its p2p ring stays outside compiled graphs (mini3d.run.compile, mini3d.graph_breaks)
 def ring_attention(q, k, v, axis, kind: str = "explicit", scale: float | None = None):
     """Ring attention of local (B, nh, T_local, hd) q, k, v over the cp `axis` (zig-zag layout).
     Grouped-query attention (k, v with nkv < nh heads): each key/value head is repeated for its

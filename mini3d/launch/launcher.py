@@ -1,7 +1,8 @@
 """Starting processes (backend and device are chosen in `mini3d.launch.devices`, and nowhere else).
 
-`launch(fn, world_size, *args)` spawns `world_size` local processes (the `spawn` start method, so it
-works from a Jupyter kernel as long as `fn` lives in an importable module), initialises
+`launch(fn, world_size, *args)` starts `world_size` local processes (on CPU forked from a server
+that has imported torch and the engine once, on CUDA spawned: mini3d.launch.zygote; either works
+from a Jupyter kernel as long as `fn` lives in an importable module), initialises
 torch.distributed in each through a FileStore in a private directory (no network listener; gloo's
 and NCCL's own sockets are pinned to the loopback interface), runs `fn(*args)`, and returns every
 rank's result in rank order. The ranks start with SIGINT and SIGUSR1 blocked (until a stop handler
@@ -31,8 +32,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-
+from mini3d.launch import zygote
 from mini3d.launch.devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_device, choose_device,
                                    current_device, device_index, device_memory, dump_memory_snapshot,
                                    enter_strict_device, pg_device_id, strict_device,
@@ -254,16 +254,17 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
         os.makedirs(run_dir, exist_ok=True)
     job = job or new_job()
     env = {**(env or {}), JOB_ENV: job}
-    ctx = mp.get_context("spawn")
+    ctx = zygote.context(device_type)
     rdzv = _rendezvous_dir()  # (first: it starts the resource tracker the queue would start)
     q = ctx.Queue()
     store_path = os.path.join(rdzv, "store")
-    from mini3d.launch.boot import run as boot  # the spawn target: arms die-with-parent before importing torch
+    from mini3d.launch.boot import run as boot  # the target: arms die-with-parent before importing torch
 
+    here = zygote.launch_context()  # environment, sys.path, cwd: a forked rank takes them from us
     procs = [ctx.Process(target=boot, name=f"mini3d-rank{r}", daemon=True,
-                         args=(os.getpid(), pickle.dumps((_worker, r, world_size, store_path, backend,
-                                                          device_type, threads, fn, args, env,
-                                                          timeout)), q))
+                         args=(os.getpid(), here, pickle.dumps((_worker, r, world_size, store_path,
+                                                                backend, device_type, threads, fn,
+                                                                args, env, timeout)), q))
              for r in range(world_size)]
     deadline = time.monotonic() + timeout
     _CHILDREN.update(procs)

@@ -12,7 +12,7 @@ What runs inside the compiled graphs, and what stays outside:
   attention core, activations, residual adds) is traced and compiled;
 * every collective stays outside: the tensor-parallel mappings (`f`, `g`, the sequence-parallel
   gather / reduce-scatter, mini3d.tp.mappings) and ring attention (mini3d.cp) are marked
-  `torch.compiler.disable`, so dynamo breaks the graph there and runs them eagerly through
+  `outside_graphs` and wrapped in `torch.compiler.disable` at the first compile (mini3d.graph_breaks), so dynamo breaks the graph there and runs them eagerly through
   `mini3d.comm`. Functional collectives inside the graph would let inductor reorder them, but they
   would bypass mini3d's event log (the hang watchdog, explain-hang and the measured bytes read it)
   and tie parity to inductor's scheduling; graph breaks keep the collectives exactly as in eager
@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from mini3d.config import COMPILE as BACKENDS  # Plan.compile: "none", or the torch.compile backend
+from mini3d.config import COMPILE as BACKENDS
+from mini3d.graph_breaks import keep_outside  # Plan.compile: "none", or the torch.compile backend
 
 
 def apply_compile(model: nn.Module, plan) -> nn.Module:
@@ -50,6 +51,7 @@ def apply_compile(model: nn.Module, plan) -> nn.Module:
         raise ValueError(f"compile={plan.compile!r} is unknown (choose {', '.join(BACKENDS)})")
     if plan.compile == "none":
         return model
+    keep_outside()
     for block in getattr(model, "blocks", {}).values():
         if not getattr(block.forward, "compiled", False):
             block.forward = torch.compile(block.forward, backend=plan.compile)

@@ -42,6 +42,7 @@ import torch
 
 from mini3d import comm
 from mini3d.ep.dispatch import _recording_only, all_to_all, by_local_expert
+from mini3d.graph_breaks import outside_graphs
 from mini3d.tp.layers import _shard, chunk_index
 from mini3d.tp.mappings import copy_to_tp, reduce_from_tp
 
@@ -67,20 +68,22 @@ class TPExperts:
         axis = self.axis
         if not self.sequence_parallel:
             return reduce_from_tp(self.experts(copy_to_tp(rows, axis), counts), axis)
-        return self._over_the_group(rows, counts)
+        return _over_the_group(self, rows, counts)
 
-    @torch.compiler.disable  # collectives stay outside compiled graphs (mini3d.run.compile)
-    def _over_the_group(self, rows, counts):
-        """Sequence parallelism: the tp group's rows gathered, run, reduce-scattered back."""
-        axis = self.axis
-        n, mine = axis.size, rows.shape[0]
-        table = gather_counts(counts, axis)  # (tp, E)
-        sizes = table.sum(1).tolist()
-        got = all_to_all(rows.repeat(n, 1), axis, sizes, [mine] * n)  # every member's rows
-        order = by_local_expert(table)
-        out = self.experts(got[order], table.sum(0))  # partial sums over this rank's F/tp
-        back = all_to_all(out[torch.argsort(order)], axis, [mine] * n, sizes)  # (tp * mine, d)
-        return back.view(n, mine, rows.shape[1]).sum(0)  # the reduce-scatter's sum, in member order
+
+@outside_graphs  # collectives stay outside compiled graphs (mini3d.run.compile, mini3d.graph_breaks)
+def _over_the_group(tpx: TPExperts, rows, counts):
+    """Sequence parallelism: the tp group's rows gathered, run, reduce-scattered back."""
+    axis = tpx.axis
+    n, mine = axis.size, rows.shape[0]
+    table = gather_counts(counts, axis)  # (tp, E)
+    sizes = table.sum(1).tolist()
+    got = all_to_all(rows.repeat(n, 1), axis, sizes, [mine] * n)  # every member's rows
+    order = by_local_expert(table)
+    out = tpx.experts(got[order], table.sum(0))  # partial sums over this rank's F/tp
+    back = all_to_all(out[torch.argsort(order)], axis, [mine] * n, sizes)  # (tp * mine, d)
+    return back.view(n, mine, rows.shape[1]).sum(0)  # the reduce-scatter's sum, in member order
+
 
 
 @torch.no_grad()

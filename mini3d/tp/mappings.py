@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from mini3d import comm
+from mini3d.graph_breaks import outside_graphs
 
 SEQ_DIM = 1  # activations are (B, T, C): the sequence is dim 1
 
@@ -186,7 +187,7 @@ class ScatterToSequence(torch.autograd.Function):
 # thin public wrappers: each takes the tp Axis explicitly
 # ---------------------------------------------------------------------------------------------
 
-@torch.compiler.disable
+@outside_graphs  # torch.compiler.disable once a model is compiled (mini3d.graph_breaks)
 def _outside_graphs(function, *args):
     """Run `function.apply(*args)` eagerly even inside a `torch.compile`d block (mini3d.run.compile):
     dynamo breaks the graph here, so the collective goes through `mini3d.comm` (and its event log)
