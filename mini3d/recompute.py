@@ -74,7 +74,12 @@ class ActivationLedger:
         self.model = model
         self.by_category: collections.Counter = collections.Counter()
         self._stack: list[str] = []
-        self._seen: set = set()
+        # (address, size) of each storage counted in this forward -> the storage itself, held so that
+        # its memory cannot be handed out again within the forward: a tensor saved by a graph that
+        # is dropped mid-forward (a router's temporary) would otherwise free an address a later,
+        # different tensor of the same size gets, and be taken for it (the count then depended on
+        # the allocator's history)
+        self._seen: dict = {}
         self._params = {p.data_ptr() for p in model.parameters()}
         self._handles = []
 
@@ -101,7 +106,7 @@ class ActivationLedger:
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key not in self._seen:
-                self._seen.add(key)
+                self._seen[key] = storage
                 self.by_category[self._stack[-1] if self._stack else "model"] += storage.nbytes()
         return t
 

@@ -78,3 +78,36 @@ def test_comm_log_records_ops_axes_sequence_and_bytes():
         if o["rank"] >= 2:
             src = o["rank"] - 2
             assert o["recv"] == [float(i * (src + 1)) for i in range(6)]
+
+
+@pytest.mark.timeout(120)
+def test_each_launch_gives_its_ranks_the_launchers_present(tmp_path, monkeypatch, capfd):
+    """Ranks forked from mini3d.launch.zygote's server (started by an earlier launch, with that
+    launch's environment, stdio and directory) still get this launch's: what they print reaches
+    the launcher's stdout and stderr as they are now, and they see its environment, sys.path and
+    working directory. A second launch is served by the same server (the ranks' parent)."""
+    import sys
+
+    saved = [os.dup(1), os.dup(2)]  # a first launch with other stdio: it may start the server
+    with open(tmp_path / "elsewhere.txt", "w") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            launch(workers.rank_info, 2, 1, timeout=60)
+        finally:
+            for fd, target in zip(saved, (1, 2)):
+                os.dup2(fd, target)
+                os.close(fd)
+    seen = []
+    for i in range(2):
+        monkeypatch.setenv("MINI3D_TEST_GIVEN", f"value {i}")
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path / f"extra{i}"))
+        out = launch(workers.what_the_launcher_gave, 2, f"launch{i}", timeout=60)
+        got = capfd.readouterr()
+        for r in range(2):
+            assert f"launch{i} out of rank {r}" in got.out and f"launch{i} err of rank {r}" in got.err
+        assert all(o["env"] == f"value {i}" and o["cwd"] == str(tmp_path) for o in out)
+        assert all(o["path"][:len(sys.path)] == sys.path for o in out)
+        seen.append({o["ppid"] for o in out})
+    assert len(seen[0]) == 1 and seen[0] == seen[1] and os.getpid() not in seen[0]

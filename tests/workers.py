@@ -72,3 +72,14 @@ def comm_ops(tp, pp, dp):
 def default_device() -> str:
     """torch's default device in this worker (meta under MINI3D_STRICT_DEVICE=1)."""
     return str(torch.get_default_device())
+
+
+def what_the_launcher_gave(marker: str) -> dict:
+    """Print `marker` on stdout and stderr; what the launcher handed this rank (environment,
+    path, working directory)."""
+    import sys
+
+    print(f"{marker} out of rank {dist.get_rank()}", flush=True)
+    print(f"{marker} err of rank {dist.get_rank()}", file=sys.stderr, flush=True)
+    return {"env": os.environ.get("MINI3D_TEST_GIVEN"), "path": list(sys.path), "cwd": os.getcwd(),
+            "pid": os.getpid(), "ppid": os.getppid()}

@@ -26,7 +26,8 @@ import os
 import sys
 
 from mini3d.checkpoint.hf_config import HFError, config_from_hf, config_to_hf
-from mini3d.checkpoint.hf_names import from_hf_state, to_hf_state
+from mini3d.checkpoint.hf_names import to_hf_state
+from mini3d.checkpoint.hf_read import from_hf_state
 from mini3d.config import ModelConfig, Plan, model_from_dict
 
 

@@ -4,8 +4,8 @@ Conv1D stores (in, out)). The llama-like families' separate q/k/v projections (a
 biases) are the rows of mini3d's fused qkv; qwen3's per-head norms are `attn.q_norm` /
 `attn.k_norm`. A tied head has no tensor of its own on either side.
 
-A MoE layer (Mixtral, Qwen3-MoE) is read from either layout of its experts (`moe_from_hf`), layer
-by layer: the fused tensors of transformers 5's modules (`mlp.experts.gate_up_proj` (E, 2F, d),
+A MoE layer (Mixtral, Qwen3-MoE) is read from either layout of its experts (hf_read's `_moe`,
+which reads every HF state, a directory's or a dict's), layer by layer: the fused tensors of transformers 5's modules (`mlp.experts.gate_up_proj` (E, 2F, d),
 gate rows first, and `mlp.experts.down_proj` (E, d, F), with the router at `mlp.gate`), or one
 tensor per expert as the original repositories hold them and as transformers 5's save_pretrained
 still writes them (Mixtral: `block_sparse_moe.experts.{j}.w1` gate, `w3` up, `w2` down, router
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from mini3d.checkpoint.hf_config import HFError
 from mini3d.config import ModelConfig
 
 
@@ -90,37 +89,8 @@ def _deepseek_moe_extras(b: str, h: str, cfg: ModelConfig) -> list[tuple[str, li
 OURS = ("experts.w_gate", "experts.w_up", "experts.w_down")
 
 
-def _get(hf: dict, name: str, ours: str) -> torch.Tensor:
-    if name not in hf:
-        raise HFError(f"the checkpoint has no tensor {name!r} (needed for {ours})")
-    return hf[name]
-
-
-def moe_from_hf(hf: dict, cfg: ModelConfig, i: int) -> dict:
-    """mini3d's tensors of MoE layer `i` from an HF state dict in either layout (see above)."""
-    b, h = f"blocks.{i}.mlp.", f"model.layers.{i}."
-    if h + "mlp.experts.gate_up_proj" in hf:  # transformers 5's fused experts
-        gate_up = hf[h + "mlp.experts.gate_up_proj"]
-        f = gate_up.shape[1] // 2
-        parts = (gate_up[:, :f], gate_up[:, f:], _get(hf, h + "mlp.experts.down_proj", b + OURS[2]))
-        router = _get(hf, h + "mlp.gate.weight", b + "router.weight")
-    else:
-        prefix, theirs = PER_EXPERT[cfg.family]
-        e = h + prefix + ".experts.{}.{}.weight"
-        parts = tuple(torch.stack([_get(hf, e.format(j, n), b + o) for j in range(cfg.n_experts)])
-                      for n, o in zip(theirs, OURS))
-        router = _get(hf, h + prefix + ".gate.weight", b + "router.weight")
-    out = {b + o: t.float().contiguous() for o, t in zip(OURS, parts)}
-    out[b + "router.weight"] = router.float().contiguous()
-    out[b + "expert_bias"] = torch.zeros(cfg.n_experts, device="cpu")  # (host: the strict-device mode makes bare tensors meta)
-    if cfg.mla:  # DeepseekV3's router keeps its aux-loss-free bias
-        out[b + "expert_bias"] = _get(hf, h + "mlp.gate.e_score_correction_bias",
-                                      b + "expert_bias").float().contiguous()
-    return out
-
-
 def moe_to_hf(state: dict, cfg: ModelConfig, i: int, layout: str = "per-expert") -> dict:
-    """HF's tensors of MoE layer `i` (the inverse of `moe_from_hf`), in `layout`."""
+    """HF's tensors of MoE layer `i` (the inverse of hf_read's `_moe`), in `layout`."""
     b, h = f"blocks.{i}.mlp.", f"model.layers.{i}."
     gate, up, down = (state[b + o] for o in OURS)
     bias = {h + "mlp.gate.e_score_correction_bias": state[b + "expert_bias"].float().contiguous()} \
@@ -150,7 +120,7 @@ def names(cfg: ModelConfig) -> list[tuple[str, list[str], bool]]:
             out += _gpt2_block(b, h)
             continue
         out += _mla_attention(b, h, cfg) if cfg.mla else llama_attention(b, h, cfg)
-        if not cfg.is_moe_layer(i):  # (a MoE layer's experts: moe_from_hf / moe_to_hf)
+        if not cfg.is_moe_layer(i):  # (a MoE layer's experts: hf_read._moe / moe_to_hf)
             out += _llama_mlp(b, h)
         elif cfg.mla:
             out += _deepseek_moe_extras(b, h, cfg)
@@ -163,23 +133,8 @@ def names(cfg: ModelConfig) -> list[tuple[str, list[str], bool]]:
     return out
 
 
-def from_hf_state(hf: dict, cfg: ModelConfig) -> dict:
-    """mini3d's full named state from an HF state dict (float32, contiguous)."""
-    out = {}
-    for ours, theirs, transposed in names(cfg):
-        missing = [n for n in theirs if n not in hf]
-        if missing:
-            raise HFError(f"the checkpoint has no tensor {missing[0]!r} (needed for {ours})")
-        t = torch.cat([hf[n] for n in theirs]) if len(theirs) > 1 else hf[theirs[0]]
-        out[ours] = (t.t() if transposed else t).float().contiguous()
-    for i in range(cfg.n_layers):
-        if cfg.is_moe_layer(i):
-            out.update(moe_from_hf(hf, cfg, i))
-    return out
-
-
 def to_hf_state(state: dict, cfg: ModelConfig, layout: str = "per-expert") -> dict:
-    """The HF state dict of mini3d's full named state (the inverse of `from_hf_state`); MoE
+    """The HF state dict of mini3d's full named state (the inverse of hf_read.from_hf_state); MoE
     experts in `layout` ("per-expert" or "fused")."""
     out = {}
     for i in range(cfg.n_layers):
@@ -196,4 +151,4 @@ def to_hf_state(state: dict, cfg: ModelConfig, layout: str = "per-expert") -> di
     return out
 
 
-__all__ = ["names", "from_hf_state", "to_hf_state", "llama_attention", "moe_from_hf", "moe_to_hf"]
+__all__ = ["names", "to_hf_state", "llama_attention", "moe_to_hf"]

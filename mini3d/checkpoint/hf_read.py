@@ -77,6 +77,23 @@ class HFSource:
         self.open.clear()  # (safe_open's handles close when dropped)
 
 
+class StateSource:
+    """An HF state dict held in memory (a transformers model's `state_dict()`), read through the
+    same recipes as a directory: one mapping from HF names to mini3d's, for files and dicts."""
+
+    def __init__(self, hf: dict):
+        self.hf = hf
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.hf
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.hf[name].shape)
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        return self.hf[name][box]
+
+
 class Block(NamedTuple):
     """full[dst + k] = view[src + k] for k in the box `size`, where view is HF tensor `hf`,
     transposed (GPT-2's Conv1D) and/or with a leading axis of one (an expert stacked at row dst[0])."""
@@ -205,6 +222,12 @@ class HFState(Mapping):
         return len(self.recipes)
 
 
+def from_hf_state(hf: dict, cfg: ModelConfig) -> dict:
+    """mini3d's full named state from an HF state dict (float32, contiguous); a missing tensor is
+    HFError naming it and the mini3d tensor it is needed for."""
+    return {name: t.contiguous() for name, t in HFState(StateSource(hf), cfg).items()}
+
+
 def rank_share(chunks, topo) -> dict:
     """{mini3d name: per-dim indices (None: all)} of what this rank's chunks hold: its stage's
     tensors, in each its experts (ep, dim 0) and its tp indices (vocab padding past the tensor
@@ -230,4 +253,5 @@ def rank_share(chunks, topo) -> dict:
     return out
 
 
-__all__ = ["HFSource", "HFState", "Block", "Recipe", "recipes", "rank_share"]
+__all__ = ["HFSource", "HFState", "StateSource", "Block", "Recipe", "from_hf_state", "recipes",
+           "rank_share"]

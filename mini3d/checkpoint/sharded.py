@@ -104,13 +104,10 @@ def gather_shares(chunks, optimizer, topo, pos: int, n: int, skip=frozenset()):
     dict ({"model": {name: Share}, "optim": {name: {moment: Share}}}), the optimizer step and the
     `ShareStats`. Collective over the stage's gathers; names in `skip` (held by a lower stage)
     are gathered (the collectives need every rank) but not kept."""
-    from mini3d.checkpoint.state import MOMENTS, _buffers, _names
-    from mini3d import comm
-    from mini3d.ep import gather_experts
-    from mini3d.tp import unshard_like
+    from mini3d.checkpoint.state import _buffers, full_tensors, optimizer_step
 
-    names, stats = _names(chunks), ShareStats()
-    model, optim, step = {}, {}, 0
+    stats = ShareStats()
+    model, optim = {}, {}
 
     def keep(value, where, key):
         value = value.detach()
@@ -129,32 +126,17 @@ def gather_shares(chunks, optimizer, topo, pos: int, n: int, skip=frozenset()):
         stats.kept_bytes += local.numel() * local.element_size()
         stats.shares += 1
 
-    sharded = optimizer.wrapper.strategy.shards_optimizer_states
-    for (group, _, _), master in zip(optimizer.shards, optimizer.masters):
-        state = optimizer.inner.state.get(master, {})
-        if "step" in state:
-            step = int(state["step"])
-        tensors = {"weight": master.detach()}
-        tensors.update({k: state[k] for k in MOMENTS if k in state})
-        for key, shard in tensors.items():
-            full = shard
-            if sharded:
-                full = torch.empty(group.padded, dtype=shard.dtype, device=shard.device)
-                comm.all_gather(full, shard.contiguous(), getattr(group, "axis", topo.dp_cp))
-            for p, local in group.views(full):
-                value = unshard_like(p, local.to(torch.promote_types(local.dtype, torch.float32)), topo)
-                value = gather_experts(p, value, topo)
-                if names[p] in skip:
-                    continue
-                if key == "weight":
-                    keep(value, model, names[p])
-                else:
-                    keep(value, optim.setdefault(names[p], {}), key)
-            del full
+    for name, key, value in full_tensors(chunks, optimizer, topo):  # (collective: drained whole)
+        if name in skip:
+            continue
+        if key == "weight":
+            keep(value, model, name)
+        else:
+            keep(value, optim.setdefault(name, {}), key)
     for name, b in _buffers(chunks).items():
         if name not in skip:
             keep(b, model, name)
-    return {"model": model, "optim": optim}, step, stats
+    return {"model": model, "optim": optim}, optimizer_step(optimizer), stats
 
 
 class _HashingStream(io.RawIOBase):

@@ -32,25 +32,20 @@ def _buffers(chunks) -> dict:
             for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set}
 
 
-def gather_full_state(chunks, optimizer, topo, keep: bool = True, *,
-                      with_moments: bool = True) -> tuple[dict, dict, int]:
-    """(weights, moments, optimizer step) of this rank's chunks at full shape, keyed by reference
-    name. Weights come from the fp32 master copies (so bf16 runs resume exactly). Collective over
-    the dp and tp axes: every rank must call it, but only a rank with `keep` (a writer) builds the
-    full host copies; the others take part in each gather and drop its result at once.
-    `with_moments=False` gathers the weights alone (a sample needs no AdamW moments): every rank must
-    pass the same value, and the moments come back empty."""
+def full_tensors(chunks, optimizer, topo, with_moments: bool = True):
+    """Yield (reference name, key, full fp32 tensor) for each of this rank's parameters: key
+    "weight" (the fp32 master) or an AdamW moment. Each comes from an all-gather over ZeRO's
+    shard group (when the optimizer state is sharded), `unshard_like` over tp and `gather_experts`
+    over ep: collective, so every rank must drain the generator with the same `with_moments`,
+    whatever it keeps. One flat shard is gathered at a time and dropped before the next."""
     from mini3d import comm
     from mini3d.ep import gather_experts
     from mini3d.tp import unshard_like
 
     names = _names(chunks)
-    weights, moments, step = {}, {}, 0
     sharded = optimizer.wrapper.strategy.shards_optimizer_states
     for (group, _, _), master in zip(optimizer.shards, optimizer.masters):
         state = optimizer.inner.state.get(master, {})
-        if "step" in state:
-            step = int(state["step"])
         tensors = {"weight": master.detach()}
         tensors.update({k: state[k] for k in MOMENTS if k in state and with_moments})
         for key, shard in tensors.items():
@@ -61,17 +56,38 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True, *,
                 comm.all_gather(full, shard.contiguous(), axis)
             for p, local in group.views(full):
                 value = unshard_like(p, local.to(torch.promote_types(local.dtype, torch.float32)), topo)
-                value = gather_experts(p, value, topo)  # ep: the full (E, ...) tensor
-                if not keep:
-                    continue
-                value = value.cpu()
-                if key == "weight":
-                    weights[names[p]] = value
-                else:
-                    moments.setdefault(names[p], {})[key] = value
+                yield names[p], key, gather_experts(p, value, topo)  # ep: the full (E, ...) tensor
+            del full
+
+
+def optimizer_step(optimizer) -> int:
+    """The optimizer steps taken so far (AdamW's `step`, the same for every parameter; 0 before the
+    first)."""
+    steps = [state["step"] for state in map(optimizer.inner.state.get, optimizer.masters)
+             if state and "step" in state]
+    return int(steps[-1]) if steps else 0
+
+
+def gather_full_state(chunks, optimizer, topo, keep: bool = True, *,
+                      with_moments: bool = True) -> tuple[dict, dict, int]:
+    """(weights, moments, optimizer step) of this rank's chunks at full shape, keyed by reference
+    name. Weights come from the fp32 master copies (so bf16 runs resume exactly). Collective over
+    the dp and tp axes (`full_tensors`): every rank must call it, but only a rank with `keep` (a
+    writer) builds the full host copies; the others take part in each gather and drop its result
+    at once. `with_moments=False` gathers the weights alone (a sample needs no AdamW moments):
+    every rank must pass the same value, and the moments come back empty."""
+    weights, moments = {}, {}
+    for name, key, value in full_tensors(chunks, optimizer, topo, with_moments):
+        if not keep:
+            continue
+        value = value.cpu()
+        if key == "weight":
+            weights[name] = value
+        else:
+            moments.setdefault(name, {})[key] = value
     if keep:
         weights.update({n: b.detach().cpu().clone() for n, b in _buffers(chunks).items()})
-    return weights, moments, step
+    return weights, moments, optimizer_step(optimizer)
 
 
 @torch.no_grad()

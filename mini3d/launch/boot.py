@@ -32,7 +32,7 @@ def run(parent: int, context: dict, payload: bytes, q):
 
     server = zygote.server_pid()
     die_with_parent(server or parent)
-    if server is not None:  # forked from the server: take the launcher's environment, path, main
+    if server is not None:  # forked from the server: the launcher's environment, stdio, path, main
         zygote.let_server_go()  # so that the server, and with it this rank, ends with the launcher
         zygote.take_context(context)
     import pickle

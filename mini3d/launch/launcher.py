@@ -260,7 +260,7 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     store_path = os.path.join(rdzv, "store")
     from mini3d.launch.boot import run as boot  # the target: arms die-with-parent before importing torch
 
-    here = zygote.launch_context()  # environment, sys.path, cwd: a forked rank takes them from us
+    here = zygote.launch_context(ctx)  # environment, stdio, path, cwd: a forked rank takes ours
     procs = [ctx.Process(target=boot, name=f"mini3d-rank{r}", daemon=True,
                          args=(os.getpid(), here, pickle.dumps((_worker, r, world_size, store_path,
                                                                 backend, device_type, threads, fn,

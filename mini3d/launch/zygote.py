@@ -17,7 +17,7 @@ The stop signals are blocked in the server, as in a spawned rank: the launcher s
 inside its signal-mask window, and every rank inherits the mask from it.
 
 Only CPU (gloo) jobs are forked so: a CUDA job's ranks are spawned, as before. A process that has
-asked the CUDA driver anything (torch.cuda.is_available() does, unless NVML answers) cannot hand
+asked the CUDA driver anything (asking whether CUDA is available does, unless NVML answers) cannot hand
 a working CUDA to a forked child, and what torch's imports ask is not ours to control; on a GPU
 node a rank's 3 s of imports is small against the job. MINI3D_START_METHOD=spawn spawns every rank
 (slower; nothing is preloaded).
@@ -51,20 +51,41 @@ def context(device_type: str):
     return ctx
 
 
-def launch_context() -> dict:
+class _Stdio:
+    """The launcher's current stdout and stderr, handed to a forked rank as file descriptors (the
+    server's own are those of the first launch: a test's captured output, a closed terminal)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_inherited, (reduction.DupFd(1), reduction.DupFd(2)))  # (sent while pickling)
+
+
+def _inherited(*fds) -> tuple[int, ...]:
+    return tuple(fd.detach() for fd in fds)
+
+
+def launch_context(ctx) -> dict:
     """What a rank forked from the server must take from its launcher now (see the module doc):
-    the environment, and what multiprocessing's spawn hands a child (sys.path, sys.argv, working
-    directory, and the main script, re-imported as __mp_main__ so a worker function defined in
-    `python my_script.py` resolves, exactly as under spawn)."""
+    the environment, stdout and stderr, and what multiprocessing's spawn hands a child (sys.path,
+    sys.argv, working directory, and the main script, re-imported as __mp_main__ so a worker
+    function defined in `python my_script.py` resolves, exactly as under spawn). Empty for a
+    spawned rank, which inherits all of it."""
     from multiprocessing import spawn
 
-    return {"environ": dict(os.environ), "spawn": spawn.get_preparation_data("mini3d-rank")}
+    if ctx.get_start_method() != "forkserver":
+        return {}
+    return {"environ": dict(os.environ), "spawn": spawn.get_preparation_data("mini3d-rank"),
+            "stdio": _Stdio()}
 
 
 def take_context(context: dict) -> None:
     """In a rank forked from the server: become the launcher's child as spawn would have made it."""
     from multiprocessing import spawn
 
+    for target, fd in zip((1, 2), context["stdio"]):
+        os.dup2(fd, target)
+        os.close(fd)
     os.environ.clear()
     os.environ.update(context["environ"])
     spawn.prepare({k: v for k, v in context["spawn"].items() if k not in ("name", "authkey")})
