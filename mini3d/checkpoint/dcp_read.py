@@ -2,7 +2,8 @@
 
 `LazyStates` hands `restore_full_state` full tensors on demand, read with `dcp.load(no_dist=True)` in
 batches of at most MINI3D_CKPT_READ_BYTES (default 256 MiB) in the order the restore asks for them:
-a rank reads only the tensors its parameters need, never its whole stage at once.
+a rank reads only the tensors its parameters need (only its ZeRO shard's under ZeRO), and of a
+tensor split along dim 0 only its rows (`rows`), never its whole stage at once.
 `read_full` is `store.read_states` for this format (full named tensors, for sampling, export, tests).
 DCP's `.metadata` is a pickle: `safe_metadata` rebuilds it only from DCP's own classes, and callers
 check its sha256 against meta.json first (verify.py); tensor data is read by DCP's FileSystemReader
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 METADATA = ".metadata"
 READ_BYTES_ENV = "MINI3D_CKPT_READ_BYTES"
@@ -63,28 +65,74 @@ def safe_metadata(ckpt: str):
 
 
 class _Reader(dcp.FileSystemReader):
-    """DCP's reader with the index read once (through `safe_metadata`), not once per batch."""
+    """DCP's reader with the index read once (through `safe_metadata`), not once per batch, and
+    the bytes it reads from the files counted (`bytes_read`: each stored chunk a plan touches is
+    read whole, as FileSystemReader reads them)."""
 
     def __init__(self, ckpt):
         super().__init__(ckpt)
         self.md = safe_metadata(ckpt)
+        self.bytes_read = 0
 
     def read_metadata(self, *a, **k):
         if getattr(self.md, "storage_meta", None) is not None:
             self.md.storage_meta.load_id = self.load_id
         return self.md
 
+    def read_data(self, plan, planner):
+        chunks = {r.storage_index for r in plan.items}
+        self.bytes_read += sum(self.storage_data[c].length for c in chunks)
+        return super().read_data(plan, planner)
+
+
+class _RowsPlanner(DefaultLoadPlanner):
+    """DCP's load planner asking, for the keys in `rows`, only for the dim-0 rows [lo, hi) of the
+    global tensor: DCP then reads only the stored chunks (each writer's rows, sharded.py) that
+    overlap them, into those rows of the full-shaped tensor handed in."""
+
+    def __init__(self, rows: dict):
+        super().__init__()
+        self.rows = rows
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import (_create_read_items,
+                                                                  create_read_items_for_chunk_list)
+
+        items = []
+        for fqn, obj in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            if fqn not in self.rows:
+                items += _create_read_items(fqn, md, obj)
+                continue
+            lo, hi = self.rows[fqn]
+            chunk = ChunkStorageMetadata(offsets=torch.Size([lo] + [0] * (obj.dim() - 1)),
+                                         sizes=torch.Size([hi - lo, *obj.shape[1:]]))
+            items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):
+        obj = self.state_dict[index.fqn]
+        if index.fqn in self.rows:  # the rows asked for start at the chunk's offset
+            return obj[index.offset[0]:self.rows[index.fqn][1]]
+        return super().lookup_tensor(index)
+
 
 @dataclass
 class LazyStates:
     """Full tensors of a DCP checkpoint by flat key ("model.<name>", "optim.<name>.exp_avg"),
-    read in bounded batches in the order `order` lists them (misses start a new batch there)."""
+    read in bounded batches in the order `order` lists them (misses start a new batch there).
+    `rows` {key: (lo, hi)}: only those dim-0 rows of the key's tensor are needed; the rest of the
+    full-shaped tensor is NaN, never read (as hf_read's shares: a slicing that reached past them
+    would show as NaN in the loss)."""
     ckpt: str
     order: list = field(default_factory=list)
     budget: int = 0
     reader: object = None
     batch: dict = field(default_factory=dict)
     batches: int = 0
+    rows: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.reader = _Reader(self.ckpt)
@@ -112,13 +160,35 @@ class LazyStates:
             self.batches += 1
         return self.batch[key]
 
+    def _blank(self, key, part: bool) -> torch.Tensor:
+        """The full-shaped host tensor `key` is read into (device explicit: under
+        MINI3D_STRICT_DEVICE the default is meta); NaN where a partial read leaves it unread."""
+        size, dtype = self.sizes[key].size, self.sizes[key].properties.dtype
+        if not part:
+            return torch.empty(size, dtype=dtype, device="cpu")
+        fill = float("nan") if dtype.is_floating_point else 0
+        return torch.full(size, fill, dtype=dtype, device="cpu")
+
     def read(self, keys) -> dict:
-        out = {k: torch.empty(self.sizes[k].size, dtype=self.sizes[k].properties.dtype, device="cpu")
-               for k in keys}  # (explicitly: MINI3D_STRICT_DEVICE makes the default device meta)
+        """{key: full tensor} of `keys`, each read only where `rows` says it is needed."""
+        rows = {}
+        for k in keys:
+            lo, hi = self.rows.get(k, (0, None))
+            n = self.sizes[k].size[0] if len(self.sizes[k].size) else 0
+            hi = n if hi is None else min(n, hi)
+            lo = min(lo, n - 1)  # (rows past the tensor: vocab padding; read one row, not none)
+            if n and (lo > 0 or hi < n):
+                rows[k] = (lo, max(hi, lo + 1))
+        out = {k: self._blank(k, k in rows) for k in keys}
         with warnings.catch_warnings():  # "assuming ... a single process": so it is (no_dist)
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=self.reader, no_dist=True)
+            dcp.load(out, storage_reader=self.reader, planner=_RowsPlanner(rows), no_dist=True)
         return out
+
+    def stats(self) -> dict:
+        """What the reads cost: bytes read from the files, the checkpoint's stored bytes, batches."""
+        stored = sum(m.length for m in self.reader.md.storage_data.values())
+        return {"bytes_read": self.reader.bytes_read, "bytes_stored": stored, "batches": self.batches}
 
 
 class Prefixed:

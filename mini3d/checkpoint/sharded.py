@@ -26,9 +26,12 @@ rank leaves a `.sum.json` sidecar that the leader merges into meta.json (store.C
 
 Loading (mini3d/checkpoint/dcp_read.py). `LazyStates` hands `restore_full_state` full tensors on
 demand, read with `dcp.load(no_dist=True)` in batches of at most MINI3D_CKPT_READ_BYTES (256 MiB) in
-the order the restore asks for them: a rank reads only the tensors its own parameters need (every
-chunk of them, whichever rank wrote it), never its whole stage at once, and slices them as before
-(reading only the slice itself would need restore_full_state to name the region: not done). The
+the order the restore asks for them: a rank reads only the tensors its own parameters need
+(under ZeRO, only those its optimizer shard holds: state.in_shard), and of a tensor split along
+dim 0 under tp or ep only the rows its slice takes (`LazyStates.rows`, from hf_read.rank_share:
+DCP then reads just the stored chunks overlapping them). A tensor split along dim 1 (a
+row-parallel weight) is read whole and sliced. What was read is counted (`LazyStates.stats`,
+collected as "load"). The
 pickled `.metadata` is opened only after its sha256 matched meta.json's (verify.py), and then
 through `safe_metadata`'s restricted unpickler; tensor data is read by DCP's FileSystemReader with
 `torch.load(weights_only=True)`.

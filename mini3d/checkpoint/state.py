@@ -90,9 +90,33 @@ def gather_full_state(chunks, optimizer, topo, keep: bool = True, *,
     return weights, moments, optimizer_step(optimizer)
 
 
+def in_shard(group, p, sharded: bool) -> bool:
+    """Whether this rank's ZeRO shard of flat group `group` holds any of parameter `p` (always,
+    without sharding). A restore reads only such parameters: the rest of the flat group is sliced
+    away, and the all-gather after the restore brings their values from the ranks that hold them."""
+    if not sharded:
+        return True
+    off = group.offset_of[id(p)]
+    return off < group.hi and off + p.numel() > group.lo
+
+
+def restore_order(chunks, optimizer) -> list[str]:
+    """The flat keys ("model.<name>", "optim.<name>.<moment>") `restore_full_state` reads, in its
+    order (the lazy reader's batches): the buffers, then each flat group's parameters `in_shard`."""
+    names = _names(chunks)
+    sharded = optimizer.wrapper.strategy.shards_optimizer_states
+    order = [f"model.{n}" for n in _buffers(chunks)]
+    for group, _, _ in optimizer.shards:
+        mine = [p for p in group.params if in_shard(group, p, sharded)]
+        order += [f"model.{names[p]}" for p in mine]
+        order += [f"optim.{names[p]}.{m}" for m in MOMENTS for p in mine]
+    return order
+
+
 @torch.no_grad()
 def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, step: int):
-    """Load full, named weights and AdamW moments into this rank's (tp-sliced, dp-sharded) state."""
+    """Load full, named weights and AdamW moments into this rank's (tp-sliced, dp-sharded) state.
+    Only the tensors `restore_order` lists are read (under ZeRO, those of this rank's shard)."""
     from mini3d.ep import slice_experts
     from mini3d.tp import shard_like
 
@@ -106,6 +130,8 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
         def local_flat(source, key=None):
             flat = torch.zeros(group.padded, dtype=master.dtype, device=master.device)
             for p, view in group.views(flat):
+                if not in_shard(group, p, sharded):
+                    continue  # sliced away below: never read
                 full = source[names[p]] if key is None else source[names[p]][key]
                 # sliced where the full tensor lies (host memory, often a memory map), then moved:
                 # only this rank's share crosses to its device, never the whole tensor
@@ -122,4 +148,5 @@ def restore_full_state(chunks, optimizer, topo, weights: dict, moments: dict, st
     optimizer.wrapper.after_step()  # ZeRO-1/2: every rank re-gathers the parameters it updated
 
 
-__all__ = ["MOMENTS", "gather_full_state", "restore_full_state"]
+__all__ = ["MOMENTS", "full_tensors", "gather_full_state", "in_shard", "optimizer_step",
+           "restore_full_state", "restore_order"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from mini3d.config import ModelConfig, Plan, PlanError
 
-COLLECTABLE = ("events", "timeline", "ledger", "activations", "save")
+COLLECTABLE = ("events", "timeline", "ledger", "activations", "save", "load")
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,9 @@ def collected(trainer, what: set) -> dict:
     "events" (this rank's comm event log), "timeline" (the last pipeline step's measured actions),
     "ledger" (model-state bytes by category), "activations" (bytes saved for backward per
     micro-batch by module, measured during the first step; one model chunk only), "save" (the last
-    checkpoint save's host bytes: mini3d.checkpoint.sharded.ShareStats). Times are seconds: what
-    ran after the last step's read-back (a validation pass) is resolved first."""
+    checkpoint save's host bytes: mini3d.checkpoint.sharded.ShareStats), "load" (what the resume
+    read of a sharded checkpoint: bytes read, bytes stored, batches; dcp_read.LazyStates.stats).
+    Times are seconds: what ran after the last step's read-back (a validation pass) is resolved first."""
     if what:
         resolve_timelines(trainer.topo.device)  # CUDA: a final wait, once a run; nothing on CPU
     out = {}
@@ -79,6 +80,8 @@ def collected(trainer, what: set) -> dict:
         import dataclasses
 
         out["save_stats"] = dataclasses.asdict(trainer.last_save_stats)
+    if "load" in what and getattr(trainer, "last_load_stats", None) is not None:
+        out["load_stats"] = trainer.last_load_stats
     return out
 
 

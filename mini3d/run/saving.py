@@ -24,7 +24,7 @@ import torch
 
 from mini3d import comm
 from mini3d.checkpoint.store import CheckpointWriter, prune_checkpoints, read_meta, read_states, restore_rng
-from mini3d.checkpoint.state import MOMENTS, _buffers, _names, restore_full_state
+from mini3d.checkpoint.state import MOMENTS, _buffers, _names, restore_full_state, restore_order
 
 
 class _Ckpt:
@@ -116,16 +116,6 @@ def _commit(trainer, writer, meta, keep_last):
     comm.barrier(world)
 
 
-def restore_order(chunks, optimizer) -> list[str]:
-    """The flat keys `restore_full_state` asks for, in its order (the lazy reader's batches)."""
-    names = _names(chunks)
-    order = [f"model.{n}" for n in _buffers(chunks)]
-    for group, _, _ in optimizer.shards:
-        order += [f"model.{names[p]}" for p in group.params]
-        order += [f"optim.{names[p]}.{m}" for m in MOMENTS for p in group.params]
-    return order
-
-
 def load(trainer, ckpt: str) -> int:
     """Restore from a checkpoint written by any layout, in either format; returns the step."""
     from mini3d.checkpoint.dcp_read import LazyStates, Prefixed, is_dcp, rng_key
@@ -138,14 +128,29 @@ def load(trainer, ckpt: str) -> int:
                            states["optim"], states["optim_step"])
         restore_rng(states["rng"])
         return int(meta["step"])
-    states = LazyStates(ckpt, restore_order(trainer.chunks, trainer.optimizer))
+    states = LazyStates(ckpt, restore_order(trainer.chunks, trainer.optimizer),
+                        rows=_rows_needed(trainer))
     restore_full_state(trainer.chunks, trainer.optimizer, trainer.topo, Prefixed(states, "model."),
                        Prefixed(states, "optim.", MOMENTS), int(meta.get("optim_step", 0)))
-    trainer.last_load_batches = states.batches
     key = rng_key(ckpt, set(_names(trainer.chunks).values()))
     if key in states:
         restore_rng(states.read([key])[key])
+    trainer.last_load_stats = states.stats()
     return int(meta["step"])
 
 
-__all__ = ["save", "load", "finish_pending", "pending_step", "restore_order"]
+def _rows_needed(trainer) -> dict:
+    """{flat key: (lo, hi)}: the dim-0 rows of each tensor this rank's parameters take (its experts
+    under ep, its rows of a column-parallel or vocab-parallel weight under tp: hf_read.rank_share,
+    the same selection an HF init reads), for its weights and both moments."""
+    from mini3d.checkpoint.hf_read import rank_share
+
+    rows = {}
+    for name, select in rank_share(trainer.chunks, trainer.topo).items():
+        if select and select[0] is not None and len(select[0]):
+            box = (int(select[0].min()), int(select[0].max()) + 1)
+            rows.update({k: box for k in (f"model.{name}", *(f"optim.{name}.{m}" for m in MOMENTS))})
+    return rows
+
+
+__all__ = ["save", "load", "finish_pending", "pending_step"]
