@@ -66,7 +66,7 @@ def validated_train(args):
     exit code (2 for bad input naming every value; a dry run's verdict).
 
     Returns (spec, plan, world, torchrun, derived run dir) or an int."""
-    from mini3d.launch.launcher import LaunchError, choose_device, in_torchrun
+    from mini3d.launch.launcher import LaunchError, choose_device, in_torchrun, worker_threads
 
     from mini3d.run.model_source import run_model
 
@@ -107,7 +107,7 @@ def validated_train(args):
                                                             grad_clip=args.grad_clip)
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if torchrun else world
-        choose_device(args.device, local, per_process=torchrun)
+        worker_threads(choose_device(args.device, local, per_process=torchrun)[1], local)  # $MINI3D_THREADS
     except LaunchError as e:
         problems.append(str(e))
     if problems:

@@ -236,3 +236,14 @@ def test_dry_run_checks_the_same_inputs(flags, needle, paths, capsys):
     batch the host cannot hold): exit 2 before it records the step."""
     assert cli.main(["train", "--dry-run", *_fill(flags, paths).split()]) == 2
     assert needle.format(**paths) in capsys.readouterr().err
+
+
+def test_a_bad_threads_variable_is_exit_2_before_anything_starts(paths, capsys, monkeypatch):
+    def tripwire(*a, **k):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr(cli, "launch_train", tripwire)
+    monkeypatch.setenv("MINI3D_THREADS", "many")
+    assert cli.main(["train", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "MINI3D_THREADS='many'" in err and "Nothing was started" in err, err

@@ -81,6 +81,8 @@ def test_the_recorder_is_on_for_gloo_and_nccl_jobs():
         assert env["TORCH_FR_BUFFER_SIZE"] == fr.BUFFER
         assert env["TORCH_FR_DUMP_TEMP_FILE"] == "/run/" + fr.FLIGHT_RECORDER_PREFIX
     assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in fr.nccl_env(3.0, "/run", "gloo")
+    # NCCL's desync debug (a start event and a store write per collective) is the user's to turn on
+    assert "TORCH_NCCL_DESYNC_DEBUG" not in fr.nccl_env(3.0, "/run", "nccl")
     assert fr.recorder_env("/run/job-1") == {"TORCH_FR_DUMP_TEMP_FILE": "/run/job-1/" + fr.FLIGHT_RECORDER_PREFIX}
 
 

@@ -111,3 +111,24 @@ def test_each_launch_gives_its_ranks_the_launchers_present(tmp_path, monkeypatch
         assert all(o["path"][:len(sys.path)] == sys.path for o in out)
         seen.append({o["ppid"] for o in out})
     assert len(seen[0]) == 1 and seen[0] == seen[1] and os.getpid() not in seen[0]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_get_one_thread_on_cpu_and_a_share_of_the_cores_on_cuda(monkeypatch):
+    """CPU ranks share the cores, so each gets 1 thread; $MINI3D_THREADS (or threads=) overrides
+    it. A CUDA rank's CPU work (pinned copies, checkpoint writes) gets the node's cores divided
+    among its ranks, not 1 (worker_threads is what launch and init_from_env apply)."""
+    from mini3d.launch import launcher
+
+    assert launch(workers.threads_here, 2, timeout=60) == [1, 1]
+    monkeypatch.setenv(launcher.THREADS_ENV, "2")
+    assert launch(workers.threads_here, 2, timeout=60) == [2, 2]
+    assert launch(workers.threads_here, 2, timeout=60, threads=3) == [3, 3]  # the argument wins
+    monkeypatch.delenv(launcher.THREADS_ENV)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert launcher.worker_threads("cuda", 4) == 4 and launcher.worker_threads("cuda", 32) == 1
+    assert launcher.worker_threads("cpu", 4) == 1
+    for bad in ("two", "0"):
+        monkeypatch.setenv(launcher.THREADS_ENV, bad)
+        with pytest.raises(launcher.LaunchError, match="MINI3D_THREADS"):
+            launcher.worker_threads("cpu", 2)

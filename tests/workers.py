@@ -83,3 +83,8 @@ def what_the_launcher_gave(marker: str) -> dict:
     print(f"{marker} err of rank {dist.get_rank()}", file=sys.stderr, flush=True)
     return {"env": os.environ.get("MINI3D_TEST_GIVEN"), "path": list(sys.path), "cwd": os.getcwd(),
             "pid": os.getpid(), "ppid": os.getppid()}
+
+
+def threads_here() -> int:
+    """The intra-op threads this rank was given (mini3d.launch.launcher.worker_threads)."""
+    return torch.get_num_threads()

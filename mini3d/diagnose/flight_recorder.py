@@ -56,7 +56,11 @@ def nccl_env(hang_timeout: float, run_dir: str, backend: str = "nccl",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a timed-out collective tears the process down
         "TORCH_NCCL_ENABLE_MONITORING": "1",  # heartbeat monitor for a stuck NCCL watchdog
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(hang_timeout) + 60),
-        "TORCH_NCCL_DESYNC_DEBUG": "1",  # on timeout, report which rank did not join
+        # Not TORCH_NCCL_DESYNC_DEBUG: it turns on a start event and timing for every collective
+        # and has the watchdog write each op's start and end to the store (a store round trip per
+        # collective per rank, which grows with the job). mini3d's watchdog and the flight
+        # recorder above already name the rank that did not join; a user who wants NCCL's own
+        # desync report sets the variable, and it passes through to the ranks.
     }
 
 

@@ -44,6 +44,32 @@ from mini3d.exits import exit_code_of
 from mini3d.launch.p2p_record import P2POrderError, check_saved, save_worker_record, start_worker_record
 
 PG_TIMEOUT_ENV = "MINI3D_PG_TIMEOUT_S"  # process-group timeout, set from --hang-timeout (watchdog.py)
+THREADS_ENV = "MINI3D_THREADS"  # intra-op threads per rank, when the default below does not fit
+
+
+def worker_threads(device_type: str, local_world: int, asked: int | None = None) -> int | None:
+    """Intra-op threads for each rank (torch.set_num_threads), or None to leave torch's own.
+
+    Asked (the argument, else $MINI3D_THREADS) wins. CPU ranks get 1: the ranks themselves share
+    the cores, and more threads a rank would only oversubscribe them (torchrun makes the same
+    choice, OMP_NUM_THREADS=1, for more than one process a node). CUDA ranks get the host's cores
+    shared among the node's ranks: their CPU work (pinned staging copies, checkpoint
+    serialisation and hashing, tokenisation) would otherwise run on one core while the rest idle.
+    Under torchrun on CPU (None) torchrun's own setting stands."""
+    if asked is None and os.environ.get(THREADS_ENV):
+        try:
+            asked = int(os.environ[THREADS_ENV])
+        except ValueError:
+            raise LaunchError(f"{THREADS_ENV}={os.environ[THREADS_ENV]!r}: give a whole number of "
+                              f"threads a rank (1 or more)") from None
+    if asked is not None:
+        if asked < 1:
+            raise LaunchError(f"{THREADS_ENV} / threads={asked}: a rank needs 1 thread or more")
+        return asked
+    if device_type != "cuda":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world))
 _FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
 def on_failure(hook):
     """Register `hook(exc)` to run in this worker process when its function raises (e.g. a dump)."""
@@ -93,8 +119,9 @@ def init_from_env(device: str = "auto", backend: str | None = None, threads: int
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend, device_type = choose_device(device, local_world, backend, per_process=True)
     _set_device(device_type, int(os.environ.get("LOCAL_RANK", "0")), local_world)
-    if threads:
-        torch.set_num_threads(threads)
+    if threads is not None or device_type == "cuda" or os.environ.get(THREADS_ENV):
+        torch.set_num_threads(worker_threads(device_type, local_world, threads))
+    # (on CPU, unasked: torchrun's OMP_NUM_THREADS stands)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=_pg_timeout(None),
                                 device_id=pg_device_id(device_type))
@@ -238,7 +265,7 @@ def _collect(procs, q, world_size: int, deadline: float, timeout: float) -> dict
 
 
 def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None = None,
-           timeout: float = 600.0, threads: int = 1, env: dict | None = None,
+           timeout: float = 600.0, threads: int | None = None, env: dict | None = None,
            run_dir: str | None = None, grace: float = 5.0, job: str | None = None) -> list:
     """Run `fn(*args)` on `world_size` new local processes; return their results in rank order.
 
@@ -248,6 +275,7 @@ def launch(fn, world_size: int, *args, device: str = "auto", backend: str | None
     its own directory (`jobs.job_dir`: nothing to clear); without it a new id, and `run_dir`'s
     previous dumps are cleared."""
     backend, device_type = choose_device(device, world_size, backend)
+    threads = worker_threads(device_type, world_size, threads)
     if run_dir is not None and job is None:
         _clear_run_dir(run_dir)
     elif run_dir is not None:
