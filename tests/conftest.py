@@ -28,12 +28,25 @@ _NOT_STRICT = ("test_exercises.py", "test_course_notebooks.py", "test_browser.py
 
 
 def pytest_runtest_setup(item):
+    import torch
+
+    item._mini3d_threads = torch.get_num_threads()
     if item.path.name in _NOT_STRICT or item.path.suffix == ".ipynb":
         os.environ["MINI3D_STRICT_DEVICE"] = "0"
 
 
 def pytest_runtest_teardown(item):
+    """A test that leaves this process on another thread count fails here, by name: the
+    in-process references (one thread, as every launched rank) would sum in another order after
+    it, and tests that compare bits downstream would fail far from the cause."""
+    import torch
+
     os.environ["MINI3D_STRICT_DEVICE"] = STRICT
+    before = getattr(item, "_mini3d_threads", None)
+    if before is not None and torch.get_num_threads() != before:
+        now = torch.get_num_threads()
+        torch.set_num_threads(before)
+        pytest.fail(f"{item.nodeid} left torch on {now} threads (it found {before})", pytrace=False)
 
 
 @pytest.fixture

@@ -51,7 +51,13 @@ def test_pair_check_matches_batches_as_units_and_names_the_position():
 
 
 def test_device_id_is_passed_on_cuda_only(monkeypatch):
-    calls = []
+    """And the threads: a CUDA rank under torchrun gets its share of the node's cores (here all
+    16 of one rank's), a CPU rank keeps torchrun's OMP_NUM_THREADS (nothing is set)."""
+    calls, threads = [], []
+    monkeypatch.setattr(launch_mod.torch, "set_num_threads", threads.append)  # (not this process')
+    monkeypatch.setattr(launch_mod.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("MINI3D_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.setattr(launch_mod.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(launch_mod.dist, "init_process_group", lambda *a, **k: calls.append(k))
     monkeypatch.setattr(launch_mod, "enter_strict_device", lambda: None)
@@ -61,3 +67,4 @@ def test_device_id_is_passed_on_cuda_only(monkeypatch):
             "MINI3D_DEVICE", "cuda:1" if kind == "cuda" else "cpu"))
         launch_mod.init_from_env()
         assert calls[-1]["device_id"] == want
+    assert threads == [16]

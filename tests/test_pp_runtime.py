@@ -27,7 +27,17 @@ def _reference(batches, reverse=False):
     """Single process, same seed: loss = mean of micro-batch losses, same AdamW. `reverse`: the
     gradients accumulate last micro-batch first, as looped BFS's backwards run (float32 sums in
     another order differ by rounding, which AdamW turns into visible steps for gradients that are
-    zero but for rounding, such as the key biases')."""
+    zero but for rounding, such as the key biases'). One thread, as each launched rank has: a
+    matmul split over more threads sums in another order, and AdamW amplifies that rounding too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_steps(batches, reverse)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(batches, reverse):
     model = GPT(CFG, SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], []

@@ -91,6 +91,19 @@ def test_a_killed_launchers_default_run_dir_is_swept_unless_it_holds_a_post_mort
     assert rd.sweep_default(str(tmp_path)) == [] and os.path.isdir(new)
 
 
+def test_job_ids_made_in_the_same_second_sort_oldest_first():
+    """A job that fails at once and its rerun start within one second (a forked launch takes
+    0.1 s): run_dir.jobs and explain-hang's "latest failed job" read their ids' order as time."""
+    from mini3d.launch.jobs import new_job
+
+    ids = []
+    for _ in range(50):
+        ids.append(new_job())
+        time.sleep(0.0005)
+    assert len({i[:15] for i in ids}) <= 2  # mostly one second, as two quick jobs are
+    assert sorted(ids) == ids and len(set(ids)) == len(ids)
+
+
 @pytest.mark.timeout(180)
 def test_a_failed_jobs_post_mortem_survives_a_second_job_in_its_run_dir(tmp_path, capsys):
     """Two jobs, one --run-dir: the first fails (rank 1 crashes), the second succeeds afterwards.

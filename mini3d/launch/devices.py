@@ -1,11 +1,11 @@
 """Backend and device, chosen here and nowhere else: NCCL + CUDA when every local process has a
 GPU, gloo + CPU when there is none (`choose_device`), which visible GPU a process takes
 (`device_index`: LOCAL_RANK when it sees the node's GPUs, 0 when it sees exactly one), the
-CUDA allocator's statistics and snapshots, and the strict-device mode (MINI3D_STRICT_DEVICE=1:
-torch's default device is `meta` while a worker computes, so a tensor created without an explicit
-device fails on CPU as it would under NCCL). `mini3d.launch.launcher` and torchrun's path call these; no
-other module calls torch.cuda but the timeline clock's timing events (`mini3d.timeline_clock`;
-tests/test_device_path.py holds it).
+CUDA allocator's statistics and snapshots, the intra-op threads a rank runs (`worker_threads`), and
+the strict-device mode (MINI3D_STRICT_DEVICE=1: torch's default device is `meta` while a worker
+computes, so a tensor created without an explicit device fails on CPU as it would under NCCL).
+`mini3d.launch.launcher` and torchrun's path call these; no other module calls torch.cuda but the
+timeline clock's timing events (`mini3d.timeline_clock`; tests/test_device_path.py holds it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 DEVICE_ENV = "MINI3D_DEVICE"  # the device a worker computes on ("cpu", "cuda:3"), set at start-up
 STRICT_ENV = "MINI3D_STRICT_DEVICE"  # "1": workers compute with torch's default device set to meta
+THREADS_ENV = "MINI3D_THREADS"  # intra-op threads per rank, where worker_threads' default does not fit
 
 
 class LaunchError(RuntimeError):
@@ -157,6 +158,32 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
+def worker_threads(device_type: str, local_world: int, asked: int | None = None) -> int:
+    """Intra-op threads for each rank (torch.set_num_threads).
+
+    Asked (the argument, else $MINI3D_THREADS) wins. CPU ranks get 1: the ranks themselves share
+    the cores, and more threads a rank would only oversubscribe them (torchrun makes the same
+    choice, OMP_NUM_THREADS=1, for more than one process a node). CUDA ranks get the host's cores
+    shared among the node's ranks: their CPU work (pinned staging copies, checkpoint
+    serialisation and hashing, tokenisation) would otherwise run on one core while the rest idle.
+    (Under torchrun, unasked CPU ranks keep torchrun's own OMP_NUM_THREADS: launcher.init_from_env.)"""
+    if asked is None and os.environ.get(THREADS_ENV):
+        try:
+            asked = int(os.environ[THREADS_ENV])
+        except ValueError:
+            raise LaunchError(f"{THREADS_ENV}={os.environ[THREADS_ENV]!r}: give a whole number of "
+                              f"threads a rank (1 or more)") from None
+    if asked is not None:
+        if asked < 1:
+            raise LaunchError(f"{THREADS_ENV} / threads={asked}: a rank needs 1 thread or more")
+        return asked
+    if device_type != "cuda":
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, local_world))
+
+
 __all__ = ["DEVICE_ENV", "STRICT_ENV", "LaunchError", "visible_gpus", "device_index", "choose_device",
            "current_device", "pg_device_id", "device_memory", "device_name", "dump_memory_snapshot",
-           "strict_device", "enter_strict_device", "to_device", "cuda_sync_warnings"]
+           "strict_device", "enter_strict_device", "to_device", "cuda_sync_warnings", "THREADS_ENV",
+           "worker_threads"]

@@ -36,7 +36,7 @@ from mini3d.launch import zygote
 from mini3d.launch.devices import (DEVICE_ENV, STRICT_ENV, LaunchError, _set_device, choose_device,
                                    current_device, device_index, device_memory, dump_memory_snapshot,
                                    enter_strict_device, pg_device_id, strict_device,
-                                   visible_gpus)  # (re-exported)
+                                   THREADS_ENV, visible_gpus, worker_threads)  # (re-exported)
 from mini3d.launch.jobs import (_ASKED, _CHILDREN, ABORT_MARKER, ABORTED_EXIT, HANG_EXIT, JOB_ENV,
                                 STOP_SIGNALS, HangDetected, LaunchTimeout, WorkerError, _clear_run_dir,
                                 abort_marker, forward_stop, new_job)
@@ -44,32 +44,6 @@ from mini3d.exits import exit_code_of
 from mini3d.launch.p2p_record import P2POrderError, check_saved, save_worker_record, start_worker_record
 
 PG_TIMEOUT_ENV = "MINI3D_PG_TIMEOUT_S"  # process-group timeout, set from --hang-timeout (watchdog.py)
-THREADS_ENV = "MINI3D_THREADS"  # intra-op threads per rank, when the default below does not fit
-
-
-def worker_threads(device_type: str, local_world: int, asked: int | None = None) -> int | None:
-    """Intra-op threads for each rank (torch.set_num_threads), or None to leave torch's own.
-
-    Asked (the argument, else $MINI3D_THREADS) wins. CPU ranks get 1: the ranks themselves share
-    the cores, and more threads a rank would only oversubscribe them (torchrun makes the same
-    choice, OMP_NUM_THREADS=1, for more than one process a node). CUDA ranks get the host's cores
-    shared among the node's ranks: their CPU work (pinned staging copies, checkpoint
-    serialisation and hashing, tokenisation) would otherwise run on one core while the rest idle.
-    Under torchrun on CPU (None) torchrun's own setting stands."""
-    if asked is None and os.environ.get(THREADS_ENV):
-        try:
-            asked = int(os.environ[THREADS_ENV])
-        except ValueError:
-            raise LaunchError(f"{THREADS_ENV}={os.environ[THREADS_ENV]!r}: give a whole number of "
-                              f"threads a rank (1 or more)") from None
-    if asked is not None:
-        if asked < 1:
-            raise LaunchError(f"{THREADS_ENV} / threads={asked}: a rank needs 1 thread or more")
-        return asked
-    if device_type != "cuda":
-        return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, local_world))
 _FAILURE_HOOKS: list = []  # this process' callables(exc) run before a failing worker reports
 def on_failure(hook):
     """Register `hook(exc)` to run in this worker process when its function raises (e.g. a dump)."""
