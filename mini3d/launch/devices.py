@@ -158,15 +158,17 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
-def worker_threads(device_type: str, local_world: int, asked: int | None = None) -> int:
-    """Intra-op threads for each rank (torch.set_num_threads).
+def worker_threads(device_type: str, local_world: int, asked: int | None = None,
+                   cpu: int | None = 1) -> int | None:
+    """Intra-op threads for each rank (torch.set_num_threads); None: leave torch's own.
 
     Asked (the argument, else $MINI3D_THREADS) wins. CPU ranks get 1: the ranks themselves share
     the cores, and more threads a rank would only oversubscribe them (torchrun makes the same
     choice, OMP_NUM_THREADS=1, for more than one process a node). CUDA ranks get the host's cores
     shared among the node's ranks: their CPU work (pinned staging copies, checkpoint
     serialisation and hashing, tokenisation) would otherwise run on one core while the rest idle.
-    (Under torchrun, unasked CPU ranks keep torchrun's own OMP_NUM_THREADS: launcher.init_from_env.)"""
+    `cpu`: an unasked CPU rank's count (launcher.init_from_env passes None under torchrun, whose
+    own OMP_NUM_THREADS then stands)."""
     if asked is None and os.environ.get(THREADS_ENV):
         try:
             asked = int(os.environ[THREADS_ENV])
@@ -178,7 +180,7 @@ def worker_threads(device_type: str, local_world: int, asked: int | None = None)
             raise LaunchError(f"{THREADS_ENV} / threads={asked}: a rank needs 1 thread or more")
         return asked
     if device_type != "cuda":
-        return 1
+        return cpu
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (cores or 1) // max(1, local_world))
 

@@ -64,12 +64,11 @@ def new_job() -> str:
     """A job id that sorts by start time (UTC, to the microsecond: two jobs started in the same
     second, as a quick failure and its rerun are, still sort oldest first) and is unique:
     20261202-021530.048213-3fa9c1."""
-    import time
+    import datetime
     import uuid
 
-    now = time.time()
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now)) + f".{int(now * 1e6) % 1000000:06d}"
-    return stamp + "-" + uuid.uuid4().hex[:6]
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return now.strftime("%Y%m%d-%H%M%S.%f") + "-" + uuid.uuid4().hex[:6]
 
 
 def job_dir(run_dir: str, job: str) -> str:

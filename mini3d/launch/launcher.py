@@ -93,9 +93,9 @@ def init_from_env(device: str = "auto", backend: str | None = None, threads: int
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     backend, device_type = choose_device(device, local_world, backend, per_process=True)
     _set_device(device_type, int(os.environ.get("LOCAL_RANK", "0")), local_world)
-    if threads is not None or device_type == "cuda" or os.environ.get(THREADS_ENV):
-        torch.set_num_threads(worker_threads(device_type, local_world, threads))
-    # (on CPU, unasked: torchrun's OMP_NUM_THREADS stands)
+    threads = worker_threads(device_type, local_world, threads, cpu=None)  # (torchrun's on CPU)
+    if threads is not None:
+        torch.set_num_threads(threads)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=_pg_timeout(None),
                                 device_id=pg_device_id(device_type))
